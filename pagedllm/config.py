@@ -1,0 +1,57 @@
+"""Engine configuration: EngineArgs (what a user sets) resolved into the configs each part reads."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes, "4GiB", or a fraction of free memory ("0.3")
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    served_model_name: str | None = None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_memory(value: int | float | str | None, available: int) -> int:
+    """Bytes from 123456, "4GiB", "512MB", or a fraction of `available` such as 0.3."""
+    if value is None:
+        return min(DEFAULT_KV_CACHE_MEMORY, available // 4)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value * available) if 0 < value < 1 else int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read a memory size from {value!r} (try 4GiB, 512MiB or 0.3)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit and 0 < number < 1:
+        return int(number * available)
+    return int(number * _UNITS[unit])

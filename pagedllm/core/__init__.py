@@ -1,0 +1,1 @@
+"""Pure-Python core: requests, KV blocks, scheduling. Nothing here imports torch."""

@@ -1,0 +1,160 @@
+"""Scheduler: every step, which requests run and how many of their tokens, under the budgets.
+
+Running requests go first (decodes and unfinished prefill chunks), then waiting ones are admitted
+while the token budget, the sequence limit and the KV pool allow. When the pool runs dry, the most
+recently arrived running request is preempted: its blocks are freed and it is recomputed later.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_cache_usage: float  # share of blocks in use
+    kv_waste: float  # share of allocated slots that hold no token
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept sorted by arrival, so the newest is last
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request from outside (abort, stop string); unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None or request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new):
+                chosen.append((request, num_new))
+                budget -= num_new
+                i += 1
+            else:
+                preempted = True  # `request` itself was preempted; nothing after it is left
+        # Admitting new work in the step that had to preempt would only preempt again.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
+            chosen.append((request, num_new))
+            budget -= num_new
+        return self._build_output(chosen)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
+        """Allocate for `request`, preempting the newest running requests until it fits."""
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _build_output(self, chosen: list[tuple[Request, int]]) -> SchedulerOutput:
+        scheduled = []
+        for request, num_new in chosen:
+            start = request.num_computed_tokens
+            scheduled.append(ScheduledRequest(
+                request_id=request.request_id,
+                new_token_ids=request.all_token_ids[start:start + num_new],
+                start_pos=start,
+                block_ids=self.kv.block_ids(request.request_id),
+                sampling_params=request.sampling_params,
+                all_token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                sample=start + num_new == request.num_tokens,
+                eos_token_ids=request.eos_token_ids,
+            ))
+            request.num_computed_tokens += num_new
+        output = SchedulerOutput(scheduled, self._finished_ids)
+        self._finished_ids = set()
+        return output
+
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens and finish requests that hit a stop; returns requests with news."""
+        touched = []
+        for scheduled in output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted since it was scheduled
+            token = result.sampled_token_ids.get(request.request_id)
+            if token is not None:
+                request.append_output_token(token)
+                if request.check_stop():
+                    self.running.remove(request)
+                    self._release(request)
+            touched.append(request)
+        return touched
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def stats(self) -> SchedulerStats:
+        total = self.kv.pool.num_blocks
+        free = self.kv.num_free_blocks
+        slots = self.kv.num_allocated_slots()
+        held = sum(r.num_computed_tokens for r in self.running)
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=total,
+            kv_blocks_free=free,
+            kv_cache_usage=(total - free) / total,
+            kv_waste=1.0 - held / slots if slots else 0.0,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,51 @@
+"""The two messages of one engine step: what the scheduler asks for, what the model runner answers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    new_token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of new_token_ids[0] (= tokens already in the KV cache)
+    block_ids: list[int]  # the request's whole block table
+    sampling_params: SamplingParams
+    all_token_ids: list[int]  # prompt + output so far, for penalties
+    num_prompt_tokens: int
+    num_output_tokens: int
+    sample: bool  # this chunk reaches the last known token: sample the next one
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # Requests that ended since the last step: the runner drops any state it keeps for them.
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.new_token_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token first, then the top-k."""
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> (index of the first prompt token covered, one entry per prompt token)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -1,0 +1,140 @@
+"""LLMEngine: the synchronous engine. Requests in, one step at a time, RequestOutputs out.
+
+    scheduler_output = scheduler.schedule()
+    result = model_runner.execute(scheduler_output)
+    updated = scheduler.update(scheduler_output, result)
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+
+import psutil
+import torch
+
+from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.models.loader import load_model, load_model_config, load_tokenizer
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+logger = logging.getLogger("pagedllm")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        _set_threads()
+        self.args = args
+        self.model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.device)
+        self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
+        self.max_model_len = self.model_config.max_model_len
+        num_blocks = self._num_kv_blocks()
+        model = load_model(self.model_config, args.device)
+        self.model_runner = ModelRunner(self.model_config, model, num_blocks, args.block_size, args.device)
+        batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len),
+                                   KVCacheManager(num_blocks, args.block_size))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _num_kv_blocks(self) -> int:
+        args = self.args
+        per_block = kv_cache_bytes_per_block(self.model_config, args.block_size)
+        budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
+        num_blocks = budget // per_block
+        tokens = num_blocks * args.block_size
+        if tokens < self.max_model_len:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**30:.3f} GiB) holds {tokens} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len")
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks,
+                    args.block_size, tokens, num_blocks * per_block / 2**30)
+        self.kv_cache_summary = (num_blocks, args.block_size, tokens, num_blocks * per_block)
+        return num_blocks
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> str:
+        """Validate and queue one request (n > 1 becomes n sequences); returns its id."""
+        params = params or self.default_sampling_params()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        params.check_vocab(self.model_config.vocab_size)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        self.output_processor.add(request_id, text, token_ids, params, child_ids)
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = dataclasses.replace(params, seed=params.seed + i)
+            self.scheduler.add_request(Request(child_id, token_ids, child_params, max_tokens,
+                                               self.model_config.eos_token_ids))
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids, text = list(prompt), None
+            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of vocabulary (size {self.model_config.vocab_size}): {bad[:5]}")
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                             "which leaves no room to generate")
+        return text, token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+        self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults, as vLLM applies them."""
+        gen = self.model_config.generation_defaults
+        fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        return SamplingParams(**{ours: gen[theirs] for theirs, ours in fields.items() if gen.get(theirs) is not None})
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        result = self.model_runner.execute(scheduler_output)
+        updated = self.scheduler.update(scheduler_output, result)
+        outputs, stopped = self.output_processor.process(updated, result)
+        for request_id in stopped:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+
+def _set_threads() -> None:
+    """One thread per physical core: hyper-threads only contend for the same vector units."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    torch.set_num_threads(cores)

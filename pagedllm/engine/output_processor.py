@@ -1,0 +1,137 @@
+"""OutputProcessor: per-step model results -> RequestOutputs (text, logprobs, finish reasons).
+
+It owns each request's detokenizer; a stop string found here ends the request, which the engine
+then tells the scheduler. Parallel samples (n > 1) are n scheduler requests gathered back into
+one RequestOutput.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.core.request import Request
+from pagedllm.core.step import ModelRunnerOutput, TokenLogprobs
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sample:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, _Sample]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _Parent] = {}
+        self.parent_of: dict[str, str] = {}  # scheduler request id -> parent id
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams, child_ids: list[str]) -> None:
+        samples = {cid: _Sample(i, self._detokenizer(prompt_token_ids, params),
+                                logprobs=[] if params.logprobs is not None else None,
+                                cumulative_logprob=0.0 if params.logprobs is not None else None)
+                   for i, cid in enumerate(child_ids)}
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None] * len(prompt_token_ids)
+        self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, params, samples, prompt_logprobs)
+        for cid in child_ids:
+            self.parent_of[cid] = request_id
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                      params.include_stop_str_in_output, params.skip_special_tokens)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.samples) if parent else []
+
+    def abort(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        for cid in parent.samples if parent else ():
+            self.parent_of.pop(cid, None)
+
+    def process(self, updated: list[Request], result: ModelRunnerOutput) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to hand out and the scheduler ids that a stop string finished."""
+        touched: dict[str, _Parent] = {}
+        stopped: list[str] = []
+        for request in updated:
+            parent = self.parents.get(self.parent_of.get(request.request_id, ""))
+            if parent is None:
+                continue
+            self._record_prompt_logprobs(parent, result.prompt_logprobs.get(request.request_id))
+            token = result.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue
+            sample = parent.samples[request.request_id]
+            if self._record_token(sample, token, result.logprobs.get(request.request_id)):
+                stopped.append(request.request_id)
+            elif request.status.finished:
+                sample.finish_reason = request.status.finish_reason
+                sample.stop_reason = request.stop_reason
+            touched[parent.request_id] = parent
+        return [self._output(p) for p in touched.values()], stopped
+
+    def _record_token(self, sample: _Sample, token: int, logprobs: TokenLogprobs | None) -> bool:
+        sample.token_ids.append(token)
+        if logprobs is not None and sample.logprobs is not None:
+            sample.logprobs.append(self._logprob_dict(logprobs))
+            sample.cumulative_logprob += logprobs.logprobs[0]
+        stop = sample.detokenizer.update(token) if sample.detokenizer else None
+        if stop is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+            return True
+        return False
+
+    def _record_prompt_logprobs(self, parent: _Parent, chunk: tuple[int, list[TokenLogprobs]] | None) -> None:
+        if chunk is None or parent.prompt_logprobs is None:
+            return
+        start, entries = chunk
+        for offset, entry in enumerate(entries):
+            parent.prompt_logprobs[start + offset] = self._logprob_dict(entry)
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        out: dict[int, Logprob] = {}
+        for token, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+            if token not in out:
+                out[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+        return out
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        finished = parent.finished
+        outputs = [CompletionOutput(
+            index=s.index,
+            text=s.detokenizer.visible_text(s.finish_reason is not None) if s.detokenizer else "",
+            token_ids=list(s.token_ids),
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        ) for s in parent.samples.values()]
+        if finished:
+            self.abort(parent.request_id)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             parent.prompt_logprobs, outputs, finished)

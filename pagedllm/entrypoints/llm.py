@@ -1,0 +1,113 @@
+"""LLM: the offline API, shaped like vLLM's (`LLM(model).generate(prompts, SamplingParams(...))`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
+        normalized = [_prompt_input(p) for p in prompts]
+        for p in params:  # validate everything before anything is queued
+            p.check_vocab(self.engine.model_config.vocab_size)
+        return self._run(normalized, params, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(None, prompt, p))
+            done: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            done[output.request_id] = output
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:  # leave the engine clean for the next call
+                engine.abort_request(request_id)
+            raise
+        return [done[i] for i in ids]
+
+
+def apply_chat_template(tokenizer, messages: list[Message], chat_template: str | None = None,
+                        add_generation_prompt: bool = True) -> list[int]:
+    """Prompt token ids of a conversation under the model's (or the given) chat template."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("this model has no chat template; pass chat_template=...")
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"a chat message is a dict with 'role' and 'content', got {message!r}")
+    ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                        add_generation_prompt=add_generation_prompt)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return prompt
+
+
+def _as_params_list(params, count: int, default) -> list[SamplingParams]:
+    if params is None:
+        return [default() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return params

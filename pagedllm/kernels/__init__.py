@@ -1,0 +1,30 @@
+"""C++ CPU kernels, compiled on first use and cached; each has a pure-torch reference in layers/."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+_DIR = os.path.dirname(__file__)
+
+
+@functools.cache
+def cpu_ops() -> ModuleType | None:
+    """The compiled module, or None (with a warning) where no compiler or toolchain is at hand."""
+    if os.environ.get("PAGEDLLM_NO_KERNELS") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="pagedllm_cpu_ops",
+            sources=[os.path.join(_DIR, "paged_attention.cpp")],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+        logger.warning("C++ kernels unavailable (%s); using the pure-torch attention", exc)
+        return None

@@ -1,0 +1,122 @@
+// Paged attention on CPU: each query token attends to its sequence's keys and values read in
+// place from the block-table-addressed KV cache (no gather into a contiguous tensor).
+// Serves prefill chunks and decodes alike: a sequence contributes `q_len` query tokens that sit
+// at the end of its `seq_len` tokens of context (causal within the chunk).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+template <typename T>
+void attend_one(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                int64_t pos, int64_t first, int64_t block_size, int64_t token_stride,
+                int64_t d, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                std::vector<float>& scores) {
+  for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  std::fill(acc.begin(), acc.end(), 0.f);
+  float running_max = -std::numeric_limits<float>::infinity();
+  float denom = 0.f;
+  // Walk the context one block at a time: scores for the block, then one rescale of acc.
+  for (int64_t start = first - first % block_size; start <= pos; start += block_size) {
+    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos);
+    const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size;
+    float block_max = running_max;
+    for (int64_t j = lo; j <= hi; ++j) {
+      const float s = dot(qf.data(), k_cache + (base + j - start) * token_stride, d);
+      scores[j - lo] = s;
+      block_max = std::max(block_max, s);
+    }
+    const float correction = std::exp(running_max - block_max);
+    denom *= correction;
+    for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
+    for (int64_t j = lo; j <= hi; ++j) {
+      const float p = std::exp(scores[j - lo] - block_max);
+      denom += p;
+      const T* v = v_cache + (base + j - start) * token_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
+    }
+    running_max = block_max;
+  }
+  const float inv = 1.f / denom;
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(acc[i] * inv);
+}
+
+template <typename T>
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+         const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
+         int64_t sliding_window) {
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * d;  // one token's K (or V) row in the cache
+  const int64_t table_stride = block_tables.size(1);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t num_seqs = seq_lens.size(0);
+
+  // Which sequence each query token belongs to, and its absolute position.
+  std::vector<int64_t> seq_of(num_tokens), pos_of(num_tokens);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = qsl[b + 1] - qsl[b];
+    for (int64_t t = qsl[b]; t < qsl[b + 1]; ++t) {
+      seq_of[t] = b;
+      pos_of[t] = lens[b] - q_len + (t - qsl[b]);
+    }
+  }
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_block = block_size;
+
+  at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(d), acc(d), scores(max_block);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t t = work / num_heads, h = work % num_heads;
+      const int64_t pos = pos_of[t];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+      const int64_t kv_head = h / group;
+      attend_one<T>(op + (t * num_heads + h) * d, qp + (t * num_heads + h) * d,
+                    kp + kv_head * d, vp + kv_head * d, tables + seq_of[t] * table_stride, pos,
+                    first, block_size, token_stride, d, static_cast<float>(scale), qf, acc, scores);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor block_tables,
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                     int64_t sliding_window) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs expected");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+              query_start_loc.scalar_type() == torch::kInt32, "int32 metadata expected");
+  switch (q.scalar_type()) {
+    case torch::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window); break;
+    case torch::kBFloat16: run<at::BFloat16>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window); break;
+    case torch::kHalf: run<at::Half>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)");
+}

@@ -1,0 +1,65 @@
+"""Paged attention: write this step's K/V into their slots, then attend through the block tables."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import cpu_ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each of the step's tokens lives; built once per step by the model runner."""
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
+    seq_lens_list: list[int]
+    query_lens_list: list[int]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    ops = cpu_ops() if q.device.type == "cpu" else None
+    if ops is None:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window)
+    out = torch.empty_like(q)
+    ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.block_tables,
+                        meta.query_start_loc, meta.seq_lens, scale, sliding_window or 0)
+    return out
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float,
+                              sliding_window: int | None) -> torch.Tensor:
+    """Pure-torch attention, one sequence at a time: the oracle for the kernel and its fallback."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    outputs = []
+    start = 0
+    for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.query_lens_list)):
+        blocks = meta.block_tables[b, : -(-seq_len // block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window:
+            mask &= k_pos > q_pos - sliding_window
+        qs = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+        ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
+        vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        outputs.append(out.transpose(0, 1))
+        start += q_len
+    return torch.cat(outputs, dim=0)

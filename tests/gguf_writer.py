@@ -1,0 +1,156 @@
+"""Write a tiny Hugging Face checkpoint as GGUF, laid out the way llama.cpp's converter would.
+
+Test utility only: it lets tests build GGUF fixtures from random HF models, so the engine's GGUF
+loader can be checked against the HF reference without downloading real GGUF files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+# HF architecture -> GGUF architecture. Mistral is written as "llama", exactly as llama.cpp does.
+_ARCHS: dict[str, gguf.MODEL_ARCH] = {
+    "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
+    "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA,
+    "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
+    "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+}
+_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_Q = gguf.GGMLQuantizationType
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # HF stores rotary halves as [x0..x(d/2-1) | x(d/2)..]; llama.cpp's "llama" rope pairs adjacent
+    # elements, so each head's rows are re-interleaved. transformers' GGUF loader undoes this.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _check_quantizable(qt: gguf.GGMLQuantizationType) -> None:
+    # gguf-py implements numpy quantizers for only some types (K-quants are dequantize-only),
+    # so probe once with a single block instead of failing halfway through the file.
+    try:
+        gguf.quants.quantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qt][0]), np.float32), qt)
+    except NotImplementedError as e:
+        raise NotImplementedError(
+            f"the gguf package cannot quantize {qt.name} (it only dequantizes it); "
+            "use F32/F16/BF16/Q8_0/Q4_0/Q4_1 or quantize with llama.cpp's llama-quantize"
+        ) from e
+
+
+def _encode(w: np.ndarray, qt: gguf.GGMLQuantizationType) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    # 1-D tensors (norms, biases) stay F32, as in llama.cpp.
+    if w.ndim < 2 or qt == _Q.F32:
+        return w, _Q.F32
+    try:
+        return gguf.quants.quantize(w, qt), qt
+    except gguf.QuantError:  # rows not a multiple of the block size: llama.cpp falls back to F16
+        return gguf.quants.quantize(w, _Q.F16), _Q.F16
+
+
+def _pre_tokenizer_name(tok_json: dict) -> str:
+    # llama.cpp picks tokenizer.ggml.pre by hashing tokenizer output; we instead match the split
+    # regex against the names transformers' GGUF tokenizer loader knows, so a round trip is exact.
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS as splits
+
+    pre = tok_json.get("pre_tokenizer") or {}
+    found = {p["pattern"].get("Regex") for p in pre.get("pretokenizers", [pre]) if p.get("type") == "Split"}
+    for name in ("llama-bpe", "qwen2", "qwen35", "tekken", "gpt-4o"):
+        if splits.get(name) in found:
+            return name
+    return "default"
+
+
+def _write_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, vocab_size: int) -> None:
+    tok_json = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    model = tok_json["model"]
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise NotImplementedError("only byte-level BPE ('gpt2') tokenizers are supported")
+    id_to_tok = {i: t for t, i in model["vocab"].items()}
+    types = {i: gguf.TokenType.NORMAL for i in id_to_tok}
+    for added in tok_json.get("added_tokens", []):
+        id_to_tok[added["id"]] = added["content"]
+        types[added["id"]] = gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+    # The embedding may be padded past the tokenizer; llama.cpp fills the gap with unused [PADn].
+    n = max(vocab_size, max(id_to_tok) + 1)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_pre_tokenizer_name(tok_json))
+    w.add_token_list([id_to_tok.get(i, f"[PAD{i}]") for i in range(n)])
+    w.add_token_types([types.get(i, gguf.TokenType.UNUSED) for i in range(n)])
+    # SpecialVocab reads merges, bos/eos/unk/pad ids, add_bos flags and the chat template
+    # (tokenizer_config.json or chat_template.jinja) the same way llama.cpp's converter does.
+    gguf.SpecialVocab(tok_dir, load_merges=True, n_vocab=n).add_to_gguf(w, quiet=True)
+
+
+def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: str | None = None) -> None:
+    """Convert `hf_dir` (config.json + *.safetensors) to a GGUF file at `out_path`."""
+    if qtype not in _QTYPES:
+        raise ValueError(f"qtype must be one of {_QTYPES}, got {qtype!r}")
+    qt = _Q[qtype]
+    if qt not in (_Q.F32, _Q.F16):
+        _check_quantizable(qt)
+    src = Path(hf_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    hf_arch = cfg["architectures"][0]
+    if hf_arch not in _ARCHS:
+        raise NotImplementedError(f"unsupported architecture {hf_arch}")
+    arch = _ARCHS[hf_arch]
+    n_layer, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    # transformers 5 moved rope_theta into rope_parameters; older configs keep it top-level.
+    rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+
+    w = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
+    # transformers' GGUF loader only maps a "llama" file to Mistral when general.name == "mistral".
+    w.add_name("mistral" if hf_arch == "MistralForCausalLM" else src.name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(float(rope_theta))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if arch == gguf.MODEL_ARCH.LLAMA:
+        w.add_rope_dimension_count(head_dim)  # llama.cpp's llama reads head size from here
+    if cfg.get("head_dim"):  # explicit head_dim (e.g. Qwen3) may differ from hidden/heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qt == _Q.F32 else gguf.LlamaFileType[f"MOSTLY_{qtype}"])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if tokenizer_dir is not None:
+        _write_tokenizer(w, Path(tokenizer_dir), cfg["vocab_size"])
+
+    names = gguf.get_tensor_name_map(arch, n_layer)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    for hf_name, t in tensors.items():
+        if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue  # tied: llama.cpp omits output.weight and reuses token_embd
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue  # buffer in some older checkpoints, recomputed from rope_theta
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"cannot map tensor {hf_name}")
+        data = t.to(torch.float32).numpy()
+        if arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_q." in name:
+            data = _permute(data, n_head)
+        elif arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_k." in name:
+            data = _permute(data, n_kv)
+        data, dtype = _encode(data, qt)
+        w.add_tensor(name, data, raw_dtype=dtype)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
