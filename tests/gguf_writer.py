@@ -107,8 +107,9 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
     rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
 
     w = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
-    # transformers' GGUF loader only maps a "llama" file to Mistral when general.name == "mistral".
-    w.add_name("mistral" if hf_arch == "MistralForCausalLM" else src.name)
+    # Never exactly "mistral": transformers would then map the file to its Mistral class, whose
+    # GGUF tensor mapping needs a "mistral" arch that gguf-py lacks. As "llama" it loads fine.
+    w.add_name(src.name)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(n_layer)

@@ -26,12 +26,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
-        self.build_tables(None)
+        self.build_tables("cpu")
 
-    def build_tables(self, device: torch.device | str | None) -> None:
-        inv_freq, scale = rope_inv_freq(self.config, self.head_dim)
-        positions = torch.arange(self.max_positions, dtype=torch.float, device=device)
-        freqs = torch.outer(positions, inv_freq.to(positions.device))
+    def build_tables(self, device: torch.device | str) -> None:
+        # Its own device context: the model may be under construction on "meta".
+        with torch.device(device):
+            inv_freq, scale = rope_inv_freq(self.config, self.head_dim)
+            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
         # [max_positions, head_dim]: cos and sin laid out for rotate-half.
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)

@@ -47,9 +47,21 @@ def load_gguf_config(path: str):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    has_output = any(t.name == "output.weight" for t in _reader(path).tensors)
-    config.tie_word_embeddings = not has_output
+    reader = _reader(path)
+    # Keys transformers' GGUF mapping leaves out but the model depends on.
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if head_dim:
+        config.head_dim = int(head_dim)
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        config.sliding_window = int(window)
+    config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
     return config
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return field.contents() if field is not None else None
 
 
 def load_gguf_tokenizer(path: str):

