@@ -1,6 +1,7 @@
 """GGUF files: metadata to a Hugging Face config, tensors dequantized and renamed to HF names."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterator
@@ -22,7 +23,9 @@ _PERMUTED_ARCHS = {"llama", "mistral"}
 SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3"}
 
 
+@functools.lru_cache(maxsize=4)
 def _reader(path: str):
+    """Parsed once per file: parsing a large vocabulary's metadata takes seconds."""
     import gguf
 
     try:

@@ -1,0 +1,22 @@
+"""`pagedllm generate` end to end in a subprocess."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_prints_completion(llama_dir):
+    result = _cli("generate", "Hello world", "--model", llama_dir, "--max-tokens", "5", "--kv-cache-memory", "16MiB")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Hello world") and len(result.stdout.strip()) > len("Hello world")
+    assert "KV cache:" in result.stderr
+
+
+def test_generate_reports_bad_model_clearly(tmp_path):
+    result = _cli("generate", "hi", "--model", str(tmp_path / "nope"))
+    assert result.returncode == 2 and "does not exist" in result.stderr
