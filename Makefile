@@ -21,7 +21,7 @@ run: install
 	$(VENV)/bin/pagedllm generate "The capital of France is" --max-tokens 32
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider
 
 bench: install
 	$(PY) benchmarks/throughput.py

@@ -28,12 +28,13 @@ def tokenizer_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def _config(arch: str, vocab_size: int):
+def _config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    common.update(overrides)
     if arch == "llama":  # Llama-3 rope scaling, tied embeddings
         return LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -45,12 +46,12 @@ def _config(arch: str, vocab_size: int):
     return Qwen3Config(**common, head_dim=16)
 
 
-def make_model(arch: str, path, tokenizer_dir: str) -> str:
+def make_model(arch: str, path, tokenizer_dir: str, **overrides) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(ARCHS.index(arch))
-    model = AutoModelForCausalLM.from_config(_config(arch, len(tokenizer)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(arch, len(tokenizer), **overrides), dtype=torch.float32)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

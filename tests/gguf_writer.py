@@ -43,10 +43,29 @@ def _check_quantizable(qt: gguf.GGMLQuantizationType) -> None:
         ) from e
 
 
+# K-quant block layouts (256 values a block): byte offset and scale of each fp16 super-scale.
+_K_SCALES = {_Q.Q4_K: ((0, 2e-4), (2, 1e-4)), _Q.Q6_K: ((208, 5e-5),)}
+
+
+def _random_k_blocks(w: np.ndarray, qt: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Valid K-quant blocks of random content, shaped like `w`: gguf-py cannot quantize K-quants,
+    so such a file is only good for comparing two loaders on the same bytes."""
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(w.size)
+    blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // block_values, block_bytes), dtype=np.uint8)
+    for offset, scale in _K_SCALES[qt]:  # small super-scales keep the weights near 0.2 in size
+        blocks[..., offset:offset + 2] = np.full(blocks.shape[:2], scale, np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(w.shape[0], -1)
+
+
 def _encode(w: np.ndarray, qt: gguf.GGMLQuantizationType) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
     # 1-D tensors (norms, biases) stay F32, as in llama.cpp.
     if w.ndim < 2 or qt == _Q.F32:
         return w, _Q.F32
+    if qt in _K_SCALES:
+        if w.shape[1] % gguf.GGML_QUANT_SIZES[qt][0]:
+            return gguf.quants.quantize(w, _Q.F16), _Q.F16
+        return _random_k_blocks(w, qt), qt
     try:
         return gguf.quants.quantize(w, qt), qt
     except gguf.QuantError:  # rows not a multiple of the block size: llama.cpp falls back to F16
@@ -92,7 +111,7 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
     if qtype not in _QTYPES:
         raise ValueError(f"qtype must be one of {_QTYPES}, got {qtype!r}")
     qt = _Q[qtype]
-    if qt not in (_Q.F32, _Q.F16):
+    if qt not in (_Q.F32, _Q.F16) and qt not in _K_SCALES:
         _check_quantizable(qt)
     src = Path(hf_dir)
     cfg = json.loads((src / "config.json").read_text())
@@ -126,7 +145,8 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         w.add_value_length(head_dim)
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qt == _Q.F32 else gguf.LlamaFileType[f"MOSTLY_{qtype}"])
+    file_types = {"Q4_K": "MOSTLY_Q4_K_M", "Q6_K": "MOSTLY_Q6_K"}
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qt == _Q.F32 else gguf.LlamaFileType[file_types.get(qtype, f"MOSTLY_{qtype}")])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tokenizer_dir is not None:
         _write_tokenizer(w, Path(tokenizer_dir), cfg["vocab_size"])

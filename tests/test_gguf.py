@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import hf_greedy, prompts_of_mixed_lengths
+from conftest import hf_greedy, make_model, prompts_of_mixed_lengths
 from gguf_writer import write_gguf
 from pagedllm import LLM, SamplingParams
 
@@ -44,6 +44,18 @@ def test_quantized_gguf_equals_transformers_gguf_loader(tmp_path, tiny_models, t
     from transformers import AutoModelForCausalLM
 
     path = _gguf(tmp_path, tiny_models[arch], qtype, tokenizer_dir)
+    oracle = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file="model.gguf", dtype=torch.float32)
+    _assert_same_greedy(path, oracle)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quants_equal_transformers_gguf_loader(tmp_path, tokenizer_dir, qtype):
+    """K-quant blocks need rows of 256 values: a wider model, with random (valid) blocks."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = make_model("qwen2", tmp_path / "wide", tokenizer_dir, hidden_size=256, intermediate_size=512)
+    path = _gguf(tmp_path, hf_dir, qtype, tokenizer_dir)
     oracle = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file="model.gguf", dtype=torch.float32)
     _assert_same_greedy(path, oracle)
 
