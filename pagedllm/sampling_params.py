@@ -7,6 +7,12 @@ from enum import IntEnum
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 
 
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output, at the end (offline generate)
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -37,6 +43,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

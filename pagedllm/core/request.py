@@ -73,8 +73,8 @@ class Request:
     def check_stop(self) -> bool:
         """After a token is appended: set a finished status if the request is done."""
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        if self.output_token_ids and self.num_output_tokens >= params.min_tokens:
+            last = self.output_token_ids[-1]
             if last in self.eos_token_ids and not params.ignore_eos:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True

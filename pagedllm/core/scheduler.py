@@ -132,7 +132,8 @@ class Scheduler:
                 continue  # finished or preempted since it was scheduled
             token = result.sampled_token_ids.get(request.request_id)
             if token is not None:
-                request.append_output_token(token)
+                if request.max_tokens > 0:  # max_tokens=0 only scores the prompt
+                    request.append_output_token(token)
                 if request.check_stop():
                     self.running.remove(request)
                     self._release(request)

@@ -12,7 +12,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.step import ModelRunnerOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -24,6 +24,13 @@ class _Sample:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # How much has been handed out already (DELTA outputs send only the rest).
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_finish: bool = False
+
+    def text(self) -> str:
+        return self.detokenizer.visible_text(self.finish_reason is not None) if self.detokenizer else ""
 
 
 @dataclass
@@ -34,6 +41,7 @@ class _Parent:
     params: SamplingParams
     samples: dict[str, _Sample]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -83,17 +91,18 @@ class OutputProcessor:
             if parent is None:
                 continue
             self._record_prompt_logprobs(parent, result.prompt_logprobs.get(request.request_id))
-            token = result.sampled_token_ids.get(request.request_id)
-            if token is None:
-                continue
             sample = parent.samples[request.request_id]
-            if self._record_token(sample, token, result.logprobs.get(request.request_id)):
+            new = request.output_token_ids[len(sample.token_ids):]  # the step's token, if any
+            if new and self._record_token(sample, new[0], result.logprobs.get(request.request_id)):
                 stopped.append(request.request_id)
             elif request.status.finished:
                 sample.finish_reason = request.status.finish_reason
                 sample.stop_reason = request.stop_reason
+            elif not new:
+                continue  # a prefill chunk: nothing to tell yet
             touched[parent.request_id] = parent
-        return [self._output(p) for p in touched.values()], stopped
+        outputs = [self._output(p) for p in touched.values()]
+        return [o for o in outputs if o is not None], stopped
 
     def _record_token(self, sample: _Sample, token: int, logprobs: TokenLogprobs | None) -> bool:
         sample.token_ids.append(token)
@@ -120,18 +129,41 @@ class OutputProcessor:
                 out[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
         return out
 
-    def _output(self, parent: _Parent) -> RequestOutput:
+    def _output(self, parent: _Parent) -> RequestOutput | None:
         finished = parent.finished
-        outputs = [CompletionOutput(
-            index=s.index,
-            text=s.detokenizer.visible_text(s.finish_reason is not None) if s.detokenizer else "",
-            token_ids=list(s.token_ids),
-            cumulative_logprob=s.cumulative_logprob,
-            logprobs=list(s.logprobs) if s.logprobs is not None else None,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-        ) for s in parent.samples.values()]
+        kind = parent.params.output_kind
         if finished:
             self.abort(parent.request_id)
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        samples = [s for s in parent.samples.values() if not delta or _has_news(s)]
+        outputs = [_completion(s, delta) for s in samples]
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and parent.sent_prompt_logprobs:
+            prompt_logprobs = None
+        parent.sent_prompt_logprobs = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             parent.prompt_logprobs, outputs, finished)
+                             prompt_logprobs, outputs, finished)
+
+
+def _has_news(sample: _Sample) -> bool:
+    return (len(sample.token_ids) > sample.sent_tokens or len(sample.text()) > sample.sent_text
+            or (sample.finish_reason is not None and not sample.sent_finish))
+
+
+def _completion(sample: _Sample, delta: bool) -> CompletionOutput:
+    """The sample as a CompletionOutput: everything so far, or (delta) only what is new."""
+    text = sample.text()
+    first_token, first_char = (sample.sent_tokens, sample.sent_text) if delta else (0, 0)
+    sample.sent_tokens, sample.sent_text = len(sample.token_ids), len(text)
+    sample.sent_finish = sample.finish_reason is not None
+    return CompletionOutput(
+        index=sample.index,
+        text=text[first_char:],
+        token_ids=sample.token_ids[first_token:],
+        cumulative_logprob=sample.cumulative_logprob,
+        logprobs=sample.logprobs[first_token:] if sample.logprobs is not None else None,
+        finish_reason=sample.finish_reason,
+        stop_reason=sample.stop_reason,
+    )

@@ -1,6 +1,7 @@
 """LLM: the offline API, shaped like vLLM's (`LLM(model).generate(prompts, SamplingParams(...))`)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -8,7 +9,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 Message = dict[str, str]
@@ -36,6 +37,8 @@ class LLM:
         normalized = [_prompt_input(p) for p in prompts]
         for p in params:  # validate everything before anything is queued
             p.check_vocab(self.engine.model_config.vocab_size)
+        # One output per request, at its end: no per-step copies of growing outputs.
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         return self._run(normalized, params, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
