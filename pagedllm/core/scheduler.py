@@ -7,6 +7,7 @@ recently arrived running request is preempted: its blocks are freed and it is re
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             chosen.append((request, num_new))
             budget -= num_new

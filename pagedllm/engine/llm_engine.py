@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import itertools
 import logging
 import os
@@ -25,6 +26,14 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class ProcessedRequest:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
@@ -65,22 +74,30 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None) -> str:
         """Validate and queue one request (n > 1 becomes n sequences); returns its id."""
+        return self.add_processed(request_id, self.process_inputs(prompt, params))
+
+    def process_inputs(self, prompt: str | list[int], params: SamplingParams | None = None) -> ProcessedRequest:
+        """Tokenize and validate; raises ValueError. Touches no engine state, so any thread may call it."""
         params = params or self.default_sampling_params()
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         params.check_vocab(self.model_config.vocab_size)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return ProcessedRequest(text, token_ids, params, max_tokens)
+
+    def add_processed(self, request_id: str | None, processed: ProcessedRequest) -> str:
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = processed.params
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        self.output_processor.add(request_id, text, token_ids, params, child_ids)
+        self.output_processor.add(request_id, processed.prompt, processed.prompt_token_ids, params, child_ids)
         for i, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = dataclasses.replace(params, seed=params.seed + i)
-            self.scheduler.add_request(Request(child_id, token_ids, child_params, max_tokens,
-                                               self.model_config.eos_token_ids))
+            self.scheduler.add_request(Request(child_id, processed.prompt_token_ids, child_params,
+                                               processed.max_tokens, self.model_config.eos_token_ids))
         return request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

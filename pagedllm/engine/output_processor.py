@@ -42,6 +42,7 @@ class _Parent:
     samples: dict[str, _Sample]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_prompt_logprobs: bool = False
+    queue_time: float | None = None  # seconds from arrival to first scheduled
 
     @property
     def finished(self) -> bool:
@@ -91,6 +92,8 @@ class OutputProcessor:
             if parent is None:
                 continue
             self._record_prompt_logprobs(parent, result.prompt_logprobs.get(request.request_id))
+            if parent.queue_time is None and request.first_scheduled_time is not None:
+                parent.queue_time = request.first_scheduled_time - request.arrival_time
             sample = parent.samples[request.request_id]
             new = request.output_token_ids[len(sample.token_ids):]  # the step's token, if any
             if new and self._record_token(sample, new[0], result.logprobs.get(request.request_id)):
@@ -144,7 +147,7 @@ class OutputProcessor:
             prompt_logprobs = None
         parent.sent_prompt_logprobs = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             prompt_logprobs, outputs, finished)
+                             prompt_logprobs, outputs, finished, {"queue_time": parent.queue_time})
 
 
 def _has_news(sample: _Sample) -> bool:

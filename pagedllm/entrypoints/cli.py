@@ -21,6 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--served-model-name", default=None)
 
 
 def engine_args(ns: argparse.Namespace) -> dict:
@@ -43,9 +44,25 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    args = engine_args(ns)
+    args["model"] = ns.model_path or ns.model
+    run_server(EngineArgs(**args), ns.host, ns.port, ns.api_key, ns.chat_template)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_path", nargs="?", default=None, help="HF folder or .gguf file (default model if left out)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGEDLLM_API_KEY)")
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     gen = commands.add_parser("generate", help="complete prompts offline and print the text")
     gen.add_argument("prompts", nargs="+")
     add_engine_args(gen)
@@ -60,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _generate(ns)
+        return _serve(ns) if ns.command == "serve" else _generate(ns)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

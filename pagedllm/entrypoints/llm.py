@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
-Message = dict[str, str]
 
 
 class LLM:
@@ -68,22 +68,6 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         return [done[i] for i in ids]
-
-
-def apply_chat_template(tokenizer, messages: list[Message], chat_template: str | None = None,
-                        add_generation_prompt: bool = True) -> list[int]:
-    """Prompt token ids of a conversation under the model's (or the given) chat template."""
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise ValueError("this model has no chat template; pass chat_template=...")
-    for message in messages:
-        if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"a chat message is a dict with 'role' and 'content', got {message!r}")
-    ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                        add_generation_prompt=add_generation_prompt)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,0 +1,181 @@
+"""AsyncLLM: an asyncio front over the engine, whose loop runs in a thread of its own.
+
+The event loop only validates inputs, queues commands and hands outputs to per-request queues;
+the engine thread takes commands between steps and posts each step's outputs back in one call.
+Torch releases the GIL while it computes, so the HTTP side stays responsive during steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
+from pagedllm.metrics import EngineMetrics
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("pagedllm")
+_IDLE_POLL_S = 0.1
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served any more."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    last_token: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated: int = 0
+    finished: bool = False
+
+
+class RequestStream:
+    """The outputs of one request, as deltas; leaving the iteration early aborts the request."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, stream: _Stream) -> None:
+        self.engine, self.request_id, self._stream = engine, request_id, stream
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await self._stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it has finished (idempotent)."""
+        self.engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs) -> None:
+        self.engine = LLMEngine(args)
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
+        self.metrics = EngineMetrics(args.served_model_name or self.model_config.path)
+        self.stats: SchedulerStats = self.engine.stats()
+        self.error: BaseException | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.error is not None or not self._thread.is_alive()
+
+    # -- the event loop's side ------------------------------------------------------------------
+    def process_inputs(self, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
+        return self.engine.process_inputs(prompt, params)
+
+    def add_request(self, request_id: str, processed: ProcessedRequest) -> RequestStream:
+        """Queue a validated request; raises EngineDeadError if the engine has stopped."""
+        if self.is_dead:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        self._loop = asyncio.get_running_loop()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = dataclasses.replace(processed.params, output_kind=RequestOutputKind.DELTA)
+        stream = _Stream(num_prompt_tokens=len(processed.prompt_token_ids))
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, dataclasses.replace(processed, params=params)))
+        return RequestStream(self, request_id, stream)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        async for output in self.add_request(request_id, self.process_inputs(prompt, params)):
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self._commands.put(("abort", request_id))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            new_tokens = sum(len(o.token_ids) for o in output.outputs)
+            if new_tokens:
+                self.metrics.observe_tokens(stream, new_tokens, now)
+            if output.finished:
+                stream.finished = True
+                self.metrics.observe_finished(stream, output, now)
+            stream.queue.put_nowait(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(f"the engine has stopped: {error!r}"))
+
+    def _fail_one(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(error)
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=10)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._take_commands(wait=not self.engine.has_unfinished_requests())
+                if not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                self.stats = self.engine.stats()
+                if outputs:
+                    self._post(self._dispatch, outputs)
+        except BaseException as exc:  # the loop is gone: say so to every waiting request
+            logger.exception("engine loop failed")
+            self.error = exc
+            self._post(self._fail_all, exc)
+
+    def _take_commands(self, wait: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_POLL_S) if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self.stats = self.engine.stats()
+
+    def _apply(self, command: tuple) -> None:
+        kind, request_id = command[0], command[1]
+        if kind == "abort":
+            self.engine.abort_request(request_id)
+            return
+        try:
+            self.engine.add_processed(request_id, command[2])
+        except Exception as exc:  # this request fails; the engine goes on
+            self._post(self._fail_one, request_id, exc)
+
+    def _post(self, fn, *args) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)

@@ -1,0 +1,138 @@
+"""What the completion and chat endpoints share: model check, prompt admission, SSE, logprobs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagedllm.engine.llm_engine import ProcessedRequest
+from pagedllm.entrypoints.openai.protocol import APIError
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+def sse(payload: dict | str) -> str:
+    """One Server-Sent Event, as OpenAI frames them."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Choice:
+    """One choice's output, accumulated from deltas."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.defaults = engine.engine.default_sampling_params()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def admit(self, prompts: list[str | list[int]], params: SamplingParams,
+              requested_max_tokens: int | None) -> list[ProcessedRequest]:
+        """Tokenize and validate every prompt before any is queued."""
+        limit = self.engine.max_model_len
+        processed = []
+        for prompt in prompts:
+            try:
+                item = self.engine.process_inputs(prompt, params)
+            except ValueError as exc:
+                raise APIError(str(exc), param="prompt") from exc
+            if requested_max_tokens is not None and len(item.prompt_token_ids) + requested_max_tokens > limit:
+                raise APIError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{len(item.prompt_token_ids) + requested_max_tokens} tokens "
+                    f"({len(item.prompt_token_ids)} in the prompt, {requested_max_tokens} for the completion).",
+                    param="max_tokens", code="context_length_exceeded")
+            processed.append(item)
+        return processed
+
+    def start(self, request_id: str, processed: list[ProcessedRequest]) -> list[RequestStream]:
+        try:
+            return [self.engine.add_request(f"{request_id}-{i}", p) for i, p in enumerate(processed)]
+        except EngineDeadError as exc:
+            raise APIError(str(exc), status=503, type_="service_unavailable") from exc
+
+    def logprob_token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's index.
+
+    A consumer that leaves early (client gone) aborts every request still running."""
+    try:
+        if len(streams) == 1:
+            async for output in streams[0]:
+                yield 0, output
+        else:
+            async for item in _interleave(streams):
+                yield item
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+async def _interleave(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.finished
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def accumulate(choices: dict[int, Choice], index: int, output) -> Choice:
+    choice = choices.setdefault(index, Choice())
+    choice.text += output.text
+    choice.token_ids += output.token_ids
+    choice.logprobs += output.logprobs or []
+    choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
+    return choice
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens at a position, best first."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
+    return [(token, lp) for token, lp in ranked if lp.rank is not None and lp.rank <= k][:k]

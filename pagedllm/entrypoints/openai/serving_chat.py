@@ -1,0 +1,110 @@
+"""POST /v1/chat/completions."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, accumulate, merge, new_id, sse,
+                                                 top_entries, usage)
+from pagedllm.outputs import Logprob
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None) -> None:
+        super().__init__(engine, model_name)
+        self.chat_template = chat_template
+
+    def prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        try:
+            return apply_chat_template(self.engine.tokenizer, [m.as_template_input() for m in messages],
+                                       self.chat_template, add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(str(exc), param="messages") from exc
+        except Exception as exc:  # a template that fails on these messages (jinja raises its own types)
+            raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from exc
+
+    async def create(self, request: ChatCompletionRequest):
+        self.check_model(request.model)
+        prompt = self.prompt_ids(request.messages, request.add_generation_prompt)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        top = request.top_logprobs if request.logprobs else None
+        if request.logprobs and top is None:
+            top = 0
+        params = request.sampling_params(self.defaults, max_tokens, top, None)
+        processed = self.admit([prompt], params, max_tokens)
+        request_id = new_id("chatcmpl")
+        streams = self.start(request_id, processed)
+        run = _Run(self, request, request_id, len(prompt))
+        if request.stream:
+            return StreamingResponse(run.stream(merge(streams)), media_type="text/event-stream")
+        return JSONResponse(await run.collect(merge(streams)))
+
+
+class _Run:
+    def __init__(self, serving: OpenAIServingChat, request: ChatCompletionRequest, request_id: str,
+                 num_prompt_tokens: int) -> None:
+        self.serving, self.request, self.id = serving, request, request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.created = serving.created()
+
+    async def collect(self, outputs: AsyncIterator) -> dict:
+        choices: dict[int, Choice] = {}
+        async for _, output in outputs:
+            for sample in output.outputs:
+                accumulate(choices, sample.index, sample)
+        body = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason} for i, c in sorted(choices.items())]
+        completion_tokens = sum(len(c.token_ids) for c in choices.values())
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.serving.model_name, "choices": body,
+                "usage": usage(self.num_prompt_tokens, completion_tokens)}
+
+    async def stream(self, outputs: AsyncIterator) -> AsyncIterator[str]:
+        for index in range(self.request.n):  # the role first, for every choice
+            yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]))
+        completion_tokens = 0
+        try:
+            async for _, output in outputs:
+                for sample in output.outputs:
+                    completion_tokens += len(sample.token_ids)
+                    if sample.text or sample.token_ids:
+                        yield sse(self._chunk([{
+                            "index": sample.index, "delta": {"content": sample.text},
+                            "logprobs": self._logprobs(sample.token_ids, sample.logprobs or []),
+                            "finish_reason": None}]))
+                    if sample.finish_reason is not None:  # the finish reason last, with an empty delta
+                        yield sse(self._chunk([{"index": sample.index, "delta": {}, "logprobs": None,
+                                                "finish_reason": sample.finish_reason,
+                                                "stop_reason": sample.stop_reason}]))
+            if self.request.include_usage:
+                yield sse(self._chunk([], usage(self.num_prompt_tokens, completion_tokens)))
+        except APIError as exc:
+            yield sse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
+        yield sse("[DONE]")
+
+    def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.serving.model_name, "choices": choices}
+        if self.request.include_usage:
+            chunk["usage"] = usage_
+        return chunk
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict | None:
+        if not self.request.logprobs:
+            return None
+        k = self.request.top_logprobs or 0
+        decode = self.serving.logprob_token
+
+        def item(token: int, logprob: float) -> dict:
+            text = decode(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(t, entry[t].logprob),
+                             "top_logprobs": [item(tok, lp.logprob) for tok, lp in top_entries(entry, k)]}
+                            for t, entry in zip(token_ids, entries)]}
