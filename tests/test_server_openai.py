@@ -1,0 +1,106 @@
+"""The official `openai` client against a real server process."""
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from pagedllm import LLM, SamplingParams
+from server_utils import Server
+
+KEY = "test-key"
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    server = Server(llama_dir, "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--dtype", "float32",
+                    "--served-model-name", "tiny", api_key=KEY, log_path=str(log))
+    yield server
+    # SIGTERM shuts down cleanly (uvicorn re-raises the signal once it has finished).
+    assert server.stop() in (0, -15)
+    text = log.read_text()
+    assert "KV cache:" in text and "Serving tiny" in text and "Application shutdown complete" in text
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return AutoTokenizer.from_pretrained(llama_dir)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_usage_and_greedy_equals_offline_llm(client, tokenizer, llama_dir):
+    prompt = "The quick brown fox"
+    result = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, logprobs=1, **GREEDY)
+    choice = result.choices[0]
+    assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert result.usage.completion_tokens == len(choice.logprobs.tokens) == 10
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 10
+    assert choice.finish_reason == "length"
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert choice.text == offline[0].outputs[0].text
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_streaming_and_not(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, **GREEDY)
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 8
+
+
+def test_n_and_seed(client):
+    def sample(seed):
+        r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, n=2, seed=seed,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    first = sample(11)
+    assert len(first) == 2 and first == sample(11)
+    assert first != sample(12)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=4, seed=1, temperature=1.0)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_logprobs_and_echo_scoring(client, tokenizer):
+    prompt = "Paris is the capital of France"
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    n = len(tokenizer.encode(prompt))
+    assert choice.text == prompt
+    assert len(choice.logprobs.tokens) == n and choice.logprobs.token_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in choice.logprobs.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    assert all(len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.logprob for item in content)
+
+
+def test_stop_string(client):
+    free = client.completions.create(model="tiny", prompt="Count:", max_tokens=16, **GREEDY).choices[0].text
+    stop = free[5:8]
+    stopped = client.completions.create(model="tiny", prompt="Count:", max_tokens=16, stop=[stop], **GREEDY).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == free[:free.index(stop)]
