@@ -1,0 +1,74 @@
+"""AsyncLLM: streams, aborts, one request's failure, and an engine that dies."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.api_server import build_app
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(llama_dir):
+    engine = AsyncLLM(EngineArgs(llama_dir, dtype="float32", kv_cache_memory="16MiB"))
+    yield engine
+    engine.shutdown()
+
+
+def test_streams_deltas_and_abort_frees_blocks(engine):
+    async def main():
+        texts = []
+        async for output in engine.generate("Hello", PARAMS, "a"):
+            texts.append(output.outputs[0].text)
+        stream = engine.add_request("b", engine.process_inputs("Hello", SamplingParams(max_tokens=200, ignore_eos=True)))
+        async for _ in stream:
+            break  # leaving early aborts
+        await asyncio.sleep(0.5)
+        return texts
+
+    texts = asyncio.run(main())
+    assert len(texts) == 6
+    assert engine.stats.num_running == 0 and engine.stats.kv_blocks_free == engine.stats.kv_blocks_total
+
+
+def test_one_bad_request_fails_alone(engine):
+    async def main():
+        with pytest.raises(ValueError):
+            engine.process_inputs("", PARAMS)
+        good = engine.generate("Hi", PARAMS, "good")
+        dup_first = engine.add_request("dup", engine.process_inputs("Hi", PARAMS))
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("dup", engine.process_inputs("Hi", PARAMS))
+        outputs = [o async for o in good]
+        rest = [o async for o in dup_first]
+        return outputs, rest
+
+    outputs, rest = asyncio.run(main())
+    assert outputs[-1].finished and rest[-1].finished
+
+
+def test_dead_engine_fails_requests_and_health(engine):
+    def boom():
+        raise RuntimeError("simulated engine crash")
+
+    engine.engine.step = boom
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("Hi", PARAMS, "x"):
+                pass
+        transport = httpx.ASGITransport(app=build_app(engine, "tiny"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            health = await client.get("/health")
+            completion = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        return health, completion
+
+    health, completion = asyncio.run(main())
+    assert engine.is_dead and health.status_code == 503
+    assert completion.status_code == 503 and completion.json()["error"]["type"] == "service_unavailable"
