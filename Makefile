@@ -1,4 +1,4 @@
-# The two commands of the quickstart: `make run` (main job) and `make test`.
+# The two commands of the quickstart: `make run` (the server on the default model) and `make test`.
 # torch is installed first and pinned: a bare `torch` requirement would pull a CUDA build here.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: install
-	$(VENV)/bin/pagedllm generate "The capital of France is" --max-tokens 32
+	$(VENV)/bin/pagedllm serve
 
 test: install
 	$(PY) -m pytest -p no:cacheprovider
