@@ -32,6 +32,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "cpu"
     served_model_name: str | None = None
+    enable_prefix_caching: bool = True
 
     @classmethod
     def field_names(cls) -> list[str]:

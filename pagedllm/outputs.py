@@ -38,3 +38,19 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt + generated, as vLLM gives them
+    text: str  # the generated text
+    cum_logprob: float
+    score: float  # cum_logprob / generated_length ** length_penalty (EOS not counted)
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]  # best first

@@ -97,3 +97,19 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search as vLLM's LLM.beam_search takes it (deterministic: temperature 0 only)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.beam_width, int) and self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width!r}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        _check(self.temperature == 0.0, "beam search here is deterministic: temperature must be 0")

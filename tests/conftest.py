@@ -9,6 +9,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PAGEDLLM_NO_PROGRESS", "1")
+os.environ.setdefault("PAGEDLLM_DEBUG", "1")  # assert no shared or cached KV block is ever written
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

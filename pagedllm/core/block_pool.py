@@ -1,4 +1,5 @@
-"""BlockPool: the KV cache's physical blocks, their reference counts and the free queue."""
+"""BlockPool: the KV cache's physical blocks, their reference counts, the free queue, and the
+prefix cache (hash of a full block -> the block holding it)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -9,13 +10,15 @@ from dataclasses import dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and computed (prefix caching)
 
 
 class BlockPool:
     """Hands out free blocks and takes them back when no holder is left.
 
-    The free queue is ordered (least recently freed first) so that cached blocks can later be
-    evicted LRU-first and taken out of the middle of the queue in O(1) on a prefix hit.
+    The free queue is ordered, least recently freed first. A freed block keeps its hash and stays
+    findable in the prefix cache until the queue hands it out again (LRU eviction); a prefix hit
+    takes it out of the middle of the queue in O(1).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -23,6 +26,7 @@ class BlockPool:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVBlock] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -32,13 +36,30 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def is_free(self, block: KVBlock) -> bool:
+        return block.block_id in self._free
+
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
         taken = [self._free.popitem(last=False)[1] for _ in range(n)]
         for block in taken:
+            self._evict(block)
             block.ref_cnt = 1
         return taken
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take one more reference to each block (a prefix hit or a fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; blocks nobody holds go back to the free queue."""
@@ -48,3 +69,12 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        """Make a full, computed block findable; the first block with a given content wins."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self.cached.get(block_hash)

@@ -1,4 +1,11 @@
-"""KVCacheManager: each request's block table, grown as its tokens arrive and freed when it ends."""
+"""KVCacheManager: each request's block table; prefix-cache hits, forks and copy-on-write.
+
+A request's table grows as its tokens arrive and is freed when it ends. With prefix caching,
+each full block is known by a hash chained over its parent's hash and its tokens (and the
+request's cache salt), so a new request starts from the longest run of blocks already holding
+its prefix. Forked requests (parallel samples, beams) share blocks by reference count; the first
+write into a shared block copies it.
+"""
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
@@ -10,34 +17,124 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 debug: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.debug = debug  # assert that no shared or cached block is ever written
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}  # blocks of a request already in the prefix cache
+        self.copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner owes
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens of `request`; False if the pool is too small."""
+    # -- prefix cache ---------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached blocks holding the start of a request that has none yet.
+
+        The last token is always left to compute, so that the first sampled token has logits."""
+        if not self.enable_prefix_caching or request.num_computed_tokens or self.req_blocks.get(request.request_id):
+            return []
+        hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        hits = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """Hashes of the request's first `num_blocks` full blocks, extended on demand."""
+        hashes, bs = request.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else hash(("pagedllm-root", request.cache_salt))
+            hashes.append(hash((parent, tuple(request.all_token_ids[i * bs:(i + 1) * bs]))))
+        return hashes[:num_blocks]
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """After a step: make the request's newly full, computed blocks findable."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        for block, block_hash in zip(blocks[start:num_full], self._block_hashes(request, num_full)[start:]):
+            self.pool.cache_block(block, block_hash)
+        self._num_cached[request.request_id] = num_full
+
+    # -- allocation -----------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
+        """Room for `num_new_tokens` more tokens after the computed ones (plus `computed` prefix
+        hits for a request that has no blocks yet); False, changing nothing, if the pool is short."""
+        bs = self.block_size
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
-        if needed > self.pool.num_free_blocks:
+        start = request.num_computed_tokens + len(computed) * bs  # first position written
+        needed = cdiv(start + num_new_tokens, bs) - len(blocks) - len(computed)
+        copy = self._shared_block_at(blocks, start)
+        revived = sum(1 for b in computed if self.pool.is_free(b))  # hits that leave the free queue
+        if max(needed, 0) + copy > self.pool.num_free_blocks - revived:
             return False
+        if self.enable_prefix_caching and not blocks:  # a first allocation: count the lookup
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(computed) * bs
+        if computed:
+            self.pool.touch(list(computed))
+            blocks.extend(computed)
+            self._num_cached[request.request_id] = len(computed)
+        if copy:
+            self._copy_on_write(blocks, start // bs)
         if needed > 0:
             blocks.extend(self.pool.get_new_blocks(needed))
+        if self.debug:
+            self._check_writable(blocks, start, num_new_tokens)
         return True
+
+    def _shared_block_at(self, blocks: list[KVBlock], position: int) -> bool:
+        index = position // self.block_size
+        return index < len(blocks) and blocks[index].ref_cnt > 1
+
+    def _copy_on_write(self, blocks: list[KVBlock], index: int) -> None:
+        shared = blocks[index]
+        (fresh,) = self.pool.get_new_blocks(1)
+        self.copies.append((shared.block_id, fresh.block_id))
+        self.pool.free_blocks([shared])
+        blocks[index] = fresh
+
+    def _check_writable(self, blocks: list[KVBlock], start: int, num_new: int) -> None:
+        for block in blocks[start // self.block_size: cdiv(start + num_new, self.block_size)]:
+            assert block.ref_cnt == 1, f"write into block {block.block_id} shared by {block.ref_cnt}"
+            assert block.block_hash is None, f"write into cached block {block.block_id}"
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child holds the parent's blocks too (one more reference each)."""
+        blocks = self.req_blocks[parent.request_id]
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        self._num_cached[child.request_id] = self._num_cached.get(parent.request_id, 0)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def free(self, request: Request) -> None:
-        # Free the tail first so that, once prefix caching keeps freed blocks, the blocks a
-        # later request is least likely to reuse are evicted first.
+        # Free the tail first: freed blocks are evicted in that order, so a shared prefix, which
+        # later requests are likeliest to hit, stays cached longest.
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
     def num_allocated_slots(self) -> int:

@@ -26,6 +26,8 @@ class SchedulerStats:
     kv_cache_usage: float  # share of blocks in use
     kv_waste: float  # share of allocated slots that hold no token
     num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found cached
 
 
 class Scheduler:
@@ -35,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept sorted by arrival, so the newest is last
         self.requests: dict[str, Request] = {}
+        self.paused: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
 
@@ -50,6 +53,8 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.PAUSED:
+            del self.paused[request_id]
         else:
             self.waiting.remove(request)
         request.status = status
@@ -76,9 +81,14 @@ class Scheduler:
         # Admitting new work in the step that had to preempt would only preempt again.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new):
+            computed = self.kv.get_computed_blocks(request)
+            num_cached = len(computed) * self.kv.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request, num_new, computed):
+                if not self.running and self._drop_paused_blocks():
+                    continue  # nothing runs: paused requests must make room, or no one moves
                 break
+            request.num_computed_tokens += num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -91,10 +101,24 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         """Allocate for `request`, preempting the newest running requests until it fits."""
         while not self.kv.allocate_slots(request, num_new):
+            if self._drop_paused_blocks():
+                continue  # paused requests compute nothing now: they give way first
             victim = self.running.pop()
             self._preempt(victim)
             if victim is request:
                 return False
+        return True
+
+    def _drop_paused_blocks(self) -> bool:
+        """Free the newest paused request's blocks (it keeps its logprobs); False if none hold any."""
+        holders = [r for r in self.paused.values() if self.kv.req_blocks.get(r.request_id)]
+        if not holders:
+            return False
+        request = max(holders, key=lambda r: r.arrival_seq)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -120,9 +144,10 @@ class Scheduler:
                 num_output_tokens=request.num_output_tokens,
                 sample=start + num_new == request.num_tokens,
                 eos_token_ids=request.eos_token_ids,
+                fork_samples=request.fork_children,
             ))
             request.num_computed_tokens += num_new
-        output = SchedulerOutput(scheduled, self._finished_ids)
+        output = SchedulerOutput(scheduled, self._finished_ids, self.kv.take_copies())
         self._finished_ids = set()
         return output
 
@@ -133,15 +158,59 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
-            token = result.sampled_token_ids.get(request.request_id)
-            if token is not None:
-                if request.max_tokens > 0:  # max_tokens=0 only scores the prompt
-                    request.append_output_token(token)
-                if request.check_stop():
-                    self.running.remove(request)
-                    self._release(request)
+            self.kv.cache_full_blocks(request)
             touched.append(request)
+            if not scheduled.sample:
+                continue  # a prefill chunk: nothing sampled yet
+            if request.fork_children:
+                touched += self._fork_children(request, result)
+            elif request.pause_after_sample:
+                self._pause(request, result)
+            else:
+                if request.max_tokens > 0:  # max_tokens=0 only scores the prompt
+                    request.append_output_token(result.sampled_token_ids[request.request_id])
+                if request.check_stop():
+                    self._finish_running(request)
         return touched
+
+    def _finish_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+
+    def _fork_children(self, leader: Request, result: ModelRunnerOutput) -> list[Request]:
+        """The prompt is computed once: each parallel sample goes on from the leader's blocks."""
+        children = [self._add_fork(leader, child_id, params, result.sampled_token_ids[child_id])
+                    for child_id, params in leader.fork_children]
+        leader.fork_children = []
+        leader.status = RequestStatus.FINISHED_STOPPED
+        self._finish_running(leader)
+        return children
+
+    def _add_fork(self, parent: Request, child_id: str, params, token: int) -> Request:
+        child = parent.fork(child_id, params, token)
+        self.requests[child_id] = child
+        if child.check_stop():
+            child.num_computed_tokens = 0
+            self._release(child)
+        elif parent.num_computed_tokens == 0:  # the parent's blocks were dropped: recompute
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+        else:
+            self.kv.fork(parent, child)
+            bisect.insort(self.running, child, key=lambda r: r.arrival_seq)
+        return child
+
+    def _pause(self, request: Request, result: ModelRunnerOutput) -> None:
+        request.last_logprobs = result.logprobs.get(request.request_id)
+        request.status = RequestStatus.PAUSED
+        self.running.remove(request)
+        self.paused[request.request_id] = request
+
+    def fork_paused(self, parent_id: str, child_id: str, token: int) -> Request:
+        """A new running request that goes on from a paused one with `token` appended."""
+        parent = self.paused[parent_id]
+        return self._add_fork(parent, child_id, parent.sampling_params, token)
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
@@ -161,4 +230,6 @@ class Scheduler:
             kv_cache_usage=(total - free) / total,
             kv_waste=1.0 - held / slots if slots else 0.0,
             num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
         )

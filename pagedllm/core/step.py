@@ -18,6 +18,8 @@ class ScheduledRequest:
     num_output_tokens: int
     sample: bool  # this chunk reaches the last known token: sample the next one
     eos_token_ids: frozenset[int] = frozenset()
+    # Parallel samples forked at this step: sample once per (child id, params) from this row.
+    fork_samples: list[tuple[str, SamplingParams]] = field(default_factory=list)
 
 
 @dataclass
@@ -25,6 +27,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     # Requests that ended since the last step: the runner drops any state it keeps for them.
     finished_request_ids: set[str] = field(default_factory=set)
+    # (src, dst) KV blocks to copy before the forward pass (copy-on-write of shared blocks).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

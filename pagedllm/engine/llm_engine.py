@@ -16,7 +16,7 @@ import psutil
 import torch
 
 from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
@@ -34,6 +34,7 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    cache_salt: str | None = None
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
@@ -50,8 +51,9 @@ class LLMEngine:
         model = load_model(self.model_config, args.device)
         self.model_runner = ModelRunner(self.model_config, model, num_blocks, args.block_size, args.device)
         batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len),
-                                   KVCacheManager(num_blocks, args.block_size))
+        kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                            debug=os.environ.get("PAGEDLLM_DEBUG") == "1")
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len), kv)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -92,13 +94,21 @@ class LLMEngine:
         params = processed.params
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add(request_id, processed.prompt, processed.prompt_token_ids, params, child_ids)
-        for i, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = dataclasses.replace(params, seed=params.seed + i)
-            self.scheduler.add_request(Request(child_id, processed.prompt_token_ids, child_params,
-                                               processed.max_tokens, self.model_config.eos_token_ids))
+        children = [(child_id, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i))
+                    for i, child_id in enumerate(child_ids)]
+        if params.n > 1 and processed.max_tokens > 0:
+            # The prompt is computed once, by a leader; the samples fork from its blocks.
+            leader = self.make_request(request_id, processed, params)
+            leader.fork_children = children
+            self.scheduler.add_request(leader)
+        else:
+            for child_id, child_params in children:
+                self.scheduler.add_request(self.make_request(child_id, processed, child_params))
         return request_id
+
+    def make_request(self, request_id: str, processed: ProcessedRequest, params: SamplingParams) -> Request:
+        return Request(request_id, processed.prompt_token_ids, params, processed.max_tokens,
+                       self.model_config.eos_token_ids, cache_salt=processed.cache_salt)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -119,6 +129,7 @@ class LLMEngine:
         return text, token_ids
 
     def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)  # a leader, if any
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
         self.output_processor.abort(request_id)
@@ -137,6 +148,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if self.scheduler.has_unfinished_requests():  # only paused requests hold the blocks
+                raise RuntimeError("no request can be scheduled: the KV cache is full of paused requests")
             return []
         result = self.model_runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, result)

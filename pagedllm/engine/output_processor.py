@@ -94,7 +94,9 @@ class OutputProcessor:
             self._record_prompt_logprobs(parent, result.prompt_logprobs.get(request.request_id))
             if parent.queue_time is None and request.first_scheduled_time is not None:
                 parent.queue_time = request.first_scheduled_time - request.arrival_time
-            sample = parent.samples[request.request_id]
+            sample = parent.samples.get(request.request_id)
+            if sample is None:
+                continue  # the prompt's leader of parallel samples: only prompt logprobs
             new = request.output_token_ids[len(sample.token_ids):]  # the step's token, if any
             if new and self._record_token(sample, new[0], result.logprobs.get(request.request_id)):
                 stopped.append(request.request_id)

@@ -9,8 +9,9 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.engine.beam_search import BeamSearch
+from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -49,6 +50,11 @@ class LLM:
         prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The beam_width best continuations of each prompt, best first (see engine/beam_search.py)."""
+        prompts = [_prompt_input(p) for p in _as_prompt_list(prompts)]
+        return BeamSearch(self.engine, params).run(prompts)
 
     def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -1,6 +1,8 @@
 """ModelRunner: a SchedulerOutput -> batch tensors -> forward -> sampled tokens and logprobs."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
@@ -35,12 +37,22 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
+        self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self._prepare(output.scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         result = ModelRunnerOutput()
         self._sample(hidden, output.scheduled, meta, result)
         self._prompt_logprobs(hidden, output.scheduled, meta, result)
         return result
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         tokens: list[int] = []
@@ -71,18 +83,25 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], meta: AttentionMetadata,
                 result: ModelRunnerOutput) -> None:
-        rows = [i for i, r in enumerate(scheduled) if r.sample]
+        rows: list[int] = []
+        samplers: list[ScheduledRequest] = []
+        for i, r in enumerate(scheduled):
+            if r.sample:
+                # A request that forks parallel samples draws each one's first token from its row.
+                for child_id, params in r.fork_samples or [(r.request_id, r.sampling_params)]:
+                    rows.append(i)
+                    samplers.append(r if child_id == r.request_id else
+                                    dataclasses.replace(r, request_id=child_id, sampling_params=params))
         if not rows:
             return
         ends = meta.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[ends[rows]])
-        picked = [scheduled[i] for i in rows]
-        for r in picked:
+        for r in samplers:
             seed = r.sampling_params.seed
             if seed is not None and r.request_id not in self.generators:
                 self.generators[r.request_id] = torch.Generator(self.device).manual_seed(seed)
-        sampled = self.sampler(logits, picked, self.generators)
-        for r, token, logprobs in zip(picked, sampled.token_ids, sampled.logprobs):
+        sampled = self.sampler(logits, samplers, self.generators)
+        for r, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
             result.sampled_token_ids[r.request_id] = token
             if logprobs is not None:
                 result.logprobs[r.request_id] = logprobs

@@ -1,0 +1,141 @@
+"""Property tests of KV sharing in the pure-Python core, against a simulated KV cache.
+
+A fake model runner writes each token id into the slot the block tables give it (doing the
+copies the scheduler asks for first). Then whatever a request attends to must be its own tokens:
+that checks prefix hits, forks and copy-on-write at once. The manager runs in debug mode, so a
+write into a shared or cached block fails loudly.
+"""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 64
+
+
+class FakeRunner:
+    def __init__(self, kv: KVCacheManager, seed: int) -> None:
+        self.slots: dict[int, int] = {}  # slot -> token id written there
+        self.bs = kv.block_size
+        self.seed = seed
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        for src, dst in output.blocks_to_copy:
+            for offset in range(self.bs):
+                if src * self.bs + offset in self.slots:
+                    self.slots[dst * self.bs + offset] = self.slots[src * self.bs + offset]
+        result = ModelRunnerOutput()
+        for r in output.scheduled:
+            end = r.start_pos + len(r.new_token_ids)
+            for pos, token in zip(range(r.start_pos, end), r.new_token_ids):
+                self.slots[r.block_ids[pos // self.bs] * self.bs + pos % self.bs] = token
+            # Attention reads positions [0, end): they must hold exactly this request's tokens.
+            seen = [self.slots.get(r.block_ids[p // self.bs] * self.bs + p % self.bs) for p in range(end)]
+            assert seen == r.all_token_ids[:end], f"{r.request_id} reads foreign KV"
+            if r.sample:
+                for i, (rid, _) in enumerate(r.fork_samples or [(r.request_id, None)]):
+                    token = (sum(r.all_token_ids) * 31 + i + self.seed) % 50 + 3
+                    result.sampled_token_ids[rid] = token
+                    result.logprobs[rid] = TokenLogprobs([token, token, token + 1, token + 2], [-0.1, -0.1, -1.0, -2.0],
+                                                         [1, 1, 2, 3])
+        return result
+
+
+def _check_pool(kv: KVCacheManager, scheduler: Scheduler, runner: FakeRunner) -> None:
+    holders: dict[int, int] = {}
+    for blocks in kv.req_blocks.values():
+        for block in blocks:
+            holders[block.block_id] = holders.get(block.block_id, 0) + 1
+    for block in kv.pool.blocks:
+        assert block.ref_cnt == holders.get(block.block_id, 0)
+        assert kv.pool.is_free(block) == (block.ref_cnt == 0)
+        if block.block_hash is not None:
+            assert kv.pool.cached[block.block_hash] is block
+    for request in list(scheduler.running) + list(scheduler.paused.values()):
+        # A cached block holds exactly the tokens its hash was made from.
+        bs = kv.block_size
+        for i, (block, block_hash) in enumerate(zip(kv.req_blocks.get(request.request_id, []), request.block_hashes)):
+            if block.block_hash == block_hash:
+                held = [runner.slots.get(block.block_id * bs + o) for o in range(bs)]
+                assert held == request.all_token_ids[i * bs:(i + 1) * bs]
+
+
+workload = st.fixed_dictionaries({
+    "requests": st.lists(st.fixed_dictionaries({
+        "prefix": st.sampled_from([0, 3, 8, 20]),  # tokens shared with the common prefix
+        "own": st.integers(1, 15),
+        "max_tokens": st.integers(1, 12),
+        "n": st.sampled_from([1, 1, 2, 4]),
+        "beam": st.booleans(),
+        "arrival": st.integers(0, 8),
+        "abort_at": st.one_of(st.none(), st.integers(0, 20)),
+    }), min_size=1, max_size=8),
+    "block_size": st.sampled_from([1, 2, 4, 8]),
+    "spare": st.integers(0, 30),
+    "budget": st.integers(4, 40),
+    "caching": st.booleans(),
+    "seed": st.integers(0, 5),
+})
+
+
+@settings(max_examples=120, deadline=None)
+@given(workload)
+def test_sharing_never_leaks_and_reads_only_own_tokens(w):
+    bs = w["block_size"]
+    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, enable_prefix_caching=w["caching"], debug=True)
+    scheduler = Scheduler(SchedulerConfig(8, w["budget"], MAX_MODEL_LEN), kv)
+    runner = FakeRunner(kv, w["seed"])
+    common = list(range(100, 120))
+    beams: dict[str, str] = {}  # live beam request id -> its group
+    pending = sorted(enumerate(w["requests"]), key=lambda x: x[1]["arrival"])
+    ids = iter(range(10**6))
+    for step in range(3000):
+        while pending and pending[0][1]["arrival"] <= step:
+            i, spec = pending.pop(0)
+            prompt = common[:spec["prefix"]] + [200 + i] * spec["own"]
+            params = SamplingParams(n=spec["n"], max_tokens=spec["max_tokens"], seed=i)
+            request = Request(f"r{i}", prompt, params, spec["max_tokens"])
+            if spec["beam"]:
+                request.pause_after_sample = True
+                beams[request.request_id] = f"r{i}"
+            elif spec["n"] > 1:
+                request.fork_children = [(f"{c}_r{i}", params) for c in range(spec["n"])]
+            scheduler.add_request(request)
+        for i, spec in enumerate(w["requests"]):
+            if spec["abort_at"] == step:
+                for rid in [r for r in list(scheduler.requests) if r.endswith(f"r{i}") or beams.get(r) == f"r{i}"]:
+                    scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        if not scheduler.has_unfinished_requests():
+            # Every beam has paused: each group keeps two beams, forked from its first parents.
+            groups: dict[str, list[str]] = {}
+            for parent_id, group in beams.items():
+                groups.setdefault(group, []).append(parent_id)
+            beams.clear()
+            for group, parent_ids in groups.items():
+                parents = [scheduler.paused[p] for p in parent_ids if p in scheduler.paused]
+                pairs = [(p, t) for p in parents for t in p.last_logprobs.token_ids[1:3]][:2]
+                for parent, token in pairs:
+                    if parent.num_output_tokens + 1 < parent.max_tokens:
+                        child = scheduler.fork_paused(parent.request_id, f"b{next(ids)}", token)
+                        beams[child.request_id] = group
+                for parent in parents:
+                    scheduler.finish_request(parent.request_id, RequestStatus.FINISHED_ABORTED)
+            if not scheduler.has_unfinished_requests() and not pending:
+                break
+            continue
+        output = scheduler.schedule()
+        assert output.num_scheduled_tokens <= w["budget"]
+        scheduler.update(output, runner.execute(output))
+        _check_pool(kv, scheduler, runner)
+    else:
+        raise AssertionError("the workload never finished")
+    assert not scheduler.paused and not kv.req_blocks
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
