@@ -41,7 +41,7 @@ class EngineMetrics:
         self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
-        self._seen_preemptions = 0
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
 
     def observe_tokens(self, stream, count: int, now: float) -> None:
         """`count` tokens arrived for a request at `now` (one engine step's worth)."""
@@ -68,6 +68,10 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.kv_blocks_free.set(stats.kv_blocks_free)
-        self.preemptions.inc(stats.num_preemptions - self._seen_preemptions)
-        self._seen_preemptions = stats.num_preemptions
+        # The engine keeps running totals; the counters take what is new since the last scrape.
+        for key, counter, total in (("preemptions", self.preemptions, stats.num_preemptions),
+                                    ("queries", self.prefix_queries, stats.prefix_cache_queries),
+                                    ("hits", self.prefix_hits, stats.prefix_cache_hits)):
+            counter.inc(total - self._seen[key])
+            self._seen[key] = total
         return generate_latest(self.registry)

@@ -118,3 +118,22 @@ def test_beam_search_matches_transformers(llama_dir, beam_width, length_penalty)
         assert all(s.cum_logprob / 6 ** length_penalty == pytest.approx(s.score) for s in output.sequences)
     stats = llm.engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total and not llm.engine.scheduler.paused
+
+
+def test_cache_salt_keeps_prefixes_apart(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", block_size=BS)
+    engine = llm.engine
+    prompt = _prompts()[0]
+
+    def run(request_id: str, salt: str | None) -> None:
+        processed = engine.process_inputs(prompt, GREEDY)
+        processed.cache_salt = salt
+        engine.add_processed(request_id, processed)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    run("a", "alice")
+    run("b", "bob")
+    assert engine.stats().prefix_cache_hits == 0
+    run("c", "alice")
+    assert engine.stats().prefix_cache_hits == (len(prompt) - 1) // BS * BS

@@ -45,14 +45,15 @@ class OpenAIServing:
         if name is not None and name != self.model_name:
             raise APIError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def admit(self, prompts: list[str | list[int]], params: SamplingParams,
-              requested_max_tokens: int | None) -> list[ProcessedRequest]:
+    def admit(self, prompts: list[str | list[int]], params: SamplingParams, requested_max_tokens: int | None,
+              cache_salt: str | None = None) -> list[ProcessedRequest]:
         """Tokenize and validate every prompt before any is queued."""
         limit = self.engine.max_model_len
         processed = []
         for prompt in prompts:
             try:
                 item = self.engine.process_inputs(prompt, params)
+                item.cache_salt = cache_salt
             except ValueError as exc:
                 raise APIError(str(exc), param="prompt") from exc
             if requested_max_tokens is not None and len(item.prompt_token_ids) + requested_max_tokens > limit:

@@ -35,7 +35,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.logprobs and top is None:
             top = 0
         params = request.sampling_params(self.defaults, max_tokens, top, None)
-        processed = self.admit([prompt], params, max_tokens)
+        processed = self.admit([prompt], params, max_tokens, request.cache_salt)
         request_id = new_id("chatcmpl")
         streams = self.start(request_id, processed)
         run = _Run(self, request, request_id, len(prompt))
