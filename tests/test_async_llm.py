@@ -72,3 +72,23 @@ def test_dead_engine_fails_requests_and_health(engine):
     health, completion = asyncio.run(main())
     assert engine.is_dead and health.status_code == 503
     assert completion.status_code == 503 and completion.json()["error"]["type"] == "service_unavailable"
+
+
+def test_chat_without_template_is_a_clear_400_and_prefix_hits_reach_metrics(engine):
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(engine, "tiny"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            long_prompt = "the same long shared prefix " * 12
+            for _ in range(2):
+                ok = await client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 2})
+                assert ok.status_code == 200
+            metrics = (await client.get("/metrics")).text
+            engine.tokenizer.chat_template = None
+            chat = await client.post("/v1/chat/completions",
+                                     json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        return metrics, chat
+
+    metrics, chat = asyncio.run(main())
+    hits = [line for line in metrics.splitlines() if line.startswith("pagedllm:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) > 0
+    assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
