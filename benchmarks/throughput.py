@@ -1,95 +1,133 @@
-"""Offline throughput: N requests of fixed input/output length, all submitted at once.
+"""Offline throughput: every request submitted at once, greedy, EOS ignored.
 
-    python benchmarks/throughput.py --num-prompts 1 32 --input-len 32 --output-len 128 --baseline hf
+    python benchmarks/throughput.py --model /tmp/llama-250m --workload fixed --baseline hf
+    python benchmarks/throughput.py --workload all            # default model, all three workloads
 
-Prints a table (and writes JSON with --out). With --baseline hf, transformers' `generate` runs the
-same model and workload in the same process, and the table gives our speed as a ratio of its.
+Workloads: fixed (64 x 128 in x 128 out), variable (200 requests, heavy-tailed lengths, input
+4..1024, output 4..512), shared (64 requests sharing a 512-token prefix, 32 own tokens, 128 out).
+--baseline hf runs transformers `generate` on the same model and requests in the same process
+(static batches, left padding, prompts sorted by length; only requested tokens count as output)
+and prints our speed as a ratio of it. --engine vllm drives vLLM's offline API instead of ours,
+when the `vllm` package is importable (see ../shared/peers/README.md for its setup). For the
+fixed workload it also prints output tokens/s as a share of this machine's compute roofline
+(its model FLOPs at the bf16 matmul rate it measures).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from common import WORKLOADS, attention_flops, matmul_flops_per_token, measure_matmul_gflops
 
 
-def make_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(count)]
-
-
-def run_pagedllm(llm, prompts: list[list[int]], output_len: int) -> float:
+def run_pagedllm(llm, requests: list[tuple[list[int], int]]) -> float:
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in requests]
     return elapsed
 
 
-def run_hf(model, prompts: list[list[int]], output_len: int) -> float:
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+def run_vllm(llm, requests: list[tuple[list[int], int]]) -> float:
+    import vllm
+
+    params = [vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                       min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def run_hf(model, requests: list[tuple[list[int], int]], batch_size: int) -> float:
+    order = sorted(requests, key=lambda r: len(r[0]))
+    start = time.perf_counter()
+    for i in range(0, len(order), batch_size):
+        batch = order[i:i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        n = max(out for _, out in batch)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
     return time.perf_counter() - start
 
 
 def load_hf(model_config, dtype: torch.dtype):
+    import os
+
     from transformers import AutoModelForCausalLM
 
     path = model_config.path
-    if model_config.is_gguf:
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    kwargs = {"gguf_file": os.path.basename(path)} if model_config.is_gguf else {}
+    folder = os.path.dirname(path) if model_config.is_gguf else path
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).eval()
+
+
+def roofline_tok_s(model, config, requests, gflops: float) -> float:
+    """Output tokens/s if every FLOP of the workload ran at the measured matmul rate."""
+    per_token = matmul_flops_per_token(model)
+    total = 0
+    for prompt, out in requests:
+        tokens = len(prompt) + out
+        total += per_token * tokens + sum(attention_flops(config, c) for c in range(1, tokens + 1))
+    return sum(out for _, out in requests) / (total / (gflops * 1e9))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-prompts", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="fixed")
+    parser.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from pagedllm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype)
-    dtype = llm.engine.model_config.dtype
-    vocab = llm.engine.model_config.vocab_size
-    run_pagedllm(llm, make_prompts(vocab, 2, 8, 99), 4)  # warm-up: kernels loaded, caches touched
-    hf = load_hf(llm.engine.model_config, dtype) if args.baseline == "hf" else None
+    llm = LLM(args.model, dtype=args.dtype)  # also resolves the model and dtype for the others
+    engine = llm.engine
+    model_config, dtype = engine.model_config, engine.model_config.dtype
+    if args.engine == "vllm":
+        import vllm
+
+        llm = vllm.LLM(model=model_config.path, dtype=str(dtype).removeprefix("torch."))
+    run = run_vllm if args.engine == "vllm" else run_pagedllm
+    run(llm, [([5] * 8, 4)] * 2)  # warm-up
+    hf = load_hf(model_config, dtype) if args.baseline == "hf" else None
+    gflops = measure_matmul_gflops(dtype)
     rows = []
-    for count in args.num_prompts:
-        prompts = make_prompts(vocab, count, args.input_len, seed=count)
-        ours = run_pagedllm(llm, prompts, args.output_len)
-        row = {"num_prompts": count, "input_len": args.input_len, "output_len": args.output_len,
-               "dtype": str(dtype).removeprefix("torch."), "seconds": ours,
-               "output_tok_s": count * args.output_len / ours, "requests_s": count / ours}
+    for name in WORKLOADS if args.workload == "all" else [args.workload]:
+        requests = WORKLOADS[name](min(model_config.vocab_size, len(engine.tokenizer)))
+        seconds = run(llm, requests)
+        out_tokens = sum(n for _, n in requests)
+        all_tokens = out_tokens + sum(len(p) for p, _ in requests)
+        row = {"workload": name, "engine": args.engine, "dtype": str(dtype).removeprefix("torch."),
+               "requests": len(requests), "seconds": seconds, "requests_s": len(requests) / seconds,
+               "output_tok_s": out_tokens / seconds, "total_tok_s": all_tokens / seconds}
+        if name == "fixed":
+            row["roofline_pct"] = 100 * row["output_tok_s"] / roofline_tok_s(
+                engine.model_runner.model, model_config.hf_config, requests, gflops)
         if hf is not None:
-            theirs = run_hf(hf, prompts, args.output_len)
-            row["hf_output_tok_s"] = count * args.output_len / theirs
-            row["ratio_vs_hf"] = theirs / ours
+            row["hf_output_tok_s"] = out_tokens / run_hf(hf, requests, args.hf_batch_size)
+            row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         rows.append(row)
-    print(f"| requests | in | out | dtype | output tok/s | requests/s |" + (" HF tok/s | x HF |" if hf else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if hf else ""))
+    print(f"matmul {str(dtype).removeprefix('torch.')}: {gflops:.0f} GFLOP/s measured\n")
+    print("| workload | engine | dtype | requests | req/s | output tok/s | total tok/s | roofline | HF output tok/s | x HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        line = (f"| {r['num_prompts']} | {r['input_len']} | {r['output_len']} | {r['dtype']} | "
-                f"{r['output_tok_s']:.1f} | {r['requests_s']:.2f} |")
-        if hf:
-            line += f" {r['hf_output_tok_s']:.1f} | {r['ratio_vs_hf']:.2f} |"
-        print(line)
+        roofline = f"{r['roofline_pct']:.0f}%" if "roofline_pct" in r else ""
+        hf_tok_s = f"{r['hf_output_tok_s']:.1f}" if "x_hf" in r else ""
+        x_hf = f"{r['x_hf']:.2f}" if "x_hf" in r else ""
+        print(f"| {r['workload']} | {r['engine']} | {r['dtype']} | {r['requests']} | {r['requests_s']:.2f} | "
+              f"{r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {roofline} | {hf_tok_s} | {x_hf} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)

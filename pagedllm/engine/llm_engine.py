@@ -116,11 +116,12 @@ class LLMEngine:
             text = prompt
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids, text = list(prompt), None
-            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of vocabulary (size {self.model_config.vocab_size}): {bad[:5]}")
         else:
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        # Also for text: a tokenizer may know more tokens than the model has embeddings for.
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary (size {self.model_config.vocab_size}): {bad[:5]}")
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:

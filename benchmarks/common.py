@@ -1,0 +1,86 @@
+"""Helpers the benchmark scripts share: this machine's measured limits, workloads, model facts."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PAGEDLLM_NO_PROGRESS", "1")
+
+
+def measure_bandwidth_gbs(size_mib: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth: the best of a few full reductions over a buffer far larger than the caches."""
+    buf = torch.ones(size_mib * 1024 * 1024 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def measure_matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every matrix, but only one row of the embedding."""
+    total = 0
+    for name, param in model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            total += param.shape[1] * param.element_size()
+        else:
+            total += param.numel() * param.element_size()
+    tied = getattr(model, "tie_word_embeddings", False)
+    if tied:  # the embedding doubles as the output projection, read whole
+        total += model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    return total
+
+
+def matmul_flops_per_token(model: torch.nn.Module) -> int:
+    """2 x the parameters a token multiplies through (all but the embedding lookup)."""
+    params = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    if getattr(model, "tie_word_embeddings", False):
+        params += model.model.embed_tokens.weight.numel()
+    return 2 * params
+
+
+def attention_flops(config, context: int) -> int:
+    """QK^T and PV for one token attending to `context` tokens, all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 4 * config.num_hidden_layers * config.num_attention_heads * head_dim * context
+
+
+def fixed_workload(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab - 100) for _ in range(128)], 128) for _ in range(64)]
+
+
+def variable_workload(vocab: int, seed: int = 0, count: int = 200) -> list[tuple[list[int], int]]:
+    """Heavy-tailed lengths like ShareGPT's: input 4..1024, output 4..512 (log-normal, clipped)."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        n_in = min(1024, max(4, int(rng.lognormvariate(5.0, 1.0))))
+        n_out = min(512, max(4, int(rng.lognormvariate(4.8, 0.9))))
+        requests.append(([rng.randrange(100, vocab - 100) for _ in range(n_in)], n_out))
+    return requests
+
+
+def shared_prefix_workload(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, vocab - 100) for _ in range(512)]
+    return [(prefix + [rng.randrange(100, vocab - 100) for _ in range(32)], 128) for _ in range(64)]
+
+
+WORKLOADS = {"fixed": fixed_workload, "variable": variable_workload, "shared": shared_prefix_workload}

@@ -1,0 +1,98 @@
+"""Batch-1 latency: decode tokens/s and time to first token, against this machine's roofline.
+
+    python benchmarks/latency.py --model /tmp/llama-250m --baseline hf
+
+It measures the machine first (read bandwidth, bf16/fp32 matmul rate), then one request at a
+time: time to first token for a 32- and a 1,024-token prompt, and decode speed over 256 new
+tokens. Decode is memory-bound at batch 1: every step reads all weights once, so the roofline is
+bandwidth / weight bytes per token, and the script prints decode speed as a share of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from common import measure_bandwidth_gbs, measure_matmul_gflops, weight_bytes_per_token
+
+
+def ttft_and_decode(engine, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, decode tokens/s after it) for one request alone."""
+    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    start = time.perf_counter()
+    engine.add_request(None, prompt, params)
+    first = None
+    while engine.has_unfinished_requests():
+        if engine.step() and first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - start, (new_tokens - 1) / (end - first) if new_tokens > 1 else 0.0
+
+
+def hf_decode(model, prompt: list[int], new_tokens: int) -> float:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return (new_tokens - 1) / (time.perf_counter() - start - prefill)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--baseline", choices=["none", "hf"], default="none")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from pagedllm import LLM
+
+    engine = LLM(args.model, dtype=args.dtype).engine
+    model = engine.model_runner.model
+    dtype = engine.model_config.dtype
+    rng = random.Random(0)
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    prompt = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731
+    ttft_and_decode(engine, prompt(8), 4)  # warm-up
+
+    bandwidth = measure_bandwidth_gbs()
+    gflops = {d: measure_matmul_gflops(d) for d in (torch.bfloat16, torch.float32)}
+    weight_bytes = weight_bytes_per_token(model)
+    roofline = bandwidth * 1e9 / weight_bytes
+    ttft_short, decode = ttft_and_decode(engine, prompt(32), args.new_tokens)
+    ttft_long, _ = ttft_and_decode(engine, prompt(1024), 2)
+    result = {"dtype": str(dtype).removeprefix("torch."), "bandwidth_gbs": bandwidth,
+              "matmul_bf16_gflops": gflops[torch.bfloat16], "matmul_fp32_gflops": gflops[torch.float32],
+              "weight_mb_per_token": weight_bytes / 1e6, "roofline_tok_s": roofline, "decode_tok_s": decode,
+              "decode_roofline_pct": 100 * decode / roofline, "ttft_32_s": ttft_short, "ttft_1024_s": ttft_long}
+    if args.baseline == "hf":
+        from throughput import load_hf
+
+        result["hf_decode_tok_s"] = hf_decode(load_hf(engine.model_config, dtype), prompt(32), args.new_tokens)
+    print(f"machine: read bandwidth {bandwidth:.1f} GB/s, matmul bf16 {gflops[torch.bfloat16]:.0f} GFLOP/s, "
+          f"fp32 {gflops[torch.float32]:.0f} GFLOP/s")
+    print(f"model: {weight_bytes / 1e6:.0f} MB of {result['dtype']} weights read per token -> "
+          f"batch-1 decode roofline {roofline:.1f} tok/s\n")
+    print("| dtype | decode tok/s | % of roofline | TTFT 32 tok | TTFT 1024 tok | HF decode tok/s |")
+    print("|---|---|---|---|---|---|")
+    hf = f"{result['hf_decode_tok_s']:.1f}" if "hf_decode_tok_s" in result else ""
+    print(f"| {result['dtype']} | {decode:.1f} | {result['decode_roofline_pct']:.0f}% | {ttft_short * 1000:.0f} ms | "
+          f"{ttft_long * 1000:.0f} ms | {hf} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Write a random-weight Hugging Face Llama folder of a realistic shape, loadable by every engine.
+
+    python benchmarks/make_model.py --out /tmp/llama-250m
+
+Default shape: hidden 1024, 16 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 32000,
+bf16 (about 250M parameters). The tokenizer is the default model's (SmolLM2's, read from its
+GGUF), cut to the vocabulary; random weights make the text meaningless, not the timing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--num-layers", type=int, default=16)
+    parser.add_argument("--num-heads", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate-size", type=int, default=2816)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--max-position-embeddings", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pagedllm.models.loader import default_model_path
+
+    gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    if args.vocab_size < len(tokenizer):
+        # Keep the tokenizer whole but never emit ids past the model's vocabulary: prompts come as
+        # token ids in the benchmarks, and text decoding of random output is not timed.
+        print(f"note: tokenizer has {len(tokenizer)} tokens, the model {args.vocab_size}")
+    config = LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads, max_position_embeddings=args.max_position_embeddings,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.out}: {params / 1e6:.0f}M parameters, {args.dtype}")
+
+
+if __name__ == "__main__":
+    main()
