@@ -30,13 +30,23 @@ def _case(seq_lens, query_lens, block_size, heads=4, kv_heads=2, head_dim=32, dt
     return q, k_cache, v_cache, meta
 
 
+def _gather(cache: torch.Tensor, meta: AttentionMetadata, b: int, seq_len: int, q_len: int) -> torch.Tensor:
+    blocks = meta.block_tables[b, : -(-seq_len // cache.shape[1])].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[seq_len - q_len:seq_len]
+
+
 @pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size", [1, 16, 128])
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernel_matches_reference(dtype, tol, block_size, window):
-    # Decodes (q_len 1), a whole prefill, and a prefill chunk on top of cached context.
-    q, k, v, meta = _case(seq_lens=[1, 37, 200, 64], query_lens=[1, 1, 200, 20], block_size=block_size, dtype=dtype)
-    got = paged_attention(q, k, v, meta, 0.125, window)
+    # Decodes (q_len 1), whole prefills (the fused path), and a prefill chunk on cached context.
+    q, k, v, meta = _case(seq_lens=[1, 37, 200, 64, 9], query_lens=[1, 1, 200, 20, 9], block_size=block_size,
+                          dtype=dtype)
+    # This step's K/V of each sequence, as the model passes them (the fresh prompt's own keys).
+    lens = list(enumerate(zip(meta.seq_lens_list, meta.query_lens_list)))
+    fresh_k = torch.cat([_gather(k, meta, b, n, q_len) for b, (n, q_len) in lens])
+    fresh_v = torch.cat([_gather(v, meta, b, n, q_len) for b, (n, q_len) in lens])
+    got = paged_attention(q, fresh_k, fresh_v, k, v, meta, 0.125, window)
     want = paged_attention_reference(q.float(), k.float(), v.float(), meta, 0.125, window)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

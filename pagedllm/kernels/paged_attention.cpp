@@ -59,7 +59,7 @@ template <typename T>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
          const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
-         int64_t sliding_window) {
+         int64_t sliding_window, bool skip_fresh) {
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -69,12 +69,14 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t num_seqs = seq_lens.size(0);
 
-  // Which sequence each query token belongs to, and its absolute position.
+  // Which sequence each query token belongs to, and its absolute position. With skip_fresh,
+  // prompts computed whole in this step (no cached context) are left to the caller.
   std::vector<int64_t> seq_of(num_tokens), pos_of(num_tokens);
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
+    const bool skip = skip_fresh && q_len > 1 && q_len == lens[b];
     for (int64_t t = qsl[b]; t < qsl[b + 1]; ++t) {
-      seq_of[t] = b;
+      seq_of[t] = skip ? -1 : b;
       pos_of[t] = lens[b] - q_len + (t - qsl[b]);
     }
   }
@@ -89,6 +91,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     std::vector<float> qf(d), acc(d), scores(max_block);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t t = work / num_heads, h = work % num_heads;
+      if (seq_of[t] < 0) continue;
       const int64_t pos = pos_of[t];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
       const int64_t kv_head = h / group;
@@ -104,15 +107,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                     int64_t sliding_window) {
+                     int64_t sliding_window, bool skip_fresh) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs expected");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
               query_start_loc.scalar_type() == torch::kInt32, "int32 metadata expected");
   switch (q.scalar_type()) {
-    case torch::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window); break;
-    case torch::kBFloat16: run<at::BFloat16>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window); break;
-    case torch::kHalf: run<at::Half>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window); break;
+    case torch::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh); break;
+    case torch::kBFloat16: run<at::BFloat16>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh); break;
+    case torch::kHalf: run<at::Half>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh); break;
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
 }

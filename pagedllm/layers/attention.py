@@ -27,16 +27,40 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> same shape; k, v: this step's keys and values.
+
+    Prompts computed whole in this step (no cached context, no window) take PyTorch's fused
+    causal attention on their own K/V; every other token reads the paged cache in the kernel."""
     ops = cpu_ops() if q.device.type == "cpu" else None
     if ops is None:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window)
     out = torch.empty_like(q)
+    fresh = not sliding_window
     ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.block_tables,
-                        meta.query_start_loc, meta.seq_lens, scale, sliding_window or 0)
+                        meta.query_start_loc, meta.seq_lens, scale, sliding_window or 0, fresh)
+    if fresh:
+        start = 0
+        for seq_len, q_len in zip(meta.seq_lens_list, meta.query_lens_list):
+            if 1 < q_len == seq_len:
+                span = slice(start, start + q_len)
+                out[span] = _causal_attention(q[span], k[span], v[span], scale)
+            start += q_len
     return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """[L, H, D] x [L, KVH, D] -> [L, H, D], causal. K/V heads are repeated for the query groups:
+    PyTorch's fused CPU kernel takes 4-D inputs of equal head counts (enable_gqa falls back to
+    the slow math path, 5x slower here)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+                                         is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -60,7 +60,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
