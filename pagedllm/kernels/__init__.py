@@ -20,7 +20,7 @@ def cpu_ops() -> ModuleType | None:
 
         return load(
             name="pagedllm_cpu_ops",
-            sources=[os.path.join(_DIR, "paged_attention.cpp")],
+            sources=[os.path.join(_DIR, "paged_attention.cpp"), os.path.join(_DIR, "gemv_bf16.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

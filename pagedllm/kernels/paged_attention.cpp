@@ -120,6 +120,11 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   }
 }
 
+bool has_avx512_bf16();
+void gemv_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)");
+  m.def("gemv_bf16", &gemv_bf16, "out = x @ w.T for a few rows of x, bf16 (AVX512-BF16)");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether gemv_bf16 was built with AVX512-BF16");
 }
