@@ -1,8 +1,16 @@
-"""RMSNorm with Hugging Face's numerics: normalize in fp32, scale in the model dtype."""
+"""RMSNorm with Hugging Face's numerics (normalize in fp32, scale in the model dtype), fused with
+the residual add before it where the C++ kernels are at hand."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedllm.kernels import cpu_ops
+
+
+def _fused(x: torch.Tensor):
+    ops = cpu_ops() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    return ops if ops is not None and x.is_contiguous() else None
 
 
 class RMSNorm(nn.Module):
@@ -12,6 +20,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _fused(x)
+        if ops is not None:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, None, self.weight, self.eps)
+            return out
+        return self.reference(x)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its norm); the sum is written into `residual` when fused."""
+        ops = _fused(residual)
+        if ops is not None:
+            out = torch.empty_like(residual)
+            ops.rms_norm(out, residual, delta, self.weight, self.eps)
+            return residual, out
+        residual = residual + delta
+        return residual, self.reference(residual)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

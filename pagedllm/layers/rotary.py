@@ -1,8 +1,12 @@
 """Rotary position embedding (neox / rotate-half layout, as Hugging Face Llama applies it)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from pagedllm.kernels import cpu_ops
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -38,11 +42,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> RopeTables:
+        return RopeTables(self.cos[positions], self.sin[positions])
+
+
+@dataclass
+class RopeTables:
+    """cos and sin (fp32, [num_tokens, head_dim]) at this step's positions."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def apply_rotary(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; rotated in place where the C++ kernel can, else copied."""
+    ops = cpu_ops() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    if ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        ops.rotary_embedding(x, rope.cos, rope.sin)
+        return x
+    return apply_rotary_reference(x, rope)
+
+
+def apply_rotary_reference(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    cos, sin = rope.cos.unsqueeze(1).to(x.dtype), rope.sin.unsqueeze(1).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

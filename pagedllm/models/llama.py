@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from pagedllm.layers.linear import Linear, linear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.activation import silu_and_mul
+from pagedllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -33,7 +33,7 @@ def _sliding_windows(config) -> list[int | None]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int | None) -> None:
+    def __init__(self, config, sliding_window: int | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -47,19 +47,17 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
         self.sliding_window = sliding_window
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -73,30 +71,35 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int | None) -> None:
+    def __init__(self, config, sliding_window: int | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary, sliding_window)
+        self.self_attn = Attention(config, sliding_window)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output; residual: the running sum (None before layer 0)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            residual, x = self.input_layernorm.add_and_norm(residual, x)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        residual, x = self.post_attention_layernorm.add_and_norm(residual, x)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config, _head_dim(config), max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, w) for w in _sliding_windows(config))
+        self.rotary = RotaryEmbedding(config, _head_dim(config), max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, w) for w in _sliding_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -115,10 +118,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
+        rope = self.model.rotary.tables(positions)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.model.norm.add_and_norm(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

@@ -1,0 +1,114 @@
+// Fused elementwise work of a decoder layer, one pass each instead of a chain of small ops:
+// RMSNorm (with the residual add before it), SiLU-and-mul, rotary embedding in place.
+// Each rounds to the tensor dtype exactly where PyTorch's op-by-op version does, so results
+// match the torch references in layers/ bit for bit in float32 and in bfloat16.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+// out = w * to_dtype(x * rsqrt(mean(x^2) + eps)); with `residual`, x = residual += delta first.
+template <typename T>
+void rms_rows(T* out, T* x, const T* delta, const T* w, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * n;
+      if (delta != nullptr) {
+        const T* dr = delta + r * n;
+        for (int64_t i = 0; i < n; ++i) xr[i] = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+      T* outr = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const T normed = round_to<T>(static_cast<float>(xr[i]) * inv);
+        outr[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float gf = static_cast<float>(g[i]);
+        const T act = round_to<T>(gf / (1.f + std::exp(-gf)));
+        o[i] = round_to<T>(static_cast<float>(act) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// x[t, h, :] = x * cos + rotate_half(x) * sin, each product and the sum rounded to T.
+template <typename T>
+void rotary_rows(T* x, int64_t token_stride, int64_t heads, int64_t d, const float* cos, const float* sin,
+                 int64_t tokens) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + t * d;
+      const float* s = sin + t * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * token_stride + h * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
+          const float ci = static_cast<float>(round_to<T>(c[i])), si = static_cast<float>(round_to<T>(s[i]));
+          const float cj = static_cast<float>(round_to<T>(c[i + half]));
+          const float sj = static_cast<float>(round_to<T>(s[i + half]));
+          const float lo = static_cast<float>(round_to<T>(a * ci)) + static_cast<float>(round_to<T>(-b * si));
+          const float hi = static_cast<float>(round_to<T>(b * cj)) + static_cast<float>(round_to<T>(a * sj));
+          v[i] = round_to<T>(lo);
+          v[i + half] = round_to<T>(hi);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+#define DISPATCH(dtype, NAME, ...)                                                     \
+  switch (dtype) {                                                                     \
+    case torch::kFloat: { using scalar = float; __VA_ARGS__; break; }                 \
+    case torch::kBFloat16: { using scalar = at::BFloat16; __VA_ARGS__; break; }       \
+    default: TORCH_CHECK(false, NAME, ": unsupported dtype ", dtype);                 \
+  }
+
+// out = rms_norm(x); with delta given, x += delta first (x is the residual stream, updated).
+void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+              double eps) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "contiguous tensors expected");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  DISPATCH(x.scalar_type(), "rms_norm",
+           rms_rows<scalar>(out.data_ptr<scalar>(), x.data_ptr<scalar>(),
+                            delta.has_value() ? delta->contiguous().data_ptr<scalar>() : nullptr,
+                            weight.data_ptr<scalar>(), rows, n, static_cast<float>(eps)))
+}
+
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
+  const int64_t n = out.size(-1), rows = out.numel() / n;
+  DISPATCH(out.scalar_type(), "silu_and_mul", silu_mul_rows<scalar>(out.data_ptr<scalar>(),
+                                                                    gate_up.data_ptr<scalar>(), rows, n))
+}
+
+// x: [tokens, heads, d] with unit stride in d and d-stride between heads (a view into qkv is fine).
+void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "heads must be packed within a token");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(), "fp32 tables");
+  DISPATCH(x.scalar_type(), "rotary_embedding",
+           rotary_rows<scalar>(x.data_ptr<scalar>(), x.stride(0), x.size(1), x.size(2), cos.data_ptr<float>(),
+                               sin.data_ptr<float>(), x.size(0)))
+}
