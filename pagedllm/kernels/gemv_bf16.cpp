@@ -1,6 +1,7 @@
-// Skinny bf16 matrix products for decode: out[m, o] = sum_i x[m, i] * w[o, i], for a few rows m.
-// At batch sizes this small the work is reading w once from memory; this streams it with
-// AVX512-BF16 dot products (fp32 accumulation), four weight rows at a time, across threads.
+// Skinny bf16 matrix products for decode: out[m, o] = sum_i x[m, i] * w[o, i], for up to a few
+// dozen rows m. At such sizes oneDNN's GEMM is slow on this layout, and the work is mostly reading
+// w once: this streams it with AVX512-BF16 dot products (fp32 accumulation) in 4x4 tiles of
+// (weight rows x input rows), across threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,23 +19,46 @@ bool has_avx512_bf16() {
 namespace {
 
 constexpr int64_t kRows = 4;  // weight rows in flight: four streams keep the prefetchers busy
+constexpr int64_t kCols = 4;  // rows of x per pass: 16 accumulators, each load used 4 times
 
 inline __m512bh load_bf16(const at::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
 
-// Rows [r0, r0 + kRows) of w against every row of x.
+// out[b, r0 + j] for j < rows (<= kRows) and b in [b0, b0 + cols) (cols <= kCols).
+template <int64_t R, int64_t C>
+inline void tile(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* w, int64_t r0, int64_t b0,
+                 int64_t in, int64_t out_stride) {
+  __m512 acc[R][C];
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t b = 0; b < C; ++b) acc[j][b] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; i += 32) {
+    __m512bh xv[C];
+    for (int64_t b = 0; b < C; ++b) xv[b] = load_bf16(x + (b0 + b) * in + i);
+    for (int64_t j = 0; j < R; ++j) {
+      const __m512bh wv = load_bf16(w + (r0 + j) * in + i);
+      for (int64_t b = 0; b < C; ++b) acc[j][b] = _mm512_dpbf16_ps(acc[j][b], wv, xv[b]);
+    }
+  }
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t b = 0; b < C; ++b)
+      out[(b0 + b) * out_stride + r0 + j] = at::BFloat16(_mm512_reduce_add_ps(acc[j][b]));
+}
+
+template <int64_t R>
+void rows_block(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* w, int64_t r0, int64_t m,
+                int64_t in, int64_t out_stride) {
+  int64_t b = 0;
+  for (; b + kCols <= m; b += kCols) tile<R, kCols>(out, x, w, r0, b, in, out_stride);
+  for (; b < m; ++b) tile<R, 1>(out, x, w, r0, b, in, out_stride);
+}
+
 void block(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* w, int64_t r0, int64_t rows,
            int64_t m, int64_t in, int64_t out_stride) {
-  for (int64_t b = 0; b < m; ++b) {
-    const at::BFloat16* xb = x + b * in;
-    __m512 acc[kRows];
-    for (int64_t j = 0; j < kRows; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < in; i += 32) {
-      const __m512bh xv = load_bf16(xb + i);
-      for (int64_t j = 0; j < rows; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], load_bf16(w + (r0 + j) * in + i), xv);
-    }
-    for (int64_t j = 0; j < rows; ++j) out[b * out_stride + r0 + j] = at::BFloat16(_mm512_reduce_add_ps(acc[j]));
+  if (rows == kRows) {
+    rows_block<kRows>(out, x, w, r0, m, in, out_stride);
+  } else {
+    for (int64_t j = 0; j < rows; ++j) rows_block<1>(out, x, w, r0 + j, m, in, out_stride);
   }
 }
 
