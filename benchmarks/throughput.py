@@ -91,21 +91,27 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedllm import LLM
+    from pagedllm.models.loader import load_model_config, load_tokenizer
+    from pagedllm.models.registry import model_class
 
-    llm = LLM(args.model, dtype=args.dtype)  # also resolves the model and dtype for the others
-    engine = llm.engine
-    model_config, dtype = engine.model_config, engine.model_config.dtype
+    model_config = load_model_config(args.model, args.dtype, None, "cpu")
+    dtype = model_config.dtype
+    vocab = min(model_config.vocab_size, len(load_tokenizer(model_config)))
     if args.engine == "vllm":
         import vllm
 
         llm = vllm.LLM(model=model_config.path, dtype=str(dtype).removeprefix("torch."))
+    else:
+        llm = LLM(args.model, dtype=args.dtype)
+    with torch.device("meta"):  # the model's shapes, for its FLOPs, without its weights
+        shapes = model_class(model_config.hf_config)(model_config.hf_config, 1)
     run = run_vllm if args.engine == "vllm" else run_pagedllm
     run(llm, [([5] * 8, 4)] * 2)  # warm-up
     hf = load_hf(model_config, dtype) if args.baseline == "hf" else None
     gflops = measure_matmul_gflops(dtype)
     rows = []
     for name in WORKLOADS if args.workload == "all" else [args.workload]:
-        requests = WORKLOADS[name](min(model_config.vocab_size, len(engine.tokenizer)))
+        requests = WORKLOADS[name](vocab)
         seconds = run(llm, requests)
         out_tokens = sum(n for _, n in requests)
         all_tokens = out_tokens + sum(len(p) for p, _ in requests)
@@ -113,8 +119,8 @@ def main() -> None:
                "requests": len(requests), "seconds": seconds, "requests_s": len(requests) / seconds,
                "output_tok_s": out_tokens / seconds, "total_tok_s": all_tokens / seconds}
         if name == "fixed":
-            row["roofline_pct"] = 100 * row["output_tok_s"] / roofline_tok_s(
-                engine.model_runner.model, model_config.hf_config, requests, gflops)
+            row["roofline_pct"] = 100 * row["output_tok_s"] / roofline_tok_s(shapes, model_config.hf_config,
+                                                                             requests, gflops)
         if hf is not None:
             row["hf_output_tok_s"] = out_tokens / run_hf(hf, requests, args.hf_batch_size)
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
