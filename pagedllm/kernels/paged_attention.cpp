@@ -8,86 +8,51 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
   return s;
 }
 
 template <typename T>
-inline void to_float(float* __restrict out, const T* __restrict in, int64_t d) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    // bf16 is the high half of an fp32: widen by shifting, which vectorizes.
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(in);
-    uint32_t* wide = reinterpret_cast<uint32_t*>(out);
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) wide[i] = static_cast<uint32_t>(bits[i]) << 16;
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(in[i]);
-  }
-}
-
-// Scratch for one (token, KV head) work item: the `group` query heads that share the KV head are
-// served together, so each K and V row is read and widened to fp32 once for all of them.
-struct Scratch {
-  std::vector<float> q, acc, scores, row, max, denom;
-  Scratch(int64_t group, int64_t d, int64_t block_size)
-      : q(group * d), acc(group * d), scores(group * block_size), row(d), max(group), denom(group) {}
-};
-
-template <typename T>
-void attend_group(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos,
-                  int64_t first, int64_t block_size, int64_t token_stride, int64_t group, int64_t d, float scale,
-                  Scratch& s) {
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t i = 0; i < d; ++i) s.q[g * d + i] = static_cast<float>(q[g * d + i]) * scale;
-    s.max[g] = -std::numeric_limits<float>::infinity();
-    s.denom[g] = 0.f;
-  }
-  std::fill(s.acc.begin(), s.acc.end(), 0.f);
-  // Walk the context one block at a time (online softmax): scores for the block, one rescale.
+void attend_one(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                int64_t pos, int64_t first, int64_t block_size, int64_t token_stride,
+                int64_t d, float scale, std::vector<float>& qf, std::vector<float>& acc,
+                std::vector<float>& scores) {
+  for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  std::fill(acc.begin(), acc.end(), 0.f);
+  float running_max = -std::numeric_limits<float>::infinity();
+  float denom = 0.f;
+  // Walk the context one block at a time: scores for the block, then one rescale of acc.
   for (int64_t start = first - first % block_size; start <= pos; start += block_size) {
-    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos), n = hi - lo + 1;
+    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos);
     const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size;
+    float block_max = running_max;
     for (int64_t j = lo; j <= hi; ++j) {
-      to_float(s.row.data(), k_cache + (base + j - start) * token_stride, d);
-      for (int64_t g = 0; g < group; ++g) s.scores[g * block_size + j - lo] = dot(s.q.data() + g * d, s.row.data(), d);
+      const float s = dot(qf.data(), k_cache + (base + j - start) * token_stride, d);
+      scores[j - lo] = s;
+      block_max = std::max(block_max, s);
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sc = s.scores.data() + g * block_size;
-      const float block_max = std::max(s.max[g], *std::max_element(sc, sc + n));
-      const float correction = std::exp(s.max[g] - block_max);
-      s.denom[g] *= correction;
-      float* acc = s.acc.data() + g * d;
-      for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
-      for (int64_t j = 0; j < n; ++j) {
-        sc[j] = std::exp(sc[j] - block_max);
-        s.denom[g] += sc[j];
-      }
-      s.max[g] = block_max;
-    }
-    float* __restrict row = s.row.data();
+    const float correction = std::exp(running_max - block_max);
+    denom *= correction;
+    for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
     for (int64_t j = lo; j <= hi; ++j) {
-      to_float(row, v_cache + (base + j - start) * token_stride, d);
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = s.scores[g * block_size + j - lo];
-        float* __restrict acc = s.acc.data() + g * d;
+      const float p = std::exp(scores[j - lo] - block_max);
+      denom += p;
+      const T* v = v_cache + (base + j - start) * token_stride;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc[i] += p * row[i];
-      }
+      for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
     }
+    running_max = block_max;
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / s.denom[g];
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<T>(s.acc[g * d + i] * inv);
-  }
+  const float inv = 1.f / denom;
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(acc[i] * inv);
 }
 
 template <typename T>
@@ -120,18 +85,19 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_block = block_size;
 
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(group, d, block_size);
+  at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(d), acc(d), scores(max_block);
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t t = work / num_kv_heads, kv_head = work % num_kv_heads;
+      const int64_t t = work / num_heads, h = work % num_heads;
       if (seq_of[t] < 0) continue;
       const int64_t pos = pos_of[t];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
-      const int64_t head0 = kv_head * group;  // query heads [head0, head0 + group) read this KV head
-      attend_group<T>(op + (t * num_heads + head0) * d, qp + (t * num_heads + head0) * d, kp + kv_head * d,
-                      vp + kv_head * d, tables + seq_of[t] * table_stride, pos, first, block_size, token_stride,
-                      group, d, static_cast<float>(scale), scratch);
+      const int64_t kv_head = h / group;
+      attend_one<T>(op + (t * num_heads + h) * d, qp + (t * num_heads + h) * d,
+                    kp + kv_head * d, vp + kv_head * d, tables + seq_of[t] * table_stride, pos,
+                    first, block_size, token_stride, d, static_cast<float>(scale), qf, acc, scores);
     }
   });
 }
