@@ -96,6 +96,7 @@ def main() -> None:
 
     model_config = load_model_config(args.model, args.dtype, None, "cpu")
     dtype = model_config.dtype
+    gflops = measure_matmul_gflops(dtype)  # before any engine holds threads or memory
     vocab = min(model_config.vocab_size, len(load_tokenizer(model_config)))
     if args.engine == "vllm":
         import vllm
@@ -108,7 +109,6 @@ def main() -> None:
     run = run_vllm if args.engine == "vllm" else run_pagedllm
     run(llm, [([5] * 8, 4)] * 2)  # warm-up
     hf = load_hf(model_config, dtype) if args.baseline == "hf" else None
-    gflops = measure_matmul_gflops(dtype)
     rows = []
     for name in WORKLOADS if args.workload == "all" else [args.workload]:
         requests = WORKLOADS[name](vocab)

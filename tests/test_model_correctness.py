@@ -54,3 +54,29 @@ def test_default_model_matches_transformers_gguf_loader():
         ours = [entry[t].logprob for entry, t in zip(output.outputs[0].logprobs, tokens)]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
     assert outputs[0].outputs[0].text.startswith(" Paris")
+
+
+def test_pure_torch_path_gives_the_same_greedy_tokens(tiny_models):
+    """Without the C++ kernels (as on a GPU, or with no compiler) every layer takes its torch
+    reference: the same greedy tokens must come out."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_models["qwen3"]
+    prompts = prompts_of_mixed_lengths(49152, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", block_size=4)
+    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+    script = (
+        "import json, sys; from pagedllm import LLM, SamplingParams\n"
+        f"llm = LLM({path!r}, dtype='float32', kv_cache_memory='16MiB', block_size=4)\n"
+        f"out = llm.generate([{{'prompt_token_ids': p}} for p in {prompts!r}],"
+        " SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)\n"
+        "print(json.dumps([o.outputs[0].token_ids for o in out]))\n")
+    env = {**os.environ, "PAGEDLLM_NO_KERNELS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ours
