@@ -131,8 +131,8 @@ def main() -> None:
         if process is not None:
             process.terminate()
             process.wait(timeout=60)
-    print(f"| requests | rate | req/s | output tok/s | TTFT mean/median/p99 ms | TPOT median ms | "
-          f"ITL median ms | E2E median s | /health median/max ms |")
+    print("| requests | rate | req/s | output tok/s | TTFT mean/median/p99 ms | TPOT median ms | "
+          "ITL median ms | E2E median s | /health median/max ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     r = result
     print(f"| {r['requests']} | {args.request_rate} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "

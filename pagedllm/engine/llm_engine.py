@@ -69,7 +69,6 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len")
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks,
                     args.block_size, tokens, num_blocks * per_block / 2**30)
-        self.kv_cache_summary = (num_blocks, args.block_size, tokens, num_blocks * per_block)
         return num_blocks
 
     # -- requests ------------------------------------------------------------------------------

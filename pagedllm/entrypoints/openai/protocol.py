@@ -18,9 +18,12 @@ class APIError(Exception):
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
 
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
 def error_response(error: APIError) -> JSONResponse:
-    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
-    return JSONResponse(body, status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 class _Request(BaseModel):

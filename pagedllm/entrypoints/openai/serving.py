@@ -119,6 +119,38 @@ async def _interleave(streams: list[RequestStream]) -> AsyncIterator[tuple[int, 
             task.cancel()
 
 
+class Run:
+    """One request's outputs turned into OpenAI's chunks: the framing both endpoints share."""
+    object_name = ""  # of a chunk
+
+    def __init__(self, serving: OpenAIServing, request, request_id: str, num_prompt_tokens: int) -> None:
+        self.serving, self.request, self.id = serving, request, request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.completion_tokens = 0  # counted by events()
+        self.created = serving.created()
+
+    def events(self, outputs: AsyncIterator) -> AsyncIterator[dict]:
+        raise NotImplementedError
+
+    async def stream(self, outputs: AsyncIterator) -> AsyncIterator[str]:
+        """SSE: the chunks, the usage chunk when asked, an error event if one came, then [DONE]."""
+        try:
+            async for chunk in self.events(outputs):
+                yield sse(chunk)
+            if self.request.include_usage:
+                yield sse(self.chunk([], usage(self.num_prompt_tokens, self.completion_tokens)))
+        except APIError as exc:
+            yield sse(exc.body())
+        yield sse("[DONE]")
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": self.object_name, "created": self.created,
+                 "model": self.serving.model_name, "choices": choices}
+        if self.request.include_usage:
+            chunk["usage"] = usage_
+        return chunk
+
+
 def accumulate(choices: dict[int, Choice], index: int, output) -> Choice:
     choice = choices.setdefault(index, Choice())
     choice.text += output.text

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, accumulate, merge, new_id, sse,
+from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, merge, new_id,
                                                  top_entries, usage)
 from pagedllm.outputs import Logprob
 
@@ -44,12 +44,8 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(await run.collect(merge(streams)))
 
 
-class _Run:
-    def __init__(self, serving: OpenAIServingChat, request: ChatCompletionRequest, request_id: str,
-                 num_prompt_tokens: int) -> None:
-        self.serving, self.request, self.id = serving, request, request_id
-        self.num_prompt_tokens = num_prompt_tokens
-        self.created = serving.created()
+class _Run(Run):
+    object_name = "chat.completion.chunk"
 
     async def collect(self, outputs: AsyncIterator) -> dict:
         choices: dict[int, Choice] = {}
@@ -64,36 +60,20 @@ class _Run:
                 "model": self.serving.model_name, "choices": body,
                 "usage": usage(self.num_prompt_tokens, completion_tokens)}
 
-    async def stream(self, outputs: AsyncIterator) -> AsyncIterator[str]:
+    async def events(self, outputs: AsyncIterator) -> AsyncIterator[dict]:
         for index in range(self.request.n):  # the role first, for every choice
-            yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]))
-        completion_tokens = 0
-        try:
-            async for _, output in outputs:
-                for sample in output.outputs:
-                    completion_tokens += len(sample.token_ids)
-                    if sample.text or sample.token_ids:
-                        yield sse(self._chunk([{
-                            "index": sample.index, "delta": {"content": sample.text},
-                            "logprobs": self._logprobs(sample.token_ids, sample.logprobs or []),
-                            "finish_reason": None}]))
-                    if sample.finish_reason is not None:  # the finish reason last, with an empty delta
-                        yield sse(self._chunk([{"index": sample.index, "delta": {}, "logprobs": None,
-                                                "finish_reason": sample.finish_reason,
-                                                "stop_reason": sample.stop_reason}]))
-            if self.request.include_usage:
-                yield sse(self._chunk([], usage(self.num_prompt_tokens, completion_tokens)))
-        except APIError as exc:
-            yield sse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
-        yield sse("[DONE]")
-
-    def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.serving.model_name, "choices": choices}
-        if self.request.include_usage:
-            chunk["usage"] = usage_
-        return chunk
+            yield self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}])
+        async for _, output in outputs:
+            for sample in output.outputs:
+                self.completion_tokens += len(sample.token_ids)
+                if sample.text or sample.token_ids:
+                    yield self.chunk([{"index": sample.index, "delta": {"content": sample.text},
+                                       "logprobs": self._logprobs(sample.token_ids, sample.logprobs or []),
+                                       "finish_reason": None}])
+                if sample.finish_reason is not None:  # the finish reason last, with an empty delta
+                    yield self.chunk([{"index": sample.index, "delta": {}, "logprobs": None,
+                                       "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}])
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict | None:
         if not self.request.logprobs:

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import APIError, CompletionRequest
-from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, accumulate, merge, new_id, sse,
+from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, merge, new_id,
                                                  top_entries, usage)
 from pagedllm.outputs import Logprob
 
@@ -26,21 +26,20 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = self.start(request_id, processed)
         prompt_texts = [p.prompt if p.prompt is not None else self.engine.tokenizer.decode(p.prompt_token_ids)
                         for p in processed]
-        prompt_ids = [p.prompt_token_ids for p in processed]
-        run = _Run(self, request, request_id, prompt_texts, prompt_ids)
+        run = _Run(self, request, request_id, prompt_texts, [p.prompt_token_ids for p in processed])
         if request.stream:
             return StreamingResponse(run.stream(merge(streams)), media_type="text/event-stream")
         return JSONResponse(await run.collect(merge(streams)))
 
 
-class _Run:
+class _Run(Run):
     """One completion request's outputs, turned into OpenAI's response or chunks."""
+    object_name = "text_completion"
 
     def __init__(self, serving: OpenAIServingCompletion, request: CompletionRequest, request_id: str,
                  prompt_texts: list[str], prompt_ids: list[list[int]]) -> None:
-        self.serving, self.request, self.id = serving, request, request_id
+        super().__init__(serving, request, request_id, sum(map(len, prompt_ids)))
         self.prompt_texts, self.prompt_ids = prompt_texts, prompt_ids
-        self.created = serving.created()
         self.offsets: dict[int, int] = {}  # choice -> text offset of its next token
 
     def _index(self, prompt_index: int, sample_index: int) -> int:
@@ -72,37 +71,22 @@ class _Run:
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.serving.model_name, "choices": body,
-                "usage": usage(sum(map(len, self.prompt_ids)), completion_tokens)}
+                "usage": usage(self.num_prompt_tokens, completion_tokens)}
 
-    async def stream(self, outputs: AsyncIterator) -> AsyncIterator[str]:
+    async def events(self, outputs: AsyncIterator) -> AsyncIterator[dict]:
         started: set[int] = set()
-        completion_tokens = 0
-        try:
-            async for prompt_index, output in outputs:
-                for sample in output.outputs:
-                    index = self._index(prompt_index, sample.index)
-                    text, ids, entries = "", [], []
-                    if index not in started:
-                        started.add(index)
-                        text, ids, entries = self._echo(prompt_index, output)
-                    completion_tokens += len(sample.token_ids)
-                    choice = {"index": index, "text": text + sample.text,
-                              "logprobs": self._logprobs(index, ids + sample.token_ids,
-                                                         entries + (sample.logprobs or [])),
-                              "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
-                    yield sse(self._chunk([choice]))
-            if self.request.include_usage:
-                yield sse(self._chunk([], usage(sum(map(len, self.prompt_ids)), completion_tokens)))
-        except APIError as exc:
-            yield sse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
-        yield sse("[DONE]")
-
-    def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                 "model": self.serving.model_name, "choices": choices}
-        if self.request.include_usage:
-            chunk["usage"] = usage_
-        return chunk
+        async for prompt_index, output in outputs:
+            for sample in output.outputs:
+                index = self._index(prompt_index, sample.index)
+                text, ids, entries = "", [], []
+                if index not in started:
+                    started.add(index)
+                    text, ids, entries = self._echo(prompt_index, output)
+                self.completion_tokens += len(sample.token_ids)
+                yield self.chunk([{"index": index, "text": text + sample.text,
+                                   "logprobs": self._logprobs(index, ids + sample.token_ids,
+                                                              entries + (sample.logprobs or [])),
+                                   "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}])
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, Logprob] | None]) -> dict | None:
         k = self.request.logprobs
