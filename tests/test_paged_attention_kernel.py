@@ -39,14 +39,16 @@ def _gather(cache: torch.Tensor, meta: AttentionMetadata, b: int, seq_len: int, 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size", [1, 16, 128])
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_matches_reference(dtype, tol, block_size, window):
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 have their own compiled paths
+def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim):
     # Decodes (q_len 1), whole prefills (the fused path), and a prefill chunk on cached context.
     q, k, v, meta = _case(seq_lens=[1, 37, 200, 64, 9], query_lens=[1, 1, 200, 20, 9], block_size=block_size,
-                          dtype=dtype)
+                          dtype=dtype, head_dim=head_dim)
     # This step's K/V of each sequence, as the model passes them (the fresh prompt's own keys).
     lens = list(enumerate(zip(meta.seq_lens_list, meta.query_lens_list)))
     fresh_k = torch.cat([_gather(k, meta, b, n, q_len) for b, (n, q_len) in lens])
     fresh_v = torch.cat([_gather(v, meta, b, n, q_len) for b, (n, q_len) in lens])
-    got = paged_attention(q, fresh_k, fresh_v, k, v, meta, 0.125, window)
-    want = paged_attention_reference(q.float(), k.float(), v.float(), meta, 0.125, window)
+    scale = head_dim ** -0.5
+    got = paged_attention(q, fresh_k, fresh_v, k, v, meta, scale, window)
+    want = paged_attention_reference(q.float(), k.float(), v.float(), meta, scale, window)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

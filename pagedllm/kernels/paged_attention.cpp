@@ -7,47 +7,90 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
+// bf16 is the high half of an fp32: widening by a shift, not the scalar conversion operator,
+// lets the loops below vectorize.
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
-  return s;
+inline float widen(T x) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return static_cast<float>(x);
+  }
 }
 
-template <typename T>
+constexpr int64_t kMaxHeadDim = 512;
+
+// exp(x) for x <= 0 as plain arithmetic, so that loops of it vectorize (std::exp does not here):
+// 2^(x log2 e) split into an integer power, set in the exponent bits, and a fraction, by a
+// degree-6 polynomial. Relative error below 3e-7; x below -87 (and -inf) gives 0.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.44269504f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+
+// One query token and head against its context. With D > 0 the head size is known at compile
+// time, so the query and the accumulator live in registers across the whole walk.
+template <typename T, int64_t D>
 void attend_one(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
                 int64_t pos, int64_t first, int64_t block_size, int64_t token_stride,
-                int64_t d, float scale, std::vector<float>& qf, std::vector<float>& acc,
-                std::vector<float>& scores) {
-  for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-  std::fill(acc.begin(), acc.end(), 0.f);
+                int64_t d_runtime, float scale, float* scores) {
+  const int64_t d = D > 0 ? D : d_runtime;
+  float qf[D > 0 ? D : kMaxHeadDim], acc[D > 0 ? D : kMaxHeadDim];
+  for (int64_t i = 0; i < d; ++i) {
+    qf[i] = widen(q[i]) * scale;
+    acc[i] = 0.f;
+  }
   float running_max = -std::numeric_limits<float>::infinity();
   float denom = 0.f;
   // Walk the context one block at a time: scores for the block, then one rescale of acc.
   for (int64_t start = first - first % block_size; start <= pos; start += block_size) {
-    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos);
-    const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size;
+    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos), n = hi - lo + 1;
+    const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size + lo - start;
     float block_max = running_max;
-    for (int64_t j = lo; j <= hi; ++j) {
-      const float s = dot(qf.data(), k_cache + (base + j - start) * token_stride, d);
-      scores[j - lo] = s;
-      block_max = std::max(block_max, s);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* __restrict k = k_cache + (base + j) * token_stride;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) sum += qf[i] * widen(k[i]);
+      scores[j] = sum;
+      block_max = std::max(block_max, sum);
     }
-    const float correction = std::exp(running_max - block_max);
+    const float correction = fast_exp(running_max - block_max);
     denom *= correction;
-    for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
-    for (int64_t j = lo; j <= hi; ++j) {
-      const float p = std::exp(scores[j - lo] - block_max);
-      denom += p;
-      const T* v = v_cache + (base + j - start) * token_stride;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
+    for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) scores[j] = fast_exp(scores[j] - block_max);
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = scores[j];
+      denom += p;
+      const T* __restrict v = v_cache + (base + j) * token_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += p * widen(v[i]);
     }
     running_max = block_max;
   }
@@ -85,19 +128,20 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t max_block = block_size;
 
+  TORCH_CHECK(d <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  auto attend = d == 64 ? attend_one<T, 64> : d == 128 ? attend_one<T, 128> : attend_one<T, 0>;
   at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(d), acc(d), scores(max_block);
+    std::vector<float> scores(block_size);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t t = work / num_heads, h = work % num_heads;
       if (seq_of[t] < 0) continue;
       const int64_t pos = pos_of[t];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
       const int64_t kv_head = h / group;
-      attend_one<T>(op + (t * num_heads + h) * d, qp + (t * num_heads + h) * d,
-                    kp + kv_head * d, vp + kv_head * d, tables + seq_of[t] * table_stride, pos,
-                    first, block_size, token_stride, d, static_cast<float>(scale), qf, acc, scores);
+      attend(op + (t * num_heads + h) * d, qp + (t * num_heads + h) * d, kp + kv_head * d, vp + kv_head * d,
+             tables + seq_of[t] * table_stride, pos, first, block_size, token_stride, d,
+             static_cast<float>(scale), scores.data());
     }
   });
 }
