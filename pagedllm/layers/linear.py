@@ -9,9 +9,9 @@ from torch import nn
 
 from pagedllm.kernels import cpu_ops
 
-# Up to this many rows the kernel beats oneDNN's GEMM on [out, in] weights here (about 1.5-2x at
-# one row, even at 16; measured in BENCHMARKS.md); past it the GEMM's blocking wins.
-MAX_KERNEL_ROWS = 16
+# Up to this many rows the kernel beats oneDNN's GEMM on [out, in] weights here (1.5x at one row,
+# even by 8; benchmarks/kernels.py); past it the GEMM's blocking wins.
+MAX_KERNEL_ROWS = 8
 
 
 @functools.cache
