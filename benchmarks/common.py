@@ -61,9 +61,10 @@ def attention_flops(config, context: int) -> int:
     return 4 * config.num_hidden_layers * config.num_attention_heads * head_dim * context
 
 
-def fixed_workload(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def fixed_workload(vocab: int, seed: int = 0, count: int = 64, input_len: int = 128,
+                   output_len: int = 128) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(100, vocab - 100) for _ in range(128)], 128) for _ in range(64)]
+    return [([rng.randrange(100, vocab - 100) for _ in range(input_len)], output_len) for _ in range(count)]
 
 
 def variable_workload(vocab: int, seed: int = 0, count: int = 200) -> list[tuple[list[int], int]]:

@@ -3,7 +3,7 @@
     python benchmarks/throughput.py --model /tmp/llama-250m --workload fixed --baseline hf
     python benchmarks/throughput.py --workload all            # default model, all three workloads
 
-Workloads: fixed (64 x 128 in x 128 out), variable (200 requests, heavy-tailed lengths, input
+Workloads: fixed (64 x 128 in x 128 out; --num-prompts, --input-len and --output-len change it), variable (200 requests, heavy-tailed lengths, input
 4..1024, output 4..512), shared (64 requests sharing a 512-token prefix, 32 own tokens, 128 out).
 --baseline hf runs transformers `generate` on the same model and requests in the same process
 (static batches, left padding, prompts sorted by length; only requested tokens count as output)
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from common import WORKLOADS, attention_flops, matmul_flops_per_token, measure_matmul_gflops
+from common import WORKLOADS, attention_flops, fixed_workload, matmul_flops_per_token, measure_matmul_gflops
 
 
 def run_pagedllm(llm, requests: list[tuple[list[int], int]]) -> float:
@@ -87,6 +87,10 @@ def main() -> None:
     parser.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=[64],
+                        help="fixed workload only: run it with each of these request counts")
+    parser.add_argument("--input-len", type=int, default=128, help="fixed workload only")
+    parser.add_argument("--output-len", type=int, default=128, help="fixed workload only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -110,8 +114,14 @@ def main() -> None:
     run(llm, [([5] * 8, 4)] * 2)  # warm-up
     hf = load_hf(model_config, dtype) if args.baseline == "hf" else None
     rows = []
+    runs = []
     for name in WORKLOADS if args.workload == "all" else [args.workload]:
-        requests = WORKLOADS[name](vocab)
+        if name == "fixed":
+            runs += [(name, fixed_workload(vocab, count=n, input_len=args.input_len, output_len=args.output_len))
+                     for n in args.num_prompts]
+        else:
+            runs.append((name, WORKLOADS[name](vocab)))
+    for name, requests in runs:
         seconds = run(llm, requests)
         out_tokens = sum(n for _, n in requests)
         all_tokens = out_tokens + sum(len(p) for p, _ in requests)
