@@ -85,3 +85,28 @@ def shared_prefix_workload(vocab: int, seed: int = 0) -> list[tuple[list[int], i
 
 
 WORKLOADS = {"fixed": fixed_workload, "variable": variable_workload, "shared": shared_prefix_workload}
+
+
+class PeakTracker:
+    """Wraps engine.step to record the most KV blocks in use after any step (and the share of
+    their slots holding no token at that peak), and each request's first-output time."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.reset()
+        self._step = engine.step
+        engine.step = self.step
+
+    def step(self):
+        outputs = self._step()
+        stats = self.engine.stats()
+        used = stats.kv_blocks_total - stats.kv_blocks_free
+        if used > self.peak:
+            self.peak, self.waste_at_peak = used, stats.kv_waste
+        now = time.perf_counter()
+        for output in outputs:
+            self.first_token.setdefault(output.request_id, now)
+        return outputs
+
+    def reset(self) -> None:
+        self.peak, self.waste_at_peak, self.first_token = 0, 0.0, {}

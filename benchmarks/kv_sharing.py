@@ -25,27 +25,7 @@ from pagedllm import BeamSearchParams, SamplingParams  # noqa: E402
 from pagedllm.config import EngineArgs  # noqa: E402
 from pagedllm.engine.beam_search import BeamSearch  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
-
-
-class PeakTracker:
-    """Wraps engine.step to record the most blocks in use after any step, and first-token times."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine, self.peak, self.first_token = engine, 0, {}
-        self._step = engine.step
-        engine.step = self.step
-
-    def step(self):
-        outputs = self._step()
-        stats = self.engine.stats()
-        self.peak = max(self.peak, stats.kv_blocks_total - stats.kv_blocks_free)
-        now = time.perf_counter()
-        for output in outputs:
-            self.first_token.setdefault(output.request_id, now)
-        return outputs
-
-    def reset(self) -> None:
-        self.peak, self.first_token = 0, {}
+from common import PeakTracker  # noqa: E402
 
 
 def run_requests(engine: LLMEngine, tracker: PeakTracker, prompts: list[list[int]], params: SamplingParams) -> float:

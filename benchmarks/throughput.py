@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from common import WORKLOADS, attention_flops, fixed_workload, matmul_flops_per_token, measure_matmul_gflops
+from common import (WORKLOADS, PeakTracker, attention_flops, fixed_workload, matmul_flops_per_token,
+                    measure_matmul_gflops)
 
 
 def run_pagedllm(llm, requests: list[tuple[list[int], int]]) -> float:
@@ -110,6 +111,7 @@ def main() -> None:
         llm = LLM(args.model, dtype=args.dtype)
     with torch.device("meta"):  # the model's shapes, for its FLOPs, without its weights
         shapes = model_class(model_config.hf_config)(model_config.hf_config, 1)
+    tracker = PeakTracker(llm.engine) if args.engine == "pagedllm" else None
     run = run_vllm if args.engine == "vllm" else run_pagedllm
     run(llm, [([5] * 8, 4)] * 2)  # warm-up
     hf = load_hf(model_config, dtype) if args.baseline == "hf" else None
@@ -122,12 +124,16 @@ def main() -> None:
         else:
             runs.append((name, WORKLOADS[name](vocab)))
     for name, requests in runs:
+        if tracker:
+            tracker.reset()
         seconds = run(llm, requests)
         out_tokens = sum(n for _, n in requests)
         all_tokens = out_tokens + sum(len(p) for p, _ in requests)
         row = {"workload": name, "engine": args.engine, "dtype": str(dtype).removeprefix("torch."),
                "requests": len(requests), "seconds": seconds, "requests_s": len(requests) / seconds,
                "output_tok_s": out_tokens / seconds, "total_tok_s": all_tokens / seconds}
+        if tracker:
+            row["kv_waste_at_peak_pct"] = 100 * tracker.waste_at_peak
         if name == "fixed":
             row["roofline_pct"] = 100 * row["output_tok_s"] / roofline_tok_s(shapes, model_config.hf_config,
                                                                              requests, gflops)
@@ -136,14 +142,16 @@ def main() -> None:
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         rows.append(row)
     print(f"matmul {str(dtype).removeprefix('torch.')}: {gflops:.0f} GFLOP/s measured\n")
-    print("| workload | engine | dtype | requests | req/s | output tok/s | total tok/s | roofline | HF output tok/s | x HF |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | engine | dtype | requests | req/s | output tok/s | total tok/s | roofline | KV waste at peak "
+          "| HF output tok/s | x HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         roofline = f"{r['roofline_pct']:.0f}%" if "roofline_pct" in r else ""
         hf_tok_s = f"{r['hf_output_tok_s']:.1f}" if "x_hf" in r else ""
         x_hf = f"{r['x_hf']:.2f}" if "x_hf" in r else ""
+        waste = f"{r['kv_waste_at_peak_pct']:.1f}%" if "kv_waste_at_peak_pct" in r else ""
         print(f"| {r['workload']} | {r['engine']} | {r['dtype']} | {r['requests']} | {r['requests_s']:.2f} | "
-              f"{r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {roofline} | {hf_tok_s} | {x_hf} |")
+              f"{r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {roofline} | {waste} | {hf_tok_s} | {x_hf} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)
