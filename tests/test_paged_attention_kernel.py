@@ -40,10 +40,11 @@ def _gather(cache: torch.Tensor, meta: AttentionMetadata, b: int, seq_len: int, 
 @pytest.mark.parametrize("block_size", [1, 16, 128])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 have their own compiled paths
-def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim):
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (9, 3), (5, 1)])  # groups of 2, 3, and 5 (one head a call)
+def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim, heads, kv_heads):
     # Decodes (q_len 1), whole prefills (the fused path), and a prefill chunk on cached context.
     q, k, v, meta = _case(seq_lens=[1, 37, 200, 64, 9], query_lens=[1, 1, 200, 20, 9], block_size=block_size,
-                          dtype=dtype, head_dim=head_dim)
+                          dtype=dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
     # This step's K/V of each sequence, as the model passes them (the fresh prompt's own keys).
     lens = list(enumerate(zip(meta.seq_lens_list, meta.query_lens_list)))
     fresh_k = torch.cat([_gather(k, meta, b, n, q_len) for b, (n, q_len) in lens])

@@ -52,50 +52,85 @@ inline float fast_exp(float x) {
 }
 
 
-// One query token and head against its context. With D > 0 the head size is known at compile
-// time, so the query and the accumulator live in registers across the whole walk.
-template <typename T, int64_t D>
-void attend_one(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
-                int64_t pos, int64_t first, int64_t block_size, int64_t token_stride,
-                int64_t d_runtime, float scale, float* scores) {
+// One query token against its context for the G query heads that share one KV head: each K and
+// V row is read once for all G. With D > 0 the head size is known at compile time, so queries
+// and accumulators stay in registers (or L1) across the whole walk.
+template <typename T, int64_t D, int64_t G>
+void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos,
+            int64_t first, int64_t block_size, int64_t token_stride, int64_t d_runtime, float scale,
+            float* scores) {
   const int64_t d = D > 0 ? D : d_runtime;
-  float qf[D > 0 ? D : kMaxHeadDim], acc[D > 0 ? D : kMaxHeadDim];
-  for (int64_t i = 0; i < d; ++i) {
-    qf[i] = widen(q[i]) * scale;
-    acc[i] = 0.f;
+  constexpr int64_t kD = D > 0 ? D : kMaxHeadDim;
+  float qf[G][kD], acc[G][kD], running_max[G], denom[G];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < d; ++i) {
+      qf[g][i] = widen(q[g * d + i]) * scale;
+      acc[g][i] = 0.f;
+    }
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    denom[g] = 0.f;
   }
-  float running_max = -std::numeric_limits<float>::infinity();
-  float denom = 0.f;
   // Walk the context one block at a time: scores for the block, then one rescale of acc.
   for (int64_t start = first - first % block_size; start <= pos; start += block_size) {
     const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos), n = hi - lo + 1;
     const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size + lo - start;
-    float block_max = running_max;
     for (int64_t j = 0; j < n; ++j) {
       const T* __restrict k = k_cache + (base + j) * token_stride;
-      float sum = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < d; ++i) sum += qf[i] * widen(k[i]);
-      scores[j] = sum;
-      block_max = std::max(block_max, sum);
+        for (int64_t i = 0; i < d; ++i) sum += qf[g][i] * widen(k[i]);
+        scores[g * block_size + j] = sum;
+      }
     }
-    const float correction = fast_exp(running_max - block_max);
-    denom *= correction;
+    for (int64_t g = 0; g < G; ++g) {
+      float* __restrict sc = scores + g * block_size;
+      float block_max = running_max[g];
+      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sc[j]);
+      const float correction = fast_exp(running_max[g] - block_max);
+      denom[g] *= correction;
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
+      for (int64_t i = 0; i < d; ++i) acc[g][i] *= correction;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) scores[j] = fast_exp(scores[j] - block_max);
+      for (int64_t j = 0; j < n; ++j) sc[j] = fast_exp(sc[j] - block_max);
+      for (int64_t j = 0; j < n; ++j) denom[g] += sc[j];
+      running_max[g] = block_max;
+    }
     for (int64_t j = 0; j < n; ++j) {
-      const float p = scores[j];
-      denom += p;
       const T* __restrict v = v_cache + (base + j) * token_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * block_size + j];
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) acc[i] += p * widen(v[i]);
+        for (int64_t i = 0; i < d; ++i) acc[g][i] += p * widen(v[i]);
+      }
     }
-    running_max = block_max;
   }
-  const float inv = 1.f / denom;
-  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(acc[i] * inv);
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / denom[g];
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<T>(acc[g][i] * inv);
+  }
+}
+
+// The compiled variant for this head size and group size; `served`: query heads per call.
+template <typename T>
+void (*pick(int64_t d, int64_t group, int64_t& served))(T*, const T*, const T*, const T*, const int32_t*, int64_t,
+                                                          int64_t, int64_t, int64_t, int64_t, float, float*) {
+  served = group;
+#define PICK_G(DD)                                  \
+  switch (group) {                                  \
+    case 1: return attend<T, DD, 1>;                \
+    case 2: return attend<T, DD, 2>;                \
+    case 3: return attend<T, DD, 3>;                \
+    case 4: return attend<T, DD, 4>;                \
+    case 8: return attend<T, DD, 8>;                \
+    default: break;                                 \
+  }
+  if (d == 64) { PICK_G(64) }
+  else if (d == 128) { PICK_G(128) }
+  else { PICK_G(0) }
+#undef PICK_G
+  served = 1;  // an unusual group size: one head at a time
+  return d == 64 ? attend<T, 64, 1> : d == 128 ? attend<T, 128, 1> : attend<T, 0, 1>;
 }
 
 template <typename T>
@@ -130,18 +165,20 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
   TORCH_CHECK(d <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
-  auto attend = d == 64 ? attend_one<T, 64> : d == 128 ? attend_one<T, 128> : attend_one<T, 0>;
-  at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(block_size);
+  int64_t served = 1;
+  auto attend_fn = pick<T>(d, group, served);
+  const int64_t calls_per_token = num_heads / served;
+  at::parallel_for(0, num_tokens * calls_per_token, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(served * block_size);
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t t = work / num_heads, h = work % num_heads;
+      const int64_t t = work / calls_per_token, h0 = (work % calls_per_token) * served;
       if (seq_of[t] < 0) continue;
       const int64_t pos = pos_of[t];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
-      const int64_t kv_head = h / group;
-      attend(op + (t * num_heads + h) * d, qp + (t * num_heads + h) * d, kp + kv_head * d, vp + kv_head * d,
-             tables + seq_of[t] * table_stride, pos, first, block_size, token_stride, d,
-             static_cast<float>(scale), scores.data());
+      const int64_t kv_head = h0 / group;
+      attend_fn(op + (t * num_heads + h0) * d, qp + (t * num_heads + h0) * d, kp + kv_head * d,
+                vp + kv_head * d, tables + seq_of[t] * table_stride, pos, first, block_size, token_stride, d,
+                static_cast<float>(scale), scores.data());
     }
   });
 }
