@@ -92,3 +92,16 @@ def test_chat_without_template_is_a_clear_400_and_prefix_hits_reach_metrics(engi
     hits = [line for line in metrics.splitlines() if line.startswith("pagedllm:prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) > 0
     assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+
+
+def test_a_stream_nobody_reads_leaves_nothing_behind(engine):
+    async def main():
+        engine.add_request("unread", engine.process_inputs("Hi", PARAMS))  # its client left at once
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not engine._streams:
+                break
+
+    asyncio.run(main())
+    assert not engine._streams and engine.stats.num_running == 0
+    assert engine.stats.kv_blocks_free == engine.stats.kv_blocks_total

@@ -122,6 +122,9 @@ class AsyncLLM:
             if output.finished:
                 stream.finished = True
                 self.metrics.observe_finished(stream, output, now)
+                # The consumer keeps its own handle; forgetting it here means a stream nobody
+                # ever read (its client left before the first byte) leaves nothing behind.
+                del self._streams[output.request_id]
             stream.queue.put_nowait(output)
 
     def _fail_all(self, error: BaseException) -> None:

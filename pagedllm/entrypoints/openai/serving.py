@@ -8,6 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from fastapi.responses import JSONResponse, StreamingResponse
+
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from pagedllm.engine.llm_engine import ProcessedRequest
 from pagedllm.entrypoints.openai.protocol import APIError
@@ -70,6 +72,16 @@ class OpenAIServing:
             return [self.engine.add_request(f"{request_id}-{i}", p) for i, p in enumerate(processed)]
         except EngineDeadError as exc:
             raise APIError(str(exc), status=503, type_="service_unavailable") from exc
+
+    async def respond(self, stream: bool, run: Run, streams: list[RequestStream]):
+        """SSE as the outputs come, or one JSON body once they are all in."""
+        if stream:
+            return StreamingResponse(run.stream(merge(streams)), media_type="text/event-stream")
+        try:
+            return JSONResponse(await run.collect(merge(streams)))
+        finally:  # cancelled (client gone) before the outputs were read: abort what still runs
+            for request_stream in streams:
+                request_stream.close()
 
     def logprob_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, merge, new_id,
+from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, new_id,
                                                  top_entries, usage)
 from pagedllm.outputs import Logprob
 
@@ -39,9 +37,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = new_id("chatcmpl")
         streams = self.start(request_id, processed)
         run = _Run(self, request, request_id, len(prompt))
-        if request.stream:
-            return StreamingResponse(run.stream(merge(streams)), media_type="text/event-stream")
-        return JSONResponse(await run.collect(merge(streams)))
+        return await self.respond(request.stream, run, streams)
 
 
 class _Run(Run):

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from pagedllm.entrypoints.openai.protocol import APIError, CompletionRequest
-from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, merge, new_id,
+from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, new_id,
                                                  top_entries, usage)
 from pagedllm.outputs import Logprob
 
@@ -27,9 +25,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_texts = [p.prompt if p.prompt is not None else self.engine.tokenizer.decode(p.prompt_token_ids)
                         for p in processed]
         run = _Run(self, request, request_id, prompt_texts, [p.prompt_token_ids for p in processed])
-        if request.stream:
-            return StreamingResponse(run.stream(merge(streams)), media_type="text/event-stream")
-        return JSONResponse(await run.collect(merge(streams)))
+        return await self.respond(request.stream, run, streams)
 
 
 class _Run(Run):
