@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,6 +31,13 @@ inline float widen(T x) {
 }
 
 constexpr int64_t kMaxHeadDim = 512;
+
+// Per-thread buffers a walk may use: scores of one block per head, and the row offsets of a
+// whole context.
+struct Scratch {
+  float* scores;
+  int64_t* rows;
+};
 
 // exp(x) for x <= 0 as plain arithmetic, so that loops of it vectorize (std::exp does not here):
 // 2^(x log2 e) split into an integer power, set in the exponent bits, and a fraction, by a
@@ -58,7 +67,8 @@ inline float fast_exp(float x) {
 template <typename T, int64_t D, int64_t G>
 void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos,
             int64_t first, int64_t block_size, int64_t token_stride, int64_t d_runtime, float scale,
-            float* scores) {
+            Scratch& scratch) {
+  float* scores = scratch.scores;
   const int64_t d = D > 0 ? D : d_runtime;
   constexpr int64_t kD = D > 0 ? D : kMaxHeadDim;
   float qf[G][kD], acc[G][kD], running_max[G], denom[G];
@@ -111,23 +121,168 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   }
 }
 
+
+#if defined(__AVX512BF16__)
+// The same walk for bf16 caches in AVX-512 (BF16) intrinsics. Keys are taken 16 at a time (a
+// tile, across block boundaries): each query head's dot products with them are bf16 pair dot
+// products into fp32 lanes, and one transpose-and-add tree turns the 16 lane vectors into the 16
+// scores, instead of a horizontal sum per key. Softmax and the weighted sum of V stay in fp32.
+constexpr int64_t kTile = 16;
+
+// exp(x) for x <= 0, 16 lanes: the polynomial of fast_exp, with the power of two set by scalef.
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, fi);
+}
+
+// Lane j of the result: the sum of the 16 lanes of v[j].
+inline __m512 sum_each(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // each 128-bit lane: partials of v[2i], v[2i+1], v[2i], v[2i+1]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // each 128-bit lane: partials of v[4i .. 4i + 3]
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Then across the four 128-bit lanes: 0x88 takes lanes 0 and 2 of each input, 0xDD lanes 1 and 3.
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+}
+
+inline __m512 widen16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <int64_t D, int64_t G>
+struct Bf16Walk {
+  static constexpr int64_t kChunks = D / 32;  // bf16 vectors in a row
+  static constexpr int64_t kLanes = D / 16;   // fp32 vectors in a row
+  __m512bh q[G][kChunks];
+  __m512 acc[G][kLanes];
+  float running_max[G], denom[G];
+  alignas(64) float probs[G][kTile];
+
+  void start(const at::BFloat16* query) {
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t c = 0; c < kChunks; ++c)
+        q[g][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(query + g * D + c * 32));
+      for (int64_t c = 0; c < kLanes; ++c) acc[g][c] = _mm512_setzero_ps();
+      running_max[g] = -std::numeric_limits<float>::infinity();
+      denom[g] = 0.f;
+    }
+  }
+
+  // n <= kTile keys at these row offsets (missing ones repeat the first and are masked out).
+  void tile(const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* rows, int64_t n, float scale) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 dots[kTile];
+      for (int64_t j = 0; j < kTile; ++j) {
+        const at::BFloat16* k = k_cache + rows[j < n ? j : 0];
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < kChunks; ++c)
+          sum = _mm512_dpbf16_ps(sum, q[g][c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
+        dots[j] = sum;
+      }
+      const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                               _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(scores));
+      const float correction = fast_exp(running_max[g] - new_max);
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+      denom[g] = denom[g] * correction + _mm512_reduce_add_ps(p);
+      running_max[g] = new_max;
+      _mm512_store_ps(probs[g], p);
+      const __m512 corr = _mm512_set1_ps(correction);
+      for (int64_t c = 0; c < kLanes; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], corr);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const at::BFloat16* v = v_cache + rows[j];
+      __m512 row[kLanes];
+      for (int64_t c = 0; c < kLanes; ++c) row[c] = widen16(v + c * 16);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g][j]);
+        for (int64_t c = 0; c < kLanes; ++c) acc[g][c] = _mm512_fmadd_ps(p, row[c], acc[g][c]);
+      }
+    }
+  }
+
+  void finish(at::BFloat16* out) {
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 inv = _mm512_set1_ps(1.f / denom[g]);
+      for (int64_t c = 0; c < kLanes; ++c) {
+        const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + c * 16), (__m256i)packed);
+      }
+    }
+  }
+};
+
+template <typename T, int64_t D, int64_t G>
+void attend_bf16(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos,
+                 int64_t first, int64_t block_size, int64_t token_stride, int64_t, float scale, Scratch& scratch) {
+  // The rows' offsets first, so that each tile can prefetch the K/V rows of the one after next.
+  int64_t* rows = scratch.rows;
+  int64_t n = 0;
+  for (int64_t start = first - first % block_size; start <= pos; start += block_size) {
+    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos);
+    const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size + lo - start;
+    for (int64_t j = 0; j <= hi - lo; ++j) rows[n++] = (base + j) * token_stride;
+  }
+  Bf16Walk<D, G> walk;
+  walk.start(q);
+  constexpr int64_t kAhead = 2 * kTile;
+  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < n; t += kTile) {
+    for (int64_t j = t + kAhead; j < std::min(n, t + kAhead + kTile); ++j) {
+      for (int64_t b = 0; b < kRowBytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j]) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[j]) + b, _MM_HINT_T0);
+      }
+    }
+    walk.tile(k_cache, v_cache, rows + t, std::min(kTile, n - t), scale);
+  }
+  walk.finish(out);
+}
+#endif
+
+template <typename T>
+using AttendFn = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float, Scratch&);
+
 // The compiled variant for this head size and group size; `served`: query heads per call.
 template <typename T>
-void (*pick(int64_t d, int64_t group, int64_t& served))(T*, const T*, const T*, const T*, const int32_t*, int64_t,
-                                                          int64_t, int64_t, int64_t, int64_t, float, float*) {
+AttendFn<T> pick(int64_t d, int64_t group, int64_t& served) {
   served = group;
-#define PICK_G(DD)                                  \
+#define PICK_G(FN, DD)                              \
   switch (group) {                                  \
-    case 1: return attend<T, DD, 1>;                \
-    case 2: return attend<T, DD, 2>;                \
-    case 3: return attend<T, DD, 3>;                \
-    case 4: return attend<T, DD, 4>;                \
-    case 8: return attend<T, DD, 8>;                \
+    case 1: return FN<T, DD, 1>;                    \
+    case 2: return FN<T, DD, 2>;                    \
+    case 3: return FN<T, DD, 3>;                    \
+    case 4: return FN<T, DD, 4>;                    \
+    case 8: return FN<T, DD, 8>;                    \
     default: break;                                 \
   }
-  if (d == 64) { PICK_G(64) }
-  else if (d == 128) { PICK_G(128) }
-  else { PICK_G(0) }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (d == 64) { PICK_G(attend_bf16, 64) }
+    else if (d == 128) { PICK_G(attend_bf16, 128) }
+  }
+#endif
+  if (d == 64) { PICK_G(attend, 64) }
+  else if (d == 128) { PICK_G(attend, 128) }
+  else { PICK_G(attend, 0) }
 #undef PICK_G
   served = 1;  // an unusual group size: one head at a time
   return d == 64 ? attend<T, 64, 1> : d == 128 ? attend<T, 128, 1> : attend<T, 0, 1>;
@@ -168,17 +323,39 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   int64_t served = 1;
   auto attend_fn = pick<T>(d, group, served);
   const int64_t calls_per_token = num_heads / served;
-  at::parallel_for(0, num_tokens * calls_per_token, 1, [&](int64_t begin, int64_t end) {
+  // Work units (a token and the query heads of one call) are split across threads by the context
+  // each walks, so that one long sequence does not leave the other threads idle at the end.
+  const int64_t units = num_tokens * calls_per_token;
+  std::vector<int64_t> cost_end(units);
+  int64_t total = 0, longest = 1;
+  for (int64_t w = 0; w < units; ++w) {
+    const int64_t t = w / calls_per_token;
+    if (seq_of[t] >= 0) {
+      const int64_t walked = sliding_window > 0 ? std::min(pos_of[t] + 1, sliding_window) : pos_of[t] + 1;
+      total += walked + 16;  // + the fixed cost of a call
+      longest = std::max(longest, pos_of[t] + 1);
+    }
+    cost_end[w] = total;
+  }
+  if (total == 0) return;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t end_thread) {
     std::vector<float> scores(served * block_size);
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t t = work / calls_per_token, h0 = (work % calls_per_token) * served;
-      if (seq_of[t] < 0) continue;
-      const int64_t pos = pos_of[t];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
-      const int64_t kv_head = h0 / group;
-      attend_fn(op + (t * num_heads + h0) * d, qp + (t * num_heads + h0) * d, kp + kv_head * d,
-                vp + kv_head * d, tables + seq_of[t] * table_stride, pos, first, block_size, token_stride, d,
-                static_cast<float>(scale), scores.data());
+    std::vector<int64_t> rows(longest);
+    Scratch scratch{scores.data(), rows.data()};
+    for (int64_t tid = first_thread; tid < end_thread; ++tid) {
+      const auto begin = std::upper_bound(cost_end.begin(), cost_end.end(), total * tid / threads) - cost_end.begin();
+      const auto end = std::upper_bound(cost_end.begin(), cost_end.end(), total * (tid + 1) / threads) - cost_end.begin();
+      for (int64_t work = begin; work < end; ++work) {
+        const int64_t t = work / calls_per_token, h0 = (work % calls_per_token) * served;
+        if (seq_of[t] < 0) continue;
+        const int64_t pos = pos_of[t];
+        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+        const int64_t kv_head = h0 / group;
+        attend_fn(op + (t * num_heads + h0) * d, qp + (t * num_heads + h0) * d, kp + kv_head * d,
+                  vp + kv_head * d, tables + seq_of[t] * table_stride, pos, first, block_size, token_stride, d,
+                  static_cast<float>(scale), scratch);
+      }
     }
   });
 }
