@@ -1,11 +1,12 @@
-"""Kernel microbenchmarks: paged attention at decode, and skinny bf16 linear vs oneDNN.
+"""Kernel microbenchmarks: paged attention at decode, and bf16 linear layers packed vs plain.
 
     python benchmarks/kernels.py
 
-Attention: 64 decoding sequences x 16 heads (4 KV heads) x 200 tokens of context, head size 64,
-bf16, block size 16, blocks scattered: ms per layer call, best of 5. Linear: weights 5632 x 1024
-bf16, 8 matrices in turn so that they come from memory, GFLOP/s of our kernel and of F.linear
-for 1 to 128 input rows.
+Attention: 64 decoding sequences x 16 heads (4 KV heads) x 200, 600 and 1000 tokens of context,
+head size 64, bf16, block size 16, blocks scattered: ms per layer call, best of 5, and the K/V
+bytes read per second. Linear: weights 5632 x 1024 bf16, 8 matrices in turn so that they come
+from memory, GFLOP/s of our Linear (weights packed for oneDNN) and of F.linear on the plain
+weights, for 1 to 2048 input rows.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.linear import Linear
 
 
 def attention_case(seqs: int, context: int, block_size: int = 16, heads: int = 16, kv_heads: int = 4, d: int = 64):
@@ -46,21 +48,29 @@ def main() -> None:
     ops = cpu_ops()
     if ops is None:
         raise SystemExit("the C++ kernels are not available here")
-    q, k, v, meta = attention_case(64, 200)
-    out = torch.empty_like(q)
-    seconds = best_seconds(lambda: ops.paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc,
-                                                       meta.seq_lens, 0.125, 0, True))
-    print(f"paged attention, 64 decodes x 16 heads x 200 tokens: {seconds * 1000:.2f} ms a layer\n")
-    o, i = 5632, 1024
-    weights = [torch.randn(o, i).bfloat16() for _ in range(8)]
-    print("| input rows | ours GFLOP/s | F.linear GFLOP/s |")
+    print("| paged attention, 64 decodes x 16 heads | ms a layer | K/V GB/s |")
     print("|---|---|---|")
-    for rows in (1, 4, 8, 16, 32, 64, 128):
+    for context in (200, 600, 1000):
+        q, k, v, meta = attention_case(64, context)
+        out = torch.empty_like(q)
+        seconds = best_seconds(lambda: ops.paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc,
+                                                           meta.seq_lens, 0.125, 0, True))
+        kv_bytes = 2 * 64 * context * k.shape[2] * k.shape[3] * k.element_size()
+        print(f"| {context} tokens of context | {seconds * 1000:.2f} | {kv_bytes / seconds / 1e9:.1f} |")
+    print()
+    o, i = 5632, 1024
+    plain = [Linear(i, o, bias=False).bfloat16() for _ in range(8)]
+    packed = [Linear(i, o, bias=False).bfloat16() for _ in range(8)]
+    for layer in packed:
+        layer.pack()
+    print("| input rows | packed Linear GFLOP/s | F.linear GFLOP/s |")
+    print("|---|---|---|")
+    for rows in (1, 4, 8, 16, 32, 64, 128, 512, 2048):
         x = torch.randn(rows, i).bfloat16()
-        y = torch.empty(rows, o, dtype=torch.bfloat16)
-        flops = 2 * rows * o * i * len(weights)
-        ours = flops / best_seconds(lambda: [ops.gemv_bf16(y, x, w) for w in weights], 3, 1) / 1e9
-        theirs = flops / best_seconds(lambda: [F.linear(x, w) for w in weights], 3, 1) / 1e9
+        flops = 2 * rows * o * i * len(plain)
+        with torch.inference_mode():
+            ours = flops / best_seconds(lambda: [layer(x) for layer in packed], 3, 1) / 1e9
+            theirs = flops / best_seconds(lambda: [F.linear(x, layer.weight) for layer in plain], 3, 1) / 1e9
         print(f"| {rows} | {ours:.0f} | {theirs:.0f} |")
 
 

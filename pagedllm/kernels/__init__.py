@@ -20,8 +20,7 @@ def cpu_ops() -> ModuleType | None:
 
         return load(
             name="pagedllm_cpu_ops",
-            sources=[os.path.join(_DIR, "paged_attention.cpp"), os.path.join(_DIR, "gemv_bf16.cpp"),
-                     os.path.join(_DIR, "fused_ops.cpp")],
+            sources=[os.path.join(_DIR, "paged_attention.cpp"), os.path.join(_DIR, "fused_ops.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -378,8 +378,6 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   }
 }
 
-bool has_avx512_bf16();
-void gemv_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w);
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
               double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
@@ -387,8 +385,6 @@ void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)");
-  m.def("gemv_bf16", &gemv_bf16, "out = x @ w.T for a few rows of x, bf16 (AVX512-BF16)");
-  m.def("has_avx512_bf16", &has_avx512_bf16, "whether gemv_bf16 was built with AVX512-BF16");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding delta into x (in place)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding in place");

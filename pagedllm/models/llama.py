@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata, paged_attention, write_kv
-from pagedllm.layers.linear import Linear, linear
+from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
@@ -113,8 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -125,11 +124,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in; every parameter must be filled exactly once."""
+        if self.tie_word_embeddings:  # tied here, once the module is materialized (packing copies it)
+            self.lm_head.weight = self.model.embed_tokens.weight
         params = dict(self.named_parameters())
         missing = {(name, shard) for name in params for shard in self._shards_of(name)}
         for name, tensor in weights:

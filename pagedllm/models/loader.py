@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from pagedllm.layers.linear import pack_linears
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models import gguf as gguf_file
 from pagedllm.models.registry import model_class
@@ -133,6 +134,7 @@ def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
             module.build_tables(device)  # its buffers were made on "meta" with the rest
     with torch.no_grad():
         model.load_weights(_progress(_weights(model_config), model_config))
+    pack_linears(model)
     return model.eval()
 
 
