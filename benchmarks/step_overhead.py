@@ -1,8 +1,9 @@
 """Per-step time outside the model's forward pass, at batch 1 on the default model.
 
     python benchmarks/step_overhead.py
+    python benchmarks/step_overhead.py --model /tmp/llama-250m --batch 64
 
-Times each part of an engine step over 200 decode steps of one request: scheduling, building
+Times each part of an engine step over 200 decode steps of one request (or --batch requests): scheduling, building
 the batch tensors, the forward pass, the logits and sampling, the scheduler update, and output
 processing (detokenizing, stop strings). The goal is overhead under 10% of the step.
 """
@@ -29,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
     args = parser.parse_args()
 
     from pagedllm import LLM, SamplingParams
@@ -44,7 +46,8 @@ def main() -> None:
     runner._sample = timed(totals, "logits + sampling", runner._sample)
     runner.sampler = timed(totals, "  of which sampling", runner.sampler)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
-    engine.add_request(None, list(range(100, 132)), params)
+    for i in range(args.batch):
+        engine.add_request(None, list(range(100 + i, 132 + i)), params)
     for _ in range(10):  # prefill and warm-up, not counted
         engine.step()
     totals.clear()
@@ -53,7 +56,7 @@ def main() -> None:
         engine.step()
     step = (time.perf_counter() - start) / args.steps
     model = (totals["forward pass"] + totals["logits + sampling"] - totals["  of which sampling"]) / args.steps
-    print(f"batch 1, {args.steps} decode steps: {step * 1000:.2f} ms a step\n")
+    print(f"batch {args.batch}, {args.steps} decode steps: {step * 1000:.2f} ms a step\n")
     print("| part | ms a step | share of step |")
     print("|---|---|---|")
     for name, total in sorted(totals.items(), key=lambda kv: -kv[1]):

@@ -67,6 +67,19 @@ def _check_pool(kv: KVCacheManager, scheduler: Scheduler, runner: FakeRunner) ->
                 assert held == request.all_token_ids[i * bs:(i + 1) * bs]
 
 
+def _check_prefix_computed_once(kv: KVCacheManager, scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """No full prompt block (by content hash) is computed by two requests in the same step."""
+    written: set[int] = set()
+    for s in output.scheduled:
+        request = scheduler.requests[s.request_id]
+        num_full = request.num_prompt_tokens // kv.block_size
+        end = min(s.start_pos + len(s.new_token_ids), request.num_prompt_tokens)
+        for index, block_hash in enumerate(kv._block_hashes(request, num_full)):
+            if s.start_pos < (index + 1) * kv.block_size and index * kv.block_size < end:
+                assert block_hash not in written, f"{s.request_id} recomputes a block another request computes now"
+                written.add(block_hash)
+
+
 workload = st.fixed_dictionaries({
     "requests": st.lists(st.fixed_dictionaries({
         "prefix": st.sampled_from([0, 3, 8, 20]),  # tokens shared with the common prefix
@@ -132,6 +145,8 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
             continue
         output = scheduler.schedule()
         assert output.num_scheduled_tokens <= w["budget"]
+        if w["caching"]:
+            _check_prefix_computed_once(kv, scheduler, output)
         scheduler.update(output, runner.execute(output))
         _check_pool(kv, scheduler, runner)
     else:

@@ -60,6 +60,21 @@ class KVCacheManager:
             hashes.append(hash((parent, tuple(request.all_token_ids[i * bs:(i + 1) * bs]))))
         return hashes[:num_blocks]
 
+    def uncached_prompt_hashes(self, request: Request) -> list[int]:
+        """Hashes of the request's full prompt blocks not in the prefix cache yet: the ones it
+        computes in this step or a later one."""
+        if not self.enable_prefix_caching:
+            return []
+        num_full = request.num_prompt_tokens // self.block_size
+        return self._block_hashes(request, num_full)[self._num_cached.get(request.request_id, 0):]
+
+    def next_block_hash(self, request: Request, num_hits: int) -> int | None:
+        """The hash of the full block right after `num_hits` cached ones (None if there is none)."""
+        if not self.enable_prefix_caching:
+            return None
+        hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        return hashes[num_hits] if num_hits < len(hashes) else None
+
     def cache_full_blocks(self, request: Request) -> None:
         """After a step: make the request's newly full, computed blocks findable."""
         if not self.enable_prefix_caching:

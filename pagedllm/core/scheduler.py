@@ -1,7 +1,9 @@
 """Scheduler: every step, which requests run and how many of their tokens, under the budgets.
 
 Running requests go first (decodes and unfinished prefill chunks), then waiting ones are admitted
-while the token budget, the sequence limit and the KV pool allow. When the pool runs dry, the most
+while the token budget, the sequence limit and the KV pool allow. A waiting request whose next
+prompt block another running request is computing waits for it to be cached rather than
+computing it again (many requests sharing a system prompt arrive together). When the pool runs dry, the most
 recently arrived running request is preempted: its blocks are freed and it is recomputed later.
 """
 from __future__ import annotations
@@ -79,9 +81,15 @@ class Scheduler:
             else:
                 preempted = True  # `request` itself was preempted; nothing after it is left
         # Admitting new work in the step that had to preempt would only preempt again.
+        in_flight = {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                     for h in self.kv.uncached_prompt_hashes(r)}
+        deferred: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed = self.kv.get_computed_blocks(request)
+            if in_flight and self.kv.next_block_hash(request, len(computed)) in in_flight:
+                deferred.append(self.waiting.popleft())  # a hit once the other request's step is done
+                continue
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, computed):
@@ -96,6 +104,8 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             chosen.append((request, num_new))
             budget -= num_new
+            in_flight.update(self.kv.uncached_prompt_hashes(request))
+        self.waiting.extendleft(reversed(deferred))
         return self._build_output(chosen)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
