@@ -32,11 +32,12 @@ inline float widen(T x) {
 
 constexpr int64_t kMaxHeadDim = 512;
 
-// Per-thread buffers a walk may use: scores of one block per head, and the row offsets of a
-// whole context.
+// Per-thread buffers a walk may use: scores of one block per head, the row offsets of a whole
+// context, and fp32 output rows of a query tile.
 struct Scratch {
   float* scores;
   int64_t* rows;
+  float* acc;
 };
 
 // exp(x) for x <= 0 as plain arithmetic, so that loops of it vectorize (std::exp does not here):
@@ -128,6 +129,8 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
 // products into fp32 lanes, and one transpose-and-add tree turns the 16 lane vectors into the 16
 // scores, instead of a horizontal sum per key. Softmax and the weighted sum of V stay in fp32.
 constexpr int64_t kTile = 16;
+constexpr int64_t kMaxTileRows = 32;  // query rows (tokens x group heads) of a query tile
+constexpr int64_t kRowBlock = 4;      // query rows computed together
 
 // exp(x) for x <= 0, 16 lanes: the polynomial of fast_exp, with the power of two set by scalef.
 inline __m512 exp_neg(__m512 x) {
@@ -229,31 +232,198 @@ struct Bf16Walk {
   }
 };
 
-template <typename T, int64_t D, int64_t G>
-void attend_bf16(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos,
-                 int64_t first, int64_t block_size, int64_t token_stride, int64_t, float scale, Scratch& scratch) {
-  // The rows' offsets first, so that each tile can prefetch the K/V rows of the one after next.
-  int64_t* rows = scratch.rows;
+// Offsets of the cache rows of positions first..last, in order; returns how many.
+inline int64_t context_rows(int64_t* rows, const int32_t* blocks, int64_t first, int64_t last, int64_t block_size,
+                            int64_t token_stride) {
   int64_t n = 0;
-  for (int64_t start = first - first % block_size; start <= pos; start += block_size) {
-    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos);
+  for (int64_t start = first - first % block_size; start <= last; start += block_size) {
+    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, last);
     const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size + lo - start;
     for (int64_t j = 0; j <= hi - lo; ++j) rows[n++] = (base + j) * token_stride;
   }
+  return n;
+}
+
+// Prefetch the K and V rows of the tile after next.
+template <int64_t D>
+inline void prefetch_tile(const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* rows, int64_t t,
+                          int64_t n) {
+  constexpr int64_t kAhead = 2 * kTile, kRowBytes = D * 2;
+  for (int64_t j = t + kAhead; j < std::min(n, t + kAhead + kTile); ++j) {
+    for (int64_t b = 0; b < kRowBytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j]) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[j]) + b, _MM_HINT_T0);
+    }
+  }
+}
+
+template <typename T, int64_t D, int64_t G>
+void attend_bf16(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos,
+                 int64_t first, int64_t block_size, int64_t token_stride, int64_t, float scale, Scratch& scratch) {
+  const int64_t n = context_rows(scratch.rows, blocks, first, pos, block_size, token_stride);
   Bf16Walk<D, G> walk;
   walk.start(q);
-  constexpr int64_t kAhead = 2 * kTile;
-  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t t = 0; t < n; t += kTile) {
-    for (int64_t j = t + kAhead; j < std::min(n, t + kAhead + kTile); ++j) {
-      for (int64_t b = 0; b < kRowBytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j]) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[j]) + b, _MM_HINT_T0);
-      }
-    }
-    walk.tile(k_cache, v_cache, rows + t, std::min(kTile, n - t), scale);
+    prefetch_tile<D>(k_cache, v_cache, scratch.rows, t, n);
+    walk.tile(k_cache, v_cache, scratch.rows + t, std::min(kTile, n - t), scale);
   }
   walk.finish(out);
+}
+
+// -- Query tiles: many query rows (tokens x the heads of one KV head) against the same keys ------
+// Prefill chunks take this path. Per tile of 16 keys, K and V are repacked once so that every
+// query row reaches them with bf16 pair dot products and no horizontal sums: K transposed to
+// [dim pair][key] (a score vector of 16 keys per row), V interleaved by key pairs (the
+// probabilities, rounded to bf16 as fused attention kernels do, weight two keys per product).
+
+// r[j] <- column j of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15].
+inline void transpose16(__m512i* r) {
+  __m512i t[16], s[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // s[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
+    s[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    s[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    s[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    s[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // then a 4 x 4 transpose of 128-bit lanes
+    const __m512i x0 = _mm512_shuffle_i32x4(s[k], s[4 + k], 0x44), x1 = _mm512_shuffle_i32x4(s[k], s[4 + k], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(s[8 + k], s[12 + k], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(s[8 + k], s[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+alignas(64) const at::BFloat16 kZeroRow[kMaxHeadDim] = {};
+
+template <int64_t D>
+struct PackedTile {
+  __m512i k[D / 2];              // k[c], lane j: dims 2c and 2c + 1 of key j
+  __m512i v[kTile / 2][D / 16];  // v[p][c], lane i: dim 16c + i of keys 2p and 2p + 1
+
+  void pack(const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* rows, int64_t n) {
+    const at::BFloat16* kr[kTile];
+    const at::BFloat16* vr[kTile];
+    for (int64_t j = 0; j < kTile; ++j) {  // missing keys read zeros (masked out, weight 0)
+      kr[j] = j < n ? k_cache + rows[j] : kZeroRow;
+      vr[j] = j < n ? v_cache + rows[j] : kZeroRow;
+    }
+    for (int64_t h = 0; h < D / 32; ++h) {
+      __m512i r[16];
+      for (int64_t j = 0; j < kTile; ++j) r[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(kr[j] + 32 * h));
+      transpose16(r);
+      for (int64_t c = 0; c < 16; ++c) k[16 * h + c] = r[c];
+    }
+    for (int64_t p = 0; p < kTile / 2; ++p) {
+      for (int64_t c = 0; c < D / 16; ++c) {
+        const __m512i even = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * p] + 16 * c)));
+        const __m512i odd = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * p + 1] + 16 * c)));
+        v[p][c] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+      }
+    }
+  }
+};
+
+struct QueryTile {
+  int64_t token0;     // first query token (row of q/out) of the tile
+  int64_t pos0;       // its position in the sequence
+  int64_t tokens;     // query tokens in the tile
+  int64_t h0;         // first query head (the group of one KV head)
+  int64_t window;     // sliding window, 0 for none
+};
+
+// One query tile of `tokens` x G rows against keys from the earliest any row sees to the last.
+template <int64_t D, int64_t G>
+void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_cache,
+                      const at::BFloat16* v_cache, const int32_t* blocks, const QueryTile& tile, int64_t num_heads,
+                      int64_t block_size, int64_t token_stride, float scale, Scratch& scratch) {
+  const int64_t m = tile.tokens * G;
+  const int64_t last = tile.pos0 + tile.tokens - 1;
+  const int64_t first = tile.window > 0 ? std::max<int64_t>(0, tile.pos0 - tile.window + 1) : 0;
+  const int64_t n = context_rows(scratch.rows, blocks, first, last, block_size, token_stride);
+  float* acc = scratch.acc;  // [kMaxTileRows][D]: rows past m (to a whole row block) are never read out
+  float running_max[kMaxTileRows], denom[kMaxTileRows];
+  for (int64_t r = 0; r < kMaxTileRows; ++r) {
+    running_max[r] = -std::numeric_limits<float>::infinity();
+    denom[r] = 0.f;
+    for (int64_t i = 0; i < D; ++i) acc[r * D + i] = 0.f;
+  }
+  auto row_of = [&](int64_t r) { return ((tile.token0 + r / G) * num_heads + tile.h0 + r % G) * D; };
+  PackedTile<D> packed;
+  for (int64_t t = 0; t < n; t += kTile) {
+    prefetch_tile<D>(k_cache, v_cache, scratch.rows, t, n);
+    const int64_t nk = std::min(kTile, n - t), key0 = first + t;
+    packed.pack(k_cache, v_cache, scratch.rows + t, nk);
+    // Rows four at a time, two accumulators each: eight independent chains of dot products.
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+      __mmask16 valid[kRowBlock];
+      const uint32_t* qr[kRowBlock];
+      bool any = false;
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+        const int64_t r = std::min(r0 + rr, m - 1), pos = tile.pos0 + r / G;
+        const int64_t lo = tile.window > 0 ? pos - tile.window + 1 : 0;
+        // Keys key0 + j this row may see: j < nk, key0 + j <= pos, key0 + j >= lo.
+        const int64_t j_end = std::min(nk, pos - key0 + 1), j_begin = std::max<int64_t>(0, lo - key0);
+        valid[rr] = r0 + rr < m && j_end > j_begin
+                        ? static_cast<__mmask16>(((1u << j_end) - 1) & ~((1u << j_begin) - 1)) : 0;
+        any |= valid[rr] != 0;
+        qr[rr] = reinterpret_cast<const uint32_t*>(q + row_of(r));
+      }
+      if (!any) continue;
+      __m512 dots[kRowBlock][2];
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) dots[rr][0] = dots[rr][1] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D / 2; c += 2) {
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+          dots[rr][0] = _mm512_dpbf16_ps(dots[rr][0], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][c])),
+                                         (__m512bh)packed.k[c]);
+          dots[rr][1] = _mm512_dpbf16_ps(dots[rr][1], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][c + 1])),
+                                         (__m512bh)packed.k[c + 1]);
+        }
+      }
+      alignas(32) uint32_t pairs[kRowBlock][kTile / 2];
+      __m512 corr[kRowBlock];
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+        const int64_t r = r0 + rr;
+        if (valid[rr] == 0) {  // nothing new for this row: weight 0, no rescale
+          corr[rr] = _mm512_set1_ps(1.f);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[rr]), _mm256_setzero_si256());
+          continue;
+        }
+        const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid[rr],
+                                                 _mm512_mul_ps(_mm512_add_ps(dots[rr][0], dots[rr][1]),
+                                                               _mm512_set1_ps(scale)));
+        const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(scores));
+        const float correction = fast_exp(running_max[r] - new_max);
+        const __m512 p = _mm512_maskz_mov_ps(valid[rr], exp_neg(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+        denom[r] = denom[r] * correction + _mm512_reduce_add_ps(p);
+        running_max[r] = new_max;
+        corr[rr] = _mm512_set1_ps(correction);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[rr]), (__m256i)_mm512_cvtneps_pbh(p));
+      }
+      for (int64_t c = 0; c < D / 16; ++c) {
+        __m512 sum[kRowBlock];
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) sum[rr] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + rr) * D + 16 * c), corr[rr]);
+        for (int64_t pp = 0; pp < kTile / 2; ++pp)
+          for (int64_t rr = 0; rr < kRowBlock; ++rr)
+            sum[rr] = _mm512_dpbf16_ps(sum[rr], (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[rr][pp])),
+                                       (__m512bh)packed.v[pp][c]);
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) _mm512_storeu_ps(acc + (r0 + rr) * D + 16 * c, sum[rr]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
+    for (int64_t c = 0; c < D / 16; ++c) {
+      const __m256bh packed_out = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row_of(r) + 16 * c), (__m256i)packed_out);
+    }
+  }
 }
 #endif
 
@@ -289,11 +459,43 @@ AttendFn<T> pick(int64_t d, int64_t group, int64_t& served) {
 }
 
 template <typename T>
-void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-         const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
-         int64_t sliding_window, bool skip_fresh) {
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
+using TileFn = void (*)(T*, const T*, const T*, const T*, const int32_t*, const QueryTile&, int64_t, int64_t, int64_t,
+                        float, Scratch&);
+
+// The query-tile variant for this dtype, head size and group, or nullptr where there is none.
+template <typename T>
+TileFn<T> pick_tile(int64_t d, int64_t group) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+#define TILE_G(DD)                                                    \
+    switch (group) {                                                  \
+      case 1: return attend_tile_bf16<DD, 1>;                         \
+      case 2: return attend_tile_bf16<DD, 2>;                         \
+      case 3: return attend_tile_bf16<DD, 3>;                         \
+      case 4: return attend_tile_bf16<DD, 4>;                         \
+      case 8: return attend_tile_bf16<DD, 8>;                         \
+      default: return nullptr;                                        \
+    }
+    if (d == 64) { TILE_G(64) }
+    if (d == 128) { TILE_G(128) }
+#undef TILE_G
+  }
+#endif
+  return nullptr;
+}
+
+// A piece of work: one query token and the heads of one call (walk), or a query tile.
+struct Unit {
+  int64_t seq;
+  QueryTile tile;  // tokens == 0: a walk of token tile.token0 for heads from tile.h0
+  int64_t cost;    // rough: keys read x query rows served
+};
+
+template <typename T>
+bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_tables, const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+         double scale, int64_t sliding_window, bool skip_fresh) {
+  const int64_t num_heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * d;  // one token's K (or V) row in the cache
@@ -301,68 +503,80 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(d <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  int64_t served = 1;
+  const AttendFn<T> attend_fn = pick<T>(d, group, served);
+  const TileFn<T> tile_fn = pick_tile<T>(d, group);
+  const int64_t tile_tokens = kMaxTileRows / group;
 
-  // Which sequence each query token belongs to, and its absolute position. With skip_fresh,
-  // prompts computed whole in this step (no cached context) are left to the caller.
-  std::vector<int64_t> seq_of(num_tokens), pos_of(num_tokens);
+  // Sequences with several query tokens go by query tiles where a tile kernel exists; else each
+  // token walks its context. Without tiles, prompts computed whole in this step (no cached
+  // context) are left to the caller when skip_fresh is set.
+  std::vector<Unit> units;
+  int64_t longest = 1;
   for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t q_len = qsl[b + 1] - qsl[b];
-    const bool skip = skip_fresh && q_len > 1 && q_len == lens[b];
-    for (int64_t t = qsl[b]; t < qsl[b + 1]; ++t) {
-      seq_of[t] = skip ? -1 : b;
-      pos_of[t] = lens[b] - q_len + (t - qsl[b]);
+    const int64_t q_len = qsl[b + 1] - qsl[b], pos0 = lens[b] - q_len;
+    longest = std::max<int64_t>(longest, lens[b]);
+    auto walked = [&](int64_t last) { return sliding_window > 0 ? std::min(last + 1, sliding_window) : last + 1; };
+    if (tile_fn != nullptr && q_len > 1) {
+      for (int64_t t = 0; t < q_len; t += tile_tokens) {
+        const int64_t tokens = std::min(tile_tokens, q_len - t);
+        for (int64_t h0 = 0; h0 < num_heads; h0 += group)
+          units.push_back({b, {qsl[b] + t, pos0 + t, tokens, h0, sliding_window}, walked(pos0 + t + tokens - 1) * tokens * group / 2 + 16});
+      }
+    } else if (!(skip_fresh && q_len > 1 && pos0 == 0)) {
+      for (int64_t t = 0; t < q_len; ++t)
+        for (int64_t h0 = 0; h0 < num_heads; h0 += served)
+          units.push_back({b, {qsl[b] + t, pos0 + t, 0, h0, sliding_window}, walked(pos0 + t) * served + 16});
     }
   }
+  const bool left_fresh = tile_fn == nullptr && skip_fresh;
+  if (units.empty()) return left_fresh;
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
-  TORCH_CHECK(d <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
-  int64_t served = 1;
-  auto attend_fn = pick<T>(d, group, served);
-  const int64_t calls_per_token = num_heads / served;
-  // Work units (a token and the query heads of one call) are split across threads by the context
-  // each walks, so that one long sequence does not leave the other threads idle at the end.
-  const int64_t units = num_tokens * calls_per_token;
-  std::vector<int64_t> cost_end(units);
-  int64_t total = 0, longest = 1;
-  for (int64_t w = 0; w < units; ++w) {
-    const int64_t t = w / calls_per_token;
-    if (seq_of[t] >= 0) {
-      const int64_t walked = sliding_window > 0 ? std::min(pos_of[t] + 1, sliding_window) : pos_of[t] + 1;
-      total += walked + 16;  // + the fixed cost of a call
-      longest = std::max(longest, pos_of[t] + 1);
-    }
-    cost_end[w] = total;
-  }
-  if (total == 0) return;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  // Units are split across threads by cost, so that one long sequence does not leave the other
+  // threads idle at the end.
+  std::vector<int64_t> cost_end(units.size());
+  int64_t total = 0;
+  for (size_t u = 0; u < units.size(); ++u) cost_end[u] = total += units[u].cost;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units.size()));
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t end_thread) {
-    std::vector<float> scores(served * block_size);
+    std::vector<float> scores(served * block_size), acc(kMaxTileRows * d);
     std::vector<int64_t> rows(longest);
-    Scratch scratch{scores.data(), rows.data()};
+    Scratch scratch{scores.data(), rows.data(), acc.data()};
     for (int64_t tid = first_thread; tid < end_thread; ++tid) {
       const auto begin = std::upper_bound(cost_end.begin(), cost_end.end(), total * tid / threads) - cost_end.begin();
       const auto end = std::upper_bound(cost_end.begin(), cost_end.end(), total * (tid + 1) / threads) - cost_end.begin();
-      for (int64_t work = begin; work < end; ++work) {
-        const int64_t t = work / calls_per_token, h0 = (work % calls_per_token) * served;
-        if (seq_of[t] < 0) continue;
-        const int64_t pos = pos_of[t];
-        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
-        const int64_t kv_head = h0 / group;
-        attend_fn(op + (t * num_heads + h0) * d, qp + (t * num_heads + h0) * d, kp + kv_head * d,
-                  vp + kv_head * d, tables + seq_of[t] * table_stride, pos, first, block_size, token_stride, d,
+      for (auto u = begin; u < end; ++u) {
+        const Unit& unit = units[u];
+        const QueryTile& tile = unit.tile;
+        const int32_t* table = tables + unit.seq * table_stride;
+        const int64_t kv_head = tile.h0 / group;
+        if (tile.tokens > 0) {
+          tile_fn(op, qp, kp + kv_head * d, vp + kv_head * d, table, tile, num_heads, block_size, token_stride,
                   static_cast<float>(scale), scratch);
+          continue;
+        }
+        const int64_t pos = tile.pos0;
+        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+        const int64_t offset = (tile.token0 * num_heads + tile.h0) * d;
+        attend_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, block_size,
+                  token_stride, d, static_cast<float>(scale), scratch);
       }
     }
   });
+  return left_fresh;
 }
 
 }  // namespace
 
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+// Returns whether prompts computed whole in this step were left to the caller (skip_fresh and no
+// query-tile kernel for this dtype and shape).
+bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                      int64_t sliding_window, bool skip_fresh) {
@@ -371,11 +585,12 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
               query_start_loc.scalar_type() == torch::kInt32, "int32 metadata expected");
   switch (q.scalar_type()) {
-    case torch::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh); break;
-    case torch::kBFloat16: run<at::BFloat16>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh); break;
-    case torch::kHalf: run<at::Half>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh); break;
+    case torch::kFloat: return run<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh);
+    case torch::kBFloat16: return run<at::BFloat16>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh);
+    case torch::kHalf: return run<at::Half>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh);
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
+  return false;
 }
 
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,

@@ -32,16 +32,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     sliding_window: int | None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> same shape; k, v: this step's keys and values.
 
-    Prompts computed whole in this step (no cached context, no window) take PyTorch's fused
-    causal attention on their own K/V; every other token reads the paged cache in the kernel."""
+    The kernel reads the paged cache for every token. Where it has no query-tile variant (only
+    bf16 with AVX512-BF16 has one), prompts computed whole in this step (no cached context, no
+    window) take PyTorch's fused causal attention on their own K/V instead."""
     ops = cpu_ops() if q.device.type == "cpu" else None
     if ops is None:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window)
     out = torch.empty_like(q)
-    fresh = not sliding_window
-    ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.block_tables,
-                        meta.query_start_loc, meta.seq_lens, scale, sliding_window or 0, fresh)
-    if fresh:
+    left_fresh = ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, scale, sliding_window or 0, not sliding_window)
+    if left_fresh:
         start = 0
         for seq_len, q_len in zip(meta.seq_lens_list, meta.query_lens_list):
             if 1 < q_len == seq_len:
