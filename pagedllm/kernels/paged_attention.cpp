@@ -131,6 +131,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
 constexpr int64_t kTile = 16;
 constexpr int64_t kMaxTileRows = 32;  // query rows (tokens x group heads) of a query tile
 constexpr int64_t kRowBlock = 4;      // query rows computed together
+constexpr int64_t kMaxWalkHeads = 8;  // KV heads one decode walk serves
 
 // exp(x) for x <= 0, 16 lanes: the polynomial of fast_exp, with the power of two set by scalef.
 inline __m512 exp_neg(__m512 x) {
@@ -244,30 +245,34 @@ inline int64_t context_rows(int64_t* rows, const int32_t* blocks, int64_t first,
   return n;
 }
 
-// Prefetch the K and V rows of the tile after next.
-template <int64_t D>
+// Prefetch the first `row_bytes` of the K and V rows of the tile after next.
 inline void prefetch_tile(const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* rows, int64_t t,
-                          int64_t n) {
-  constexpr int64_t kAhead = 2 * kTile, kRowBytes = D * 2;
+                          int64_t n, int64_t row_bytes) {
+  constexpr int64_t kAhead = 2 * kTile;
   for (int64_t j = t + kAhead; j < std::min(n, t + kAhead + kTile); ++j) {
-    for (int64_t b = 0; b < kRowBytes; b += 64) {
+    for (int64_t b = 0; b < row_bytes; b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j]) + b, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[j]) + b, _MM_HINT_T0);
     }
   }
 }
 
-template <typename T, int64_t D, int64_t G>
-void attend_bf16(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos,
-                 int64_t first, int64_t block_size, int64_t token_stride, int64_t, float scale, Scratch& scratch) {
+// One query token against its context for the query heads of `kv_count` KV heads: the tile loop
+// is outside the head loop, so that the K/V rows of all those heads (adjacent in the cache) are
+// read together, as a stream, rather than one head's slice of each row at a time.
+template <int64_t D, int64_t G>
+void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+               const int32_t* blocks, int64_t pos, int64_t first, int64_t kv_count, int64_t block_size,
+               int64_t token_stride, float scale, Scratch& scratch) {
   const int64_t n = context_rows(scratch.rows, blocks, first, pos, block_size, token_stride);
-  Bf16Walk<D, G> walk;
-  walk.start(q);
+  Bf16Walk<D, G> walks[kMaxWalkHeads];
+  for (int64_t h = 0; h < kv_count; ++h) walks[h].start(q + h * G * D);
   for (int64_t t = 0; t < n; t += kTile) {
-    prefetch_tile<D>(k_cache, v_cache, scratch.rows, t, n);
-    walk.tile(k_cache, v_cache, scratch.rows + t, std::min(kTile, n - t), scale);
+    prefetch_tile(k_cache, v_cache, scratch.rows, t, n, kv_count * D * 2);
+    for (int64_t h = 0; h < kv_count; ++h)
+      walks[h].tile(k_cache + h * D, v_cache + h * D, scratch.rows + t, std::min(kTile, n - t), scale);
   }
-  walk.finish(out);
+  for (int64_t h = 0; h < kv_count; ++h) walks[h].finish(out + h * G * D);
 }
 
 // -- Query tiles: many query rows (tokens x the heads of one KV head) against the same keys ------
@@ -357,7 +362,7 @@ void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat
   auto row_of = [&](int64_t r) { return ((tile.token0 + r / G) * num_heads + tile.h0 + r % G) * D; };
   PackedTile<D> packed;
   for (int64_t t = 0; t < n; t += kTile) {
-    prefetch_tile<D>(k_cache, v_cache, scratch.rows, t, n);
+    prefetch_tile(k_cache, v_cache, scratch.rows, t, n, D * 2);
     const int64_t nk = std::min(kTile, n - t), key0 = first + t;
     packed.pack(k_cache, v_cache, scratch.rows + t, nk);
     // Rows four at a time, two accumulators each: eight independent chains of dot products.
@@ -444,12 +449,6 @@ AttendFn<T> pick(int64_t d, int64_t group, int64_t& served) {
     case 8: return FN<T, DD, 8>;                    \
     default: break;                                 \
   }
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (d == 64) { PICK_G(attend_bf16, 64) }
-    else if (d == 128) { PICK_G(attend_bf16, 128) }
-  }
-#endif
   if (d == 64) { PICK_G(attend, 64) }
   else if (d == 128) { PICK_G(attend, 128) }
   else { PICK_G(attend, 0) }
@@ -461,33 +460,49 @@ AttendFn<T> pick(int64_t d, int64_t group, int64_t& served) {
 template <typename T>
 using TileFn = void (*)(T*, const T*, const T*, const T*, const int32_t*, const QueryTile&, int64_t, int64_t, int64_t,
                         float, Scratch&);
+template <typename T>
+using WalkFn = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float, Scratch&);
 
-// The query-tile variant for this dtype, head size and group, or nullptr where there is none.
+#define BF16_G(FN, DD)                 \
+  switch (group) {                     \
+    case 1: return FN<DD, 1>;          \
+    case 2: return FN<DD, 2>;          \
+    case 3: return FN<DD, 3>;          \
+    case 4: return FN<DD, 4>;          \
+    case 8: return FN<DD, 8>;          \
+    default: return nullptr;           \
+  }
+
+// The AVX-512 BF16 query-tile and walk variants for this dtype, head size and group, or nullptr.
 template <typename T>
 TileFn<T> pick_tile(int64_t d, int64_t group) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-#define TILE_G(DD)                                                    \
-    switch (group) {                                                  \
-      case 1: return attend_tile_bf16<DD, 1>;                         \
-      case 2: return attend_tile_bf16<DD, 2>;                         \
-      case 3: return attend_tile_bf16<DD, 3>;                         \
-      case 4: return attend_tile_bf16<DD, 4>;                         \
-      case 8: return attend_tile_bf16<DD, 8>;                         \
-      default: return nullptr;                                        \
-    }
-    if (d == 64) { TILE_G(64) }
-    if (d == 128) { TILE_G(128) }
-#undef TILE_G
+    if (d == 64) { BF16_G(attend_tile_bf16, 64) }
+    if (d == 128) { BF16_G(attend_tile_bf16, 128) }
   }
 #endif
   return nullptr;
 }
 
-// A piece of work: one query token and the heads of one call (walk), or a query tile.
+template <typename T>
+WalkFn<T> pick_walk(int64_t d, int64_t group) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (d == 64) { BF16_G(walk_bf16, 64) }
+    if (d == 128) { BF16_G(walk_bf16, 128) }
+  }
+#endif
+  return nullptr;
+}
+#undef BF16_G
+
+// A piece of work: one query token and the heads of `kv_count` KV heads (a walk), or a query tile.
 struct Unit {
   int64_t seq;
-  QueryTile tile;  // tokens == 0: a walk of token tile.token0 for heads from tile.h0
+  QueryTile tile;  // tokens == 0: a walk of token tile.token0 from query head tile.h0
+  int64_t kv_count;
   int64_t cost;    // rough: keys read x query rows served
 };
 
@@ -495,7 +510,7 @@ template <typename T>
 bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
          double scale, int64_t sliding_window, bool skip_fresh) {
-  const int64_t num_heads = q.size(1), d = q.size(2);
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * d;  // one token's K (or V) row in the cache
@@ -507,7 +522,14 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   int64_t served = 1;
   const AttendFn<T> attend_fn = pick<T>(d, group, served);
   const TileFn<T> tile_fn = pick_tile<T>(d, group);
+  const WalkFn<T> walk_fn = pick_walk<T>(d, group);
   const int64_t tile_tokens = kMaxTileRows / group;
+  const int64_t threads = at::get_num_threads();
+  // A walk serves every KV head of its token when there are enough tokens to keep the threads
+  // busy; a few decodes split their heads instead.
+  const int64_t kv_per_walk = walk_fn != nullptr && num_tokens >= 4 * threads && num_kv_heads <= kMaxWalkHeads
+                                  ? num_kv_heads : 1;
+  const int64_t heads_per_walk = walk_fn != nullptr ? kv_per_walk * group : served;
 
   // Sequences with several query tokens go by query tiles where a tile kernel exists; else each
   // token walks its context. Without tiles, prompts computed whole in this step (no cached
@@ -522,12 +544,14 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       for (int64_t t = 0; t < q_len; t += tile_tokens) {
         const int64_t tokens = std::min(tile_tokens, q_len - t);
         for (int64_t h0 = 0; h0 < num_heads; h0 += group)
-          units.push_back({b, {qsl[b] + t, pos0 + t, tokens, h0, sliding_window}, walked(pos0 + t + tokens - 1) * tokens * group / 2 + 16});
+          units.push_back({b, {qsl[b] + t, pos0 + t, tokens, h0, sliding_window}, 1,
+                           walked(pos0 + t + tokens - 1) * tokens * group / 2 + 16});
       }
     } else if (!(skip_fresh && q_len > 1 && pos0 == 0)) {
       for (int64_t t = 0; t < q_len; ++t)
-        for (int64_t h0 = 0; h0 < num_heads; h0 += served)
-          units.push_back({b, {qsl[b] + t, pos0 + t, 0, h0, sliding_window}, walked(pos0 + t) * served + 16});
+        for (int64_t h0 = 0; h0 < num_heads; h0 += heads_per_walk)
+          units.push_back({b, {qsl[b] + t, pos0 + t, 0, h0, sliding_window}, kv_per_walk,
+                           walked(pos0 + t) * heads_per_walk + 16});
     }
   }
   const bool left_fresh = tile_fn == nullptr && skip_fresh;
@@ -543,14 +567,14 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   std::vector<int64_t> cost_end(units.size());
   int64_t total = 0;
   for (size_t u = 0; u < units.size(); ++u) cost_end[u] = total += units[u].cost;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units.size()));
-  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t end_thread) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, units.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t first_thread, int64_t end_thread) {
     std::vector<float> scores(served * block_size), acc(kMaxTileRows * d);
     std::vector<int64_t> rows(longest);
     Scratch scratch{scores.data(), rows.data(), acc.data()};
     for (int64_t tid = first_thread; tid < end_thread; ++tid) {
-      const auto begin = std::upper_bound(cost_end.begin(), cost_end.end(), total * tid / threads) - cost_end.begin();
-      const auto end = std::upper_bound(cost_end.begin(), cost_end.end(), total * (tid + 1) / threads) - cost_end.begin();
+      const auto begin = std::upper_bound(cost_end.begin(), cost_end.end(), total * tid / workers) - cost_end.begin();
+      const auto end = std::upper_bound(cost_end.begin(), cost_end.end(), total * (tid + 1) / workers) - cost_end.begin();
       for (auto u = begin; u < end; ++u) {
         const Unit& unit = units[u];
         const QueryTile& tile = unit.tile;
@@ -564,6 +588,11 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         const int64_t pos = tile.pos0;
         const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
         const int64_t offset = (tile.token0 * num_heads + tile.h0) * d;
+        if (walk_fn != nullptr) {
+          walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
+                  block_size, token_stride, static_cast<float>(scale), scratch);
+          continue;
+        }
         attend_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, block_size,
                   token_stride, d, static_cast<float>(scale), scratch);
       }
