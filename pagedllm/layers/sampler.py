@@ -24,8 +24,10 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                  generators: dict[str, torch.Generator]) -> SamplerOutput:
+        """Changes `logits` in place (fresh from the model each step: a copy would cost ~2 ms
+        a step at batch 200)."""
         raw_logprobs = _logprobs_wanted(logits, requests)
-        logits = apply_logit_controls(logits.clone(), requests)
+        logits = apply_logit_controls(logits, requests)
         logits = apply_penalties(logits, requests)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if r.sampling_params.sampling_type != SamplingType.GREEDY]
