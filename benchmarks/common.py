@@ -33,26 +33,27 @@ def measure_matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -
     return 2 * n**3 / best / 1e9
 
 
+def _linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The matrices a token multiplies through (plain or packed for oneDNN), the output head included."""
+    from pagedllm.layers.linear import Linear
+
+    return [m.weight for m in model.modules() if isinstance(m, Linear)]
+
+
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode step reads: every matrix, but only one row of the embedding."""
-    total = 0
+    """Bytes of weights a decode step reads: every matrix and norm, one row of the embedding."""
+    total = sum(w.numel() * w.element_size() for w in _linear_weights(model))
     for name, param in model.named_parameters():
         if name.endswith("embed_tokens.weight"):
             total += param.shape[1] * param.element_size()
-        else:
+        elif param.dim() == 1:
             total += param.numel() * param.element_size()
-    tied = getattr(model, "tie_word_embeddings", False)
-    if tied:  # the embedding doubles as the output projection, read whole
-        total += model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     return total
 
 
 def matmul_flops_per_token(model: torch.nn.Module) -> int:
     """2 x the parameters a token multiplies through (all but the embedding lookup)."""
-    params = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
-    if getattr(model, "tie_word_embeddings", False):
-        params += model.model.embed_tokens.weight.numel()
-    return 2 * params
+    return 2 * sum(w.numel() for w in _linear_weights(model))
 
 
 def attention_flops(config, context: int) -> int:
