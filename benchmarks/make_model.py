@@ -4,14 +4,31 @@
 
 Default shape: hidden 1024, 16 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 32000,
 bf16 (about 250M parameters). The tokenizer is the default model's (SmolLM2's, read from its
-GGUF), cut to the vocabulary; random weights make the text meaningless, not the timing.
+GGUF), cut to the vocabulary (its BPE merges past it dropped), so that any text a client sends
+encodes to ids the model has; random weights make the text meaningless, not the timing.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def cut_tokenizer(path: str, vocab_size: int) -> None:
+    """Drop the BPE tokens with ids from vocab_size on, and the merges that would make them."""
+    with open(path) as f:
+        spec = json.load(f)
+    model = spec["model"]
+    if len(model["vocab"]) <= vocab_size:
+        return
+    model["vocab"] = {token: i for token, i in model["vocab"].items() if i < vocab_size}
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+    model["merges"] = [m for m, (a, b) in zip(model["merges"], pairs) if a + b in model["vocab"]]
+    assert all(t["id"] < vocab_size for t in spec["added_tokens"]), "special tokens past the vocabulary"
+    with open(path, "w") as f:
+        json.dump(spec, f, ensure_ascii=False)
 
 
 def main() -> None:
@@ -35,10 +52,6 @@ def main() -> None:
 
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    if args.vocab_size < len(tokenizer):
-        # Keep the tokenizer whole but never emit ids past the model's vocabulary: prompts come as
-        # token ids in the benchmarks, and text decoding of random output is not timed.
-        print(f"note: tokenizer has {len(tokenizer)} tokens, the model {args.vocab_size}")
     config = LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
@@ -50,6 +63,7 @@ def main() -> None:
     model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
+    cut_tokenizer(os.path.join(args.out, "tokenizer.json"), args.vocab_size)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {args.out}: {params / 1e6:.0f}M parameters, {args.dtype}")
 

@@ -628,8 +628,11 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding delta into x (in place)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]");
-  m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding in place");
+  // The GIL is released while a kernel runs, as PyTorch's own operators do, so that a server's
+  // HTTP thread can work meanwhile.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)", release());
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding delta into x (in place)", release());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]", release());
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding in place", release());
 }

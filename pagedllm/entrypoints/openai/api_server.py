@@ -90,18 +90,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 def _install_guards(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
     """Auth, body size and the error shapes: every failure answers in OpenAI's format."""
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(APIError("Invalid API key", 401, "authentication_error",
-                                               code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return error_response(APIError(f"request body larger than {max_body_bytes} bytes", 413,
-                                           code="request_too_large"))
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -120,6 +109,32 @@ def _install_guards(app: FastAPI, api_key: str | None, max_body_bytes: int) -> N
     async def http_error(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(str(exc.detail), exc.status_code, kind))
+
+
+class _Guard:
+    """Checks the API key and the body size before a request reaches a route. Plain ASGI, not
+    Starlette's BaseHTTPMiddleware, which costs a task and a memory stream per streamed chunk."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(Request(scope))
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, request: Request) -> APIError | None:
+        if self.api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return APIError("Invalid API key", 401, "authentication_error", code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return APIError(f"request body larger than {self.max_body_bytes} bytes", 413, code="request_too_large")
+        return None
 
 
 async def _until_disconnect(request: Request, handler):
