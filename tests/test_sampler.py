@@ -27,6 +27,16 @@ def _draws(logits: list[float], params: SamplingParams, times: int = 300) -> set
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05, 0, 0, 0, 0]).clamp_min(1e-12).log().tolist()
 
 
+def test_draws_follow_the_distribution():
+    sampler = Sampler()
+    rows = 6000
+    out = sampler(torch.tensor([PROBS] * rows), [_req(SamplingParams(temperature=1.0), rid=str(i)) for i in range(rows)], {})
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).float() / rows
+    want = torch.tensor(PROBS).exp()
+    assert (freq - want).abs().max() < 0.025, freq  # ~4 standard errors at p = 0.5
+    assert freq[4:].sum() == 0  # tokens of probability ~0 are never drawn
+
+
 def test_top_k_never_emits_excluded_tokens():
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)).tolist()
     allowed = set(torch.tensor(logits).topk(3).indices.tolist())

@@ -2,8 +2,8 @@
 
 Order, as vLLM applies it: logprobs are taken from the raw logits; then allowed tokens and logit
 bias, min_tokens, penalties; greedy rows take the argmax; the rest are scaled by temperature,
-cut by top-k, top-p and min-p, and drawn with the exponential-race trick (argmax of p / q with
-q ~ Exp(1)), which lets seeded rows draw q from their own generator.
+cut by top-k, top-p and min-p, and drawn by inverting their cumulative distribution at a uniform
+number, which seeded rows take from their own generator.
 """
 from __future__ import annotations
 
@@ -102,16 +102,21 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 def sample_random(logits: torch.Tensor, requests: list[ScheduledRequest],
                   generators: dict[str, torch.Generator]) -> torch.Tensor:
+    """One draw per row by inverting its cumulative distribution: one uniform number a row (from
+    the request's own generator when seeded), where an exponential race would draw one per
+    vocabulary entry (30 ms a step at 64 x 32000 on this CPU, against about 1 ms)."""
     device = logits.device
     temperature = torch.tensor([r.sampling_params.temperature for r in requests], device=device)[:, None]
     logits = apply_top_k_top_p_min_p(logits / temperature, requests)
-    probs = torch.softmax(logits, dim=-1)
-    q = torch.empty_like(probs).exponential_()
+    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
+    u = torch.rand(len(requests), 1, device=device)
     for i, r in enumerate(requests):
         generator = generators.get(r.request_id)
         if generator is not None:
-            q[i].exponential_(generator=generator)
-    return (probs / q).argmax(dim=-1)
+            u[i] = torch.rand(1, generator=generator, device=device)
+    # The first token whose cumulative probability passes u; tokens of probability 0 never do.
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    return tokens.clamp_(max=logits.shape[1] - 1)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
