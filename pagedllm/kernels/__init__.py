@@ -18,6 +18,7 @@ def cpu_ops() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        logger.info("Loading the C++ kernels (built and cached on first use: about 35 s)")
         return load(
             name="pagedllm_cpu_ops",
             sources=[os.path.join(_DIR, "paged_attention.cpp"), os.path.join(_DIR, "fused_ops.cpp")],

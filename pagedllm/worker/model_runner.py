@@ -6,6 +6,7 @@ import dataclasses
 import torch
 
 from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.sampler import Sampler, token_logprobs
 from pagedllm.models.loader import ModelConfig
@@ -32,6 +33,8 @@ class ModelRunner:
                           for _ in range(hf.num_hidden_layers)]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        if self.device.type == "cpu":
+            cpu_ops()  # build (or load) the kernels now, not inside the first request's time
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
