@@ -3,8 +3,9 @@
 Running requests go first (decodes and unfinished prefill chunks), then waiting ones are admitted
 while the token budget, the sequence limit and the KV pool allow. A waiting request whose next
 prompt block another running request is computing waits for it to be cached rather than
-computing it again (many requests sharing a system prompt arrive together). When the pool runs dry, the most
-recently arrived running request is preempted: its blocks are freed and it is recomputed later.
+computing it again (many requests sharing a system prompt arrive together). When the pool runs
+dry, the most recently arrived running request is preempted: its blocks are freed and it is
+recomputed later.
 """
 from __future__ import annotations
 

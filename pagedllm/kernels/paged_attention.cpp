@@ -464,37 +464,33 @@ template <typename T>
 using WalkFn = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                         float, Scratch&);
 
-#define BF16_G(FN, DD)                 \
-  switch (group) {                     \
-    case 1: return FN<DD, 1>;          \
-    case 2: return FN<DD, 2>;          \
-    case 3: return FN<DD, 3>;          \
-    case 4: return FN<DD, 4>;          \
-    case 8: return FN<DD, 8>;          \
-    default: return nullptr;           \
+// The AVX-512 BF16 query-tile and walk variants; both null where there are none (other dtypes,
+// head sizes or groups, or a build without AVX512-BF16).
+template <typename T>
+struct Bf16Variants {
+  TileFn<T> tile = nullptr;
+  WalkFn<T> walk = nullptr;
+};
+
+#define BF16_G(DD)                                                      \
+  switch (group) {                                                      \
+    case 1: return {attend_tile_bf16<DD, 1>, walk_bf16<DD, 1>};         \
+    case 2: return {attend_tile_bf16<DD, 2>, walk_bf16<DD, 2>};         \
+    case 3: return {attend_tile_bf16<DD, 3>, walk_bf16<DD, 3>};         \
+    case 4: return {attend_tile_bf16<DD, 4>, walk_bf16<DD, 4>};         \
+    case 8: return {attend_tile_bf16<DD, 8>, walk_bf16<DD, 8>};         \
+    default: return {};                                                 \
   }
 
-// The AVX-512 BF16 query-tile and walk variants for this dtype, head size and group, or nullptr.
 template <typename T>
-TileFn<T> pick_tile(int64_t d, int64_t group) {
+Bf16Variants<T> pick_bf16(int64_t d, int64_t group) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (d == 64) { BF16_G(attend_tile_bf16, 64) }
-    if (d == 128) { BF16_G(attend_tile_bf16, 128) }
+    if (d == 64) { BF16_G(64) }
+    if (d == 128) { BF16_G(128) }
   }
 #endif
-  return nullptr;
-}
-
-template <typename T>
-WalkFn<T> pick_walk(int64_t d, int64_t group) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (d == 64) { BF16_G(walk_bf16, 64) }
-    if (d == 128) { BF16_G(walk_bf16, 128) }
-  }
-#endif
-  return nullptr;
+  return {};
 }
 #undef BF16_G
 
@@ -521,8 +517,9 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   TORCH_CHECK(d <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   int64_t served = 1;
   const AttendFn<T> attend_fn = pick<T>(d, group, served);
-  const TileFn<T> tile_fn = pick_tile<T>(d, group);
-  const WalkFn<T> walk_fn = pick_walk<T>(d, group);
+  const Bf16Variants<T> bf16 = pick_bf16<T>(d, group);
+  const TileFn<T> tile_fn = bf16.tile;
+  const WalkFn<T> walk_fn = bf16.walk;
   const int64_t tile_tokens = kMaxTileRows / group;
   const int64_t threads = at::get_num_threads();
   // A walk serves every KV head of its token when there are enough tokens to keep the threads
