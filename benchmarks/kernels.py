@@ -1,12 +1,13 @@
-"""Kernel microbenchmarks: paged attention at decode, and bf16 linear layers packed vs plain.
+"""Kernel microbenchmarks: paged attention at decode, and bf16 linear layers three ways.
 
     python benchmarks/kernels.py
 
 Attention: 64 decoding sequences x 16 heads (4 KV heads) x 200, 600 and 1000 tokens of context,
 head size 64, bf16, block size 16, blocks scattered: ms per layer call, best of 5, and the K/V
 bytes read per second. Linear: weights 5632 x 1024 bf16, 8 matrices in turn so that they come
-from memory, GFLOP/s of our Linear (weights packed for oneDNN) and of F.linear on the plain
-weights, for 1 to 2048 input rows.
+from memory, GFLOP/s for 1 to 2048 input rows of our Linear as the model runs it (packed for
+oneDNN; up to ROWS_KERNEL_MAX rows, our kernel over the same packed weights), of oneDNN's GEMM
+on the packed weights at every row count, and of F.linear on the plain weights.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.linear import ROWS_KERNEL_MAX, Linear
 
 
 def attention_case(seqs: int, context: int, block_size: int = 16, heads: int = 16, kv_heads: int = 4, d: int = 64):
@@ -63,15 +64,19 @@ def main() -> None:
     packed = [Linear(i, o, bias=False).bfloat16() for _ in range(8)]
     for layer in packed:
         layer.pack()
-    print("| input rows | packed Linear GFLOP/s | F.linear GFLOP/s |")
-    print("|---|---|---|")
-    for rows in (1, 4, 8, 16, 32, 64, 128, 512, 2048):
+    print(f"| input rows | Linear GFLOP/s (rows kernel up to {ROWS_KERNEL_MAX} rows) | oneDNN, packed GFLOP/s | "
+          "F.linear GFLOP/s | Linear: weight GB/s |")
+    print("|---|---|---|---|---|")
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048):
         x = torch.randn(rows, i).bfloat16()
         flops = 2 * rows * o * i * len(plain)
+        ways = [lambda: [layer(x) for layer in packed],
+                lambda: [torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "") for layer in packed],
+                lambda: [F.linear(x, layer.weight) for layer in plain]]
         with torch.inference_mode():
-            ours = flops / best_seconds(lambda: [layer(x) for layer in packed], 3, 1) / 1e9
-            theirs = flops / best_seconds(lambda: [F.linear(x, layer.weight) for layer in plain], 3, 1) / 1e9
-        print(f"| {rows} | {ours:.0f} | {theirs:.0f} |")
+            seconds = [best_seconds(way, 5, 1) for way in ways]
+        rates = " | ".join(f"{flops / s / 1e9:.0f}" for s in seconds)
+        print(f"| {rows} | {rates} | {o * i * 2 * len(plain) / seconds[0] / 1e9:.1f} |")
 
 
 if __name__ == "__main__":

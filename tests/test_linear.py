@@ -1,11 +1,13 @@
-"""Linear layers with bf16 weights packed for oneDNN against F.linear on the plain weights."""
+"""Linear layers with bf16 weights packed for oneDNN against F.linear on the plain weights, and
+the kernel for a few rows that reads the packed weights against sums in fp32."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.linear import Linear, can_pack
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers.linear import ROWS_KERNEL_MAX, Linear, can_pack
 
 
 def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool) -> Linear:
@@ -14,7 +16,7 @@ def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool) 
 
 
 @pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN here")
-@pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
+@pytest.mark.parametrize("rows", [ROWS_KERNEL_MAX + 1, 64, 300])
 @pytest.mark.parametrize("out_features, in_features", [(7, 64), (576, 1536), (1030, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bf16_matches_plain(rows, out_features, in_features, bias):
@@ -25,6 +27,30 @@ def test_packed_bf16_matches_plain(rows, out_features, in_features, bias):
     x = torch.randn(rows, in_features).bfloat16()
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, plain_weight, layer.bias), atol=0, rtol=0)
+
+
+def _rows_kernel_built() -> bool:
+    ops = cpu_ops()
+    return ops is not None and ops.packed_linear_available() and can_pack(torch.zeros(1, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not _rows_kernel_built(), reason="no AVX512-BF16 kernels or oneDNN here")
+@pytest.mark.parametrize("rows", sorted({1, 2, 3, 5, ROWS_KERNEL_MAX}))
+@pytest.mark.parametrize("out_features, in_features", [(7, 64), (576, 1536), (1030, 100), (128, 2816)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_kernel_sums_in_fp32(rows, out_features, in_features, bias):
+    """Shapes that fill oneDNN's 64 x 32 blocks and shapes it pads; each sum within one bf16 step
+    of the fp32 sum (a misread layout is off by far more)."""
+    layer = _layer(in_features, out_features, torch.bfloat16, bias)
+    weight = layer.weight.detach().float()
+    layer.pack()
+    assert layer._rows is not None  # oneDNN chose the layout the kernel reads
+    x = torch.randn(rows, in_features).bfloat16()
+    expected = x.float() @ weight.T + (layer.bias.float() if bias else 0)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=1e-5)
 
 
 def test_float32_weights_stay_plain():

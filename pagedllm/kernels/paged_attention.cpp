@@ -623,6 +623,9 @@ void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> d
               double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
+                        int64_t k_padded, c10::optional<torch::Tensor> bias);
+bool packed_linear_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as PyTorch's own operators do, so that a server's
@@ -632,4 +635,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding delta into x (in place)", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]", release());
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding in place", release());
+  m.def("packed_linear_rows", &packed_linear_rows, "x W^T for a few rows, over oneDNN's packed bf16 weights",
+        release());
+  m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
 }

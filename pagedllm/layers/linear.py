@@ -1,15 +1,23 @@
 """Linear layers. On CPU, bf16 weights are reordered once, after loading, into oneDNN's blocked
 layout: its GEMM then runs faster than on the plain [out, in] layout at every batch size measured
 here (1.1x at 512 rows, 1.4x at 64, 1.8x at one row: benchmarks/kernels.py), with results
-identical to F.linear's."""
+identical to F.linear's. For a few rows, where a layer is one pass over its weights, our own
+kernel reads that same packed copy at closer to the machine's memory bandwidth."""
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import cpu_ops
+
 # The batch size oneDNN chooses the blocked layout for; the layout serves every batch size.
 PACK_BATCH_HINT = 128
+# Up to this many rows, packed_linear_rows runs instead of oneDNN's GEMM (benchmarks/kernels.py).
+ROWS_KERNEL_MAX = 8
+_BLOCK_N, _BLOCK_K = 64, 32  # oneDNN's AB16b64a2b blocks, the layout the kernel reads
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -17,18 +25,52 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
+    # (the packed weight, its buffer's address, padded out and in features) where the rows kernel can read it
+    _rows: tuple[torch.Tensor, int, int, int] | None = None
+
     def pack(self) -> None:
         """Swap the weight for its packed copy (where oneDNN can take it); the plain one is freed."""
         if self.weight.layout == torch._mkldnn or not can_pack(self.weight):
             return
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
+        plain = self.weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_BATCH_HINT)
+        self._rows = _rows_kernel_view(packed, plain)
         del self.weight
         self.register_buffer("weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.layout == torch._mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.weight.layout != torch._mkldnn:
+            return F.linear(x, self.weight, self.bias)
+        rows = self._rows
+        if rows is not None and rows[0] is self.weight and x.dim() == 2 and x.shape[0] <= ROWS_KERNEL_MAX:
+            return self._few_rows(x, *rows[1:])
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def _few_rows(self, x: torch.Tensor, address: int, n_padded: int, k_padded: int) -> torch.Tensor:
+        x = x.contiguous() if x.shape[1] == k_padded else F.pad(x, (0, k_padded - x.shape[1]))
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        cpu_ops().packed_linear_rows(out, x, address, n_padded, k_padded, self.bias)
+        return out
+
+
+def _rows_kernel_view(packed: torch.Tensor, plain: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
+    """What the rows kernel needs, if oneDNN chose the layout it reads (checked against the weights
+    themselves: another CPU or oneDNN version may choose another); else None."""
+    ops = cpu_ops()
+    if ops is None or not ops.packed_linear_available():
+        return None
+    n, k = plain.shape
+    n_padded, k_padded = -(-n // _BLOCK_N) * _BLOCK_N, -(-k // _BLOCK_K) * _BLOCK_K
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes != n_padded * k_padded * plain.element_size():
+        return None
+    address = torch.ops.mkldnn.data_ptr(packed)
+    raw = torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=plain.dtype)
+    expected = F.pad(plain, (0, k_padded - k, 0, n_padded - n))
+    expected = expected.view(n_padded // _BLOCK_N, _BLOCK_N, k_padded // _BLOCK_K, _BLOCK_K // 2, 2)
+    if not torch.equal(raw, expected.permute(0, 2, 3, 1, 4).reshape(-1)):
+        return None
+    return packed, address, n_padded, k_padded
 
 
 def pack_linears(model: nn.Module) -> None:

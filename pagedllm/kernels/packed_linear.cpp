@@ -1,0 +1,105 @@
+// y = x W^T (+ bias) for a few rows of x, reading the bf16 weights where oneDNN packed them.
+//
+// At a handful of rows a linear layer is a pass over its weights, bound by memory bandwidth;
+// oneDNN's GEMM streams them at 34-43 GB/s here where the machine reads 45-50. This kernel
+// reads oneDNN's own packed copy (format AB16b64a2b: [N/64][K/32][16 k-pairs][64 n][2 k],
+// zero-padded to whole blocks; layers/linear.py checks that layout before it calls in), so
+// the model keeps one copy of its weights. Each thread walks whole 64-column blocks, one
+// contiguous stream each; every k-pair of x is broadcast against 64 columns with dpbf16, and
+// the sums run in fp32 in k order.
+#include <torch/extension.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512BF16__)
+constexpr int64_t kBlockN = 64;   // output columns per packed block: 4 vectors of 16 fp32 sums
+constexpr int64_t kBlockK = 32;   // input features per packed block
+constexpr int64_t kMaxRows = 4;   // rows of x served per pass over a block (accumulators in registers)
+
+// One 64-column block for R rows: acc[r][j] += x[r] pair . w pair, over every k-pair.
+template <int R>
+void block_rows(const uint32_t* const* x_pairs, const at::BFloat16* block, int64_t k_pairs, float* sums) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k_pairs; ++p) {
+    const at::BFloat16* w = block + p * kBlockN * 2;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[r][p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + r * kBlockN + j * 16, acc[r][j]);
+}
+
+using BlockFn = void (*)(const uint32_t* const*, const at::BFloat16*, int64_t, float*);
+constexpr BlockFn kBlockFns[kMaxRows + 1] = {nullptr, block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>};
+
+// Adds the bias in fp32 and rounds each sum to bf16 once, as oneDNN does.
+void store_rows(at::BFloat16* out, int64_t out_stride, const float* sums, int64_t rows, int64_t n0, int64_t cols,
+                const at::BFloat16* bias) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < kBlockN; j += 16) {
+      if (j >= cols) break;
+      const __mmask16 m = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+      __m512 v = _mm512_loadu_ps(sums + r * kBlockN + j);
+      if (bias != nullptr) {
+        const __m256i b = _mm256_maskz_loadu_epi16(m, bias + n0 + j);
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
+      _mm256_mask_storeu_epi16(out + r * out_stride + n0 + j, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// out: [M, N] bf16; x: [M, K] bf16 rows with K padded to k_padded (zeros past K);
+// weight_ptr: oneDNN's packed buffer of n_padded x k_padded.
+void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
+                        int64_t k_padded, c10::optional<torch::Tensor> bias) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16, "bf16 expected");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.size(1) == k_padded, "contiguous padded rows expected");
+  TORCH_CHECK(n_padded % kBlockN == 0 && k_padded % kBlockK == 0, "whole packed blocks expected");
+  const int64_t rows = x.size(0), n = out.size(1), k_pairs = k_padded / 2, blocks = n_padded / kBlockN;
+  const auto* weight = reinterpret_cast<const at::BFloat16*>(weight_ptr);
+  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    alignas(64) float sums[kMaxRows * kBlockN];
+    const uint32_t* x_pairs[kMaxRows];
+    const at::BFloat16* block = weight + nb * kBlockN * k_padded;
+    const int64_t n0 = nb * kBlockN, cols = std::min<int64_t>(kBlockN, n - n0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      const int64_t count = std::min<int64_t>(kMaxRows, rows - r0);
+      for (int64_t r = 0; r < count; ++r) x_pairs[r] = xs + (r0 + r) * k_pairs;
+      kBlockFns[count](x_pairs, block, k_pairs, sums);
+      store_rows(y + r0 * n, n, sums, count, n0, cols, b);
+    }
+  }
+#else
+  TORCH_CHECK(false, "packed_linear_rows needs a build with AVX512-BF16");
+#endif
+}
+
+bool packed_linear_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
