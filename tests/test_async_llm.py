@@ -105,3 +105,35 @@ def test_a_stream_nobody_reads_leaves_nothing_behind(engine):
     asyncio.run(main())
     assert not engine._streams and engine.stats.num_running == 0
     assert engine.stats.kv_blocks_free == engine.stats.kv_blocks_total
+
+
+def test_a_model_that_cannot_load_raises_in_the_caller(tmp_path):
+    """The engine thread loads the model; its failure still reaches the constructor's caller."""
+    with pytest.raises(ValueError, match="does not exist"):
+        AsyncLLM(EngineArgs(str(tmp_path / "missing")))
+
+
+def test_torch_work_stays_in_the_engine_thread(llama_dir, monkeypatch):
+    """Loading and stepping run in one thread that is not the caller's: a second thread starting
+    OpenMP work would make libgomp throttle the engine's workers."""
+    import threading
+
+    from pagedllm.engine import llm_engine
+
+    threads = []
+    for name in ("__init__", "step"):
+        original = getattr(llm_engine.LLMEngine, name)
+
+        def record(self, *args, _original=original, **kwargs):
+            threads.append(threading.get_ident())
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(llm_engine.LLMEngine, name, record)
+    engine = AsyncLLM(EngineArgs(llama_dir, dtype="float32", kv_cache_memory="16MiB"))
+    try:
+        async def main():
+            async for _ in engine.generate("Hello", PARAMS, "a"):
+                pass
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(set(threads)) == 1 and threads[0] != threading.get_ident() and len(threads) > 1
