@@ -3,9 +3,9 @@
     python benchmarks/step_overhead.py
     python benchmarks/step_overhead.py --model /tmp/llama-250m --batch 64
 
-Times each part of an engine step over 200 decode steps of one request (or --batch requests): scheduling, building
-the batch tensors, the forward pass, the logits and sampling, the scheduler update, and output
-processing (detokenizing, stop strings). The goal is overhead under 10% of the step.
+Times each part of an engine step over 200 decode steps of one request (or --batch requests):
+scheduling, building the batch tensors, the forward pass, the logits and sampling, the scheduler
+update, and output processing (detokenizing, stop strings). The goal is overhead under 10% of the step.
 """
 from __future__ import annotations
 
