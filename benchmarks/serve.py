@@ -87,7 +87,8 @@ def summarize(results: list[dict], duration: float, health: list[float]) -> dict
             "output_throughput": output_tokens / duration, "ttft": stats([r["ttft"] for r in results]),
             "tpot": stats([r["tpot"] for r in results]), "itl": stats([x for r in results for x in r["itl"]]),
             "e2e": stats([r["latency"] for r in results]), "health": stats(health),
-            "health_max_ms": max(health, default=0.0) * 1000}
+            "health_max_ms": max(health, default=0.0) * 1000,
+            "ttft_each_s": sorted(r["ttft"] for r in results)}
 
 
 def launch(extra: list[str]) -> tuple[subprocess.Popen, str]:

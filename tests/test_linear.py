@@ -1,5 +1,5 @@
 """Linear layers with bf16 weights packed for oneDNN against F.linear on the plain weights, and
-the kernel for a few rows that reads the packed weights against sums in fp32."""
+our kernel that reads the packed weights (up to ROWS_KERNEL_MAX rows) against sums in fp32."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,7 @@ def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool) 
 
 
 @pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN here")
-@pytest.mark.parametrize("rows", [ROWS_KERNEL_MAX + 1, 64, 300])
+@pytest.mark.parametrize("rows", [ROWS_KERNEL_MAX + 1, ROWS_KERNEL_MAX + 300])
 @pytest.mark.parametrize("out_features, in_features", [(7, 64), (576, 1536), (1030, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bf16_matches_plain(rows, out_features, in_features, bias):
@@ -35,17 +35,19 @@ def _rows_kernel_built() -> bool:
 
 
 @pytest.mark.skipif(not _rows_kernel_built(), reason="no AVX512-BF16 kernels or oneDNN here")
-@pytest.mark.parametrize("rows", sorted({1, 2, 3, 5, ROWS_KERNEL_MAX}))
+@pytest.mark.parametrize("rows", sorted({r for r in (1, 2, 3, 5, 8, 64, 301) if r <= ROWS_KERNEL_MAX} | {ROWS_KERNEL_MAX}))
 @pytest.mark.parametrize("out_features, in_features", [(7, 64), (576, 1536), (1030, 100), (128, 2816)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_rows_kernel_sums_in_fp32(rows, out_features, in_features, bias):
-    """Shapes that fill oneDNN's 64 x 32 blocks and shapes it pads; each sum within one bf16 step
-    of the fp32 sum (a misread layout is off by far more)."""
+def test_rows_kernel_sums_in_fp32(rows, out_features, in_features, bias, monkeypatch):
+    """Shapes that fill oneDNN's 64 x 32 blocks and shapes it pads, narrow layers whose rows the
+    threads split; each sum within one bf16 step of the fp32 sum (a misread layout is off by
+    far more)."""
     layer = _layer(in_features, out_features, torch.bfloat16, bias)
     weight = layer.weight.detach().float()
     layer.pack()
     assert layer._rows is not None  # oneDNN chose the layout the kernel reads
     x = torch.randn(rows, in_features).bfloat16()
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", None)  # our kernel, not oneDNN's GEMM
     expected = x.float() @ weight.T + (layer.bias.float() if bias else 0)
     with torch.inference_mode():
         out = layer(x)

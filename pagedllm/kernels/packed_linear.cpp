@@ -1,17 +1,20 @@
-// y = x W^T (+ bias) for a few rows of x, reading the bf16 weights where oneDNN packed them.
+// y = x W^T (+ bias), reading the bf16 weights where oneDNN packed them.
 //
 // At a handful of rows a linear layer is a pass over its weights, bound by memory bandwidth;
-// oneDNN's GEMM streams them at 34-43 GB/s here where the machine reads 45-50. This kernel
-// reads oneDNN's own packed copy (format AB16b64a2b: [N/64][K/32][16 k-pairs][64 n][2 k],
-// zero-padded to whole blocks; layers/linear.py checks that layout before it calls in), so
-// the model keeps one copy of its weights. Each thread walks whole 64-column blocks, one
-// contiguous stream each; every k-pair of x is broadcast against 64 columns with dpbf16, and
-// the sums run in fp32 in k order.
+// oneDNN's GEMM streams them at 34-43 GB/s here where the machine reads 45-50. At more rows
+// this plain kernel still kept ahead of oneDNN's GEMM on this CPU (Zen 4, AVX512-BF16, no
+// AMX) up to 1024 rows (benchmarks/kernels.py). It reads oneDNN's own packed copy (format
+// AB16b64a2b: [N/64][K/32][16 k-pairs][64 n][2 k], zero-padded to whole blocks;
+// layers/linear.py checks that layout before it calls in), so the model keeps one copy of
+// its weights. Threads take whole 64-column blocks, one contiguous stream of weights each;
+// every k-pair of x is broadcast against 64 columns with dpbf16, and the sums run in fp32 in
+// k order.
 #include <torch/extension.h>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#include <omp.h>
 
 namespace {
 
@@ -78,13 +81,19 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
   const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  // Work items are (block, chunk of rows) pairs. With blocks enough for every thread, a chunk
+  // is all the rows; with fewer (a narrow layer, many cores) rows split too, so no thread idles.
+  const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t chunks = std::min(groups, std::max<int64_t>(1, (4 * omp_get_max_threads() + blocks - 1) / blocks));
+  const int64_t chunk_rows = (groups + chunks - 1) / chunks * kMaxRows;
 #pragma omp parallel for schedule(static)
-  for (int64_t nb = 0; nb < blocks; ++nb) {
+  for (int64_t item = 0; item < blocks * chunks; ++item) {
     alignas(64) float sums[kMaxRows * kBlockN];
     const uint32_t* x_pairs[kMaxRows];
+    const int64_t nb = item / chunks, first = item % chunks * chunk_rows;
     const at::BFloat16* block = weight + nb * kBlockN * k_padded;
     const int64_t n0 = nb * kBlockN, cols = std::min<int64_t>(kBlockN, n - n0);
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    for (int64_t r0 = first; r0 < std::min(rows, first + chunk_rows); r0 += kMaxRows) {
       const int64_t count = std::min<int64_t>(kMaxRows, rows - r0);
       for (int64_t r = 0; r < count; ++r) x_pairs[r] = xs + (r0 + r) * k_pairs;
       kBlockFns[count](x_pairs, block, k_pairs, sums);
