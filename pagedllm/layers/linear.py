@@ -51,17 +51,20 @@ class Linear(nn.Linear):
         self.register_buffer("weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.layout != torch._mkldnn:
-            return F.linear(x, self.weight, self.bias)
+        # At batch 1 this runs 65 times a step on the 250M model: attribute lookups through
+        # nn.Module (self.weight, self.bias) are kept off the kernel's path.
         rows = self._rows
-        if rows is not None and rows[0] is self.weight and x.dim() == 2 and x.shape[0] <= ROWS_KERNEL_MAX:
+        if rows is not None and x.dim() == 2 and x.shape[0] <= ROWS_KERNEL_MAX and rows[0] is self._buffers.get("weight"):
             return self._packed_rows(x, *rows[1:])
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        weight = self.weight
+        if weight.layout != torch._mkldnn:
+            return F.linear(x, weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
 
     def _packed_rows(self, x: torch.Tensor, address: int, n_padded: int, k_padded: int) -> torch.Tensor:
         x = x.contiguous() if x.shape[1] == k_padded else F.pad(x, (0, k_padded - x.shape[1]))
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        cpu_ops().packed_linear_rows(out, x, address, n_padded, k_padded, self.bias)
+        out = x.new_empty((x.shape[0], self.out_features))
+        cpu_ops().packed_linear_rows(out, x, address, n_padded, k_padded, self._parameters["bias"])
         return out
 
 
