@@ -7,7 +7,8 @@ import torch
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import silu_and_mul, silu_and_mul_reference
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RopeTables, apply_rotary, apply_rotary_reference
+from pagedllm.layers.attention import rotary_and_write_kv
+from pagedllm.layers.rotary import RopeTables, apply_rotary
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
 # bfloat16 results must be identical; float32 may differ by fused multiply-adds.
@@ -34,15 +35,25 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotary_in_place_on_a_qkv_view(dtype):
+def test_rotary_and_cache_write_on_qkv_rows(dtype):
     g = torch.Generator().manual_seed(2)
-    tokens, heads, d = 6, 3, 16
-    qkv = torch.randn(tokens, heads * d + 8, generator=g).to(dtype)  # q, then something else
+    tokens, heads, kv_heads, d, block_size = 6, 6, 2, 16, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     angles = torch.rand(tokens, d // 2, generator=g) * 50
     rope = RopeTables(torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
-    q = qkv[:, : heads * d].view(tokens, heads, d)
-    expected = apply_rotary_reference(q.clone(), rope)
-    tail = qkv[:, heads * d:].clone()
-    got = apply_rotary(q, rope)
-    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
-    assert got.data_ptr() == q.data_ptr() and torch.equal(qkv[:, heads * d:], tail)
+    q_ref, k_ref, v_ref = qkv.clone().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_ref = apply_rotary(q_ref.reshape(tokens, heads, d), rope)
+    k_ref = apply_rotary(k_ref.reshape(tokens, kv_heads, d), rope)
+    k_cache = torch.zeros(5, block_size, kv_heads, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([17, 3, 4, 9, 0, 12])
+    q, k, v = rotary_and_write_kv(qkv, rope, k_cache, v_cache, slots, heads)
+    torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(k, k_ref, **TOLERANCE[dtype])
+    assert q.data_ptr() == qkv.data_ptr()  # rotated in place, no copies
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    torch.testing.assert_close(flat_k[slots], k_ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(flat_v[slots], v_ref.reshape(tokens, kv_heads, d), atol=0, rtol=0)
+    others = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    others[slots] = False
+    assert not flat_k[others].any() and not flat_v[others].any()  # no other slot written

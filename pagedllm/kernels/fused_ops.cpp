@@ -1,11 +1,12 @@
 // Fused elementwise work of a decoder layer, one pass each instead of a chain of small ops:
-// RMSNorm (with the residual add before it), SiLU-and-mul, rotary embedding in place.
+// RMSNorm (with the residual add before it), SiLU-and-mul, rotary embedding with the KV cache write.
 // Each rounds to the tensor dtype exactly where PyTorch's op-by-op version does, so results
 // match the torch references in layers/ bit for bit in float32 and in bfloat16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -140,11 +141,31 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
                                                                     gate_up.data_ptr<scalar>(), rows, n))
 }
 
-// x: [tokens, heads, d] with unit stride in d and d-stride between heads (a view into qkv is fine).
-void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "heads must be packed within a token");
+// qkv: [tokens, (num_heads + 2 kv_heads) * d] rows, q then k then v heads. Rotates the q and k
+// heads in place, then copies each token's k and v into its slot of the caches ([blocks,
+// block_size, kv_heads, d]): one call for what were two rotary calls and two index copies.
+void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads) {
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), d = k_cache.size(3);
+  const int64_t q_size = num_heads * d, kv_size = kv_heads * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == q_size + 2 * kv_size, "qkv rows expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.scalar_type() == qkv.scalar_type(), "contiguous caches of the qkv dtype expected");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == tokens,
+              "one int64 slot per token expected");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(), "fp32 tables");
-  DISPATCH(x.scalar_type(), "rotary_embedding",
-           rotary_rows<scalar>(x.data_ptr<scalar>(), x.stride(0), x.size(1), x.size(2), cos.data_ptr<float>(),
-                               sin.data_ptr<float>(), x.size(0)))
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  DISPATCH(qkv.scalar_type(), "rotary_and_cache", {
+    scalar* x = qkv.data_ptr<scalar>();
+    const int64_t stride = qkv.stride(0);
+    rotary_rows<scalar>(x, stride, num_heads + kv_heads, d, cos.data_ptr<float>(), sin.data_ptr<float>(), tokens);
+    scalar* kc = k_cache.data_ptr<scalar>();
+    scalar* vc = v_cache.data_ptr<scalar>();
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        std::memcpy(kc + slot[t] * kv_size, x + t * stride + q_size, kv_size * sizeof(scalar));
+        std::memcpy(vc + slot[t] * kv_size, x + t * stride + q_size + kv_size, kv_size * sizeof(scalar));
+      }
+    });
+  })
 }

@@ -632,7 +632,8 @@ bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
               double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
-void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads);
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias);
 bool packed_linear_available();
@@ -644,7 +645,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)", release());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding delta into x (in place)", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]", release());
-  m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding in place", release());
+  m.def("rotary_and_cache", &rotary_and_cache, "rotary on q and k of qkv rows in place, k and v into the cache",
+        release());
   m.def("packed_linear_rows", &packed_linear_rows, "x W^T for a few rows, over oneDNN's packed bf16 weights",
         release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");

@@ -1,4 +1,5 @@
-"""Paged attention: write this step's K/V into their slots, then attend through the block tables."""
+"""Paged attention: rotate this step's q and k, write its K/V into their slots, then attend
+through the block tables."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_ops
+from pagedllm.layers.rotary import RopeTables, apply_rotary
 
 
 @dataclass
@@ -18,6 +20,23 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
     seq_lens_list: list[int]
     query_lens_list: list[int]
+
+
+def rotary_and_write_kv(qkv: torch.Tensor, rope: RopeTables, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [num_tokens, (num_heads + 2 kv_heads) * head_dim], q then k then v. Applies rotary to
+    q and k, writes k and v into their cache slots; returns q, k, v as [num_tokens, heads, head_dim]
+    (views into qkv where the C++ kernel rotated them in place)."""
+    tokens, (kv_heads, head_dim) = qkv.shape[0], k_cache.shape[2:]
+    q, k, v = qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(tokens, num_heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    ops = cpu_ops() if qkv.device.type == "cpu" and qkv.dtype in (torch.float32, torch.bfloat16) else None
+    if ops is not None and qkv.stride(1) == 1:
+        ops.rotary_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, slot_mapping, num_heads)
+        return q, k, v
+    q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q, k, v
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.kernels import cpu_ops
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -54,15 +53,8 @@ class RopeTables:
 
 
 def apply_rotary(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; rotated in place where the C++ kernel can, else copied."""
-    ops = cpu_ops() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
-    if ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        ops.rotary_embedding(x, rope.cos, rope.sin)
-        return x
-    return apply_rotary_reference(x, rope)
-
-
-def apply_rotary_reference(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] -> rotated copy. The model's CPU path rotates inside the
+    fused kernel that also fills the KV cache (layers/attention.py); this is its reference."""
     cos, sin = rope.cos.unsqueeze(1).to(x.dtype), rope.sin.unsqueeze(1).to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 

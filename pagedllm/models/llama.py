@@ -10,11 +10,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from pagedllm.layers.attention import AttentionMetadata, paged_attention, rotary_and_write_kv
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.activation import silu_and_mul
-from pagedllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
+from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -51,16 +51,18 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
         if self.qk_norm:
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+            self._norm_qk(qkv)
+        q, k, v = rotary_and_write_kv(qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """Qwen3's per-head RMSNorm of q and k, written back into qkv."""
+        for norm, start, size in ((self.q_norm, 0, self.q_size), (self.k_norm, self.q_size, self.kv_size)):
+            heads = qkv[:, start:start + size]
+            heads.copy_(norm(heads.reshape(-1, self.head_dim)).view(heads.shape))
 
 
 class MLP(nn.Module):
