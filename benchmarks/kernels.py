@@ -5,10 +5,10 @@
 Attention: 64 decoding sequences x 16 heads (4 KV heads) x 200, 600 and 1000 tokens of context,
 head size 64, bf16, block size 16, blocks scattered: ms per layer call, best of 5, and the K/V
 bytes read per second. Linear: the 250M model's four layer shapes, four of each (88 MB of bf16
-weights), in turn so that they come from memory; GFLOP/s for 1 to 2048 input rows of our Linear as the model runs it (packed for
-oneDNN; up to ROWS_KERNEL_MAX rows, our kernel over the same packed weights), of oneDNN's GEMM
-on the packed weights at every row count, and of F.linear on the plain weights; the three are
-timed in turn, seven rounds, and the median round is reported.
+weights), in turn so that they come from memory; GFLOP/s for 1 to 2048 input rows of our Linear
+as the model runs it (packed for oneDNN; up to ROWS_KERNEL_MAX rows, our kernel over the same
+packed weights), of oneDNN's GEMM on the packed weights at every row count, and of F.linear on
+the plain weights; the three are timed in turn, seven rounds, and the median round is reported.
 """
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ def median_seconds_interleaved(ways: list, rounds: int = 7) -> list[float]:
             way()
             spent.append(time.perf_counter() - start)
     return [sorted(spent)[rounds // 2] for spent in times]
+
 
 if __name__ == "__main__":
     main()

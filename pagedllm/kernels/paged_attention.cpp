@@ -647,7 +647,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]", release());
   m.def("rotary_and_cache", &rotary_and_cache, "rotary on q and k of qkv rows in place, k and v into the cache",
         release());
-  m.def("packed_linear_rows", &packed_linear_rows, "x W^T for a few rows, over oneDNN's packed bf16 weights",
+  m.def("packed_linear_rows", &packed_linear_rows, "x W^T over oneDNN's packed bf16 weights",
         release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
 }

@@ -29,7 +29,8 @@ def rotary_and_write_kv(qkv: torch.Tensor, rope: RopeTables, k_cache: torch.Tens
     (views into qkv where the C++ kernel rotated them in place)."""
     tokens, (kv_heads, head_dim) = qkv.shape[0], k_cache.shape[2:]
     q, k, v = qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k, v = q.view(tokens, num_heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    q = q.view(tokens, num_heads, head_dim)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
     ops = cpu_ops() if qkv.device.type == "cpu" and qkv.dtype in (torch.float32, torch.bfloat16) else None
     if ops is not None and qkv.stride(1) == 1:
         ops.rotary_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, slot_mapping, num_heads)
