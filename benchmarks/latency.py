@@ -57,12 +57,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="decode rounds, each after its own bandwidth reading")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
+    parser.add_argument("--compile", action="store_true", help="our engine's --compile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from pagedllm import LLM
 
-    engine = LLM(args.model, dtype=args.dtype).engine
+    engine = LLM(args.model, dtype=args.dtype, compile=args.compile).engine
     model = engine.model_runner.model
     dtype = engine.model_config.dtype
     rng = random.Random(0)

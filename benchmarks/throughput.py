@@ -92,6 +92,7 @@ def main() -> None:
                         help="fixed workload only: run it with each of these request counts")
     parser.add_argument("--input-len", type=int, default=128, help="fixed workload only")
     parser.add_argument("--output-len", type=int, default=128, help="fixed workload only")
+    parser.add_argument("--compile", action="store_true", help="our engine's --compile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -108,12 +109,13 @@ def main() -> None:
 
         llm = vllm.LLM(model=model_config.path, dtype=str(dtype).removeprefix("torch."))
     else:
-        llm = LLM(args.model, dtype=args.dtype)
+        llm = LLM(args.model, dtype=args.dtype, compile=args.compile)
     with torch.device("meta"):  # the model's shapes, for its FLOPs, without its weights
         shapes = model_class(model_config.hf_config)(model_config.hf_config, 1)
     tracker = PeakTracker(llm.engine) if args.engine == "pagedllm" else None
     run = run_vllm if args.engine == "vllm" else run_pagedllm
-    run(llm, [([5] * 8, 4)] * 2)  # warm-up
+    for batch in (2, 1):  # warm-up (and, with --compile, its compiling for batches and single rows)
+        run(llm, [([5] * 8, 4)] * batch)
     hf = load_hf(model_config, dtype) if args.baseline == "hf" else None
     rows = []
     runs = []

@@ -33,6 +33,7 @@ class EngineArgs:
     device: str = "cpu"
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
+    compile: bool = False  # torch.compile the elementwise torch paths (layers/compile.py)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -20,6 +20,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.layers.compile import compile_torch_paths
 from pagedllm.models.loader import load_model, load_model_config, load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -48,6 +49,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
         self.max_model_len = self.model_config.max_model_len
         num_blocks = self._num_kv_blocks()
+        if args.compile:
+            compile_torch_paths()
         model = load_model(self.model_config, args.device)
         self.model_runner = ModelRunner(self.model_config, model, num_blocks, args.block_size, args.device)
         batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)

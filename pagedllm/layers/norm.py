@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
             out = torch.empty_like(x)
             ops.rms_norm(out, x, None, self.weight, self.eps)
             return out
-        return self.reference(x)
+        return rms_norm_reference(x, self.weight, self.eps)
 
     def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + delta, its norm); the sum is written into `residual` when fused."""
@@ -34,11 +34,18 @@ class RMSNorm(nn.Module):
             out = torch.empty_like(residual)
             ops.rms_norm(out, residual, delta, self.weight, self.eps)
             return residual, out
-        residual = residual + delta
-        return residual, self.reference(residual)
+        return add_rms_norm_reference(residual, delta, self.weight, self.eps)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+
+# The torch paths, module functions so that --compile can swap them (layers/compile.py).
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm_reference(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + delta
+    return residual, rms_norm_reference(residual, weight, eps)
