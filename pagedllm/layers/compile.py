@@ -3,9 +3,9 @@
 Where the kernels run (bf16 or fp32 on CPU), RMSNorm with its residual add, SiLU-and-mul and
 rotary are one fused pass each already, and --compile changes nothing there. Elsewhere (another
 device, another dtype, PAGEDLLM_NO_KERNELS=1) each is a chain of torch ops; compiled, Inductor
-fuses each chain into one kernel. On CPU with the kernels off it paid at batch 32 and cost at
-batch 1, where a compiled function's guards take longer than the few ops they replace
-(BENCHMARKS.md), so it is opt-in, as in vLLM.
+fuses each chain into one kernel. On this CPU with the kernels off it measured level at 8-32
+requests (attention's torch path dominates there) and slower at one, where a compiled function's
+guards take longer than the few ops they replace (BENCHMARKS.md); so it is opt-in.
 
 It swaps module functions, so it holds for the whole process once any engine asks for it.
 """
