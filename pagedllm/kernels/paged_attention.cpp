@@ -129,8 +129,8 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
 // products into fp32 lanes, and one transpose-and-add tree turns the 16 lane vectors into the 16
 // scores, instead of a horizontal sum per key. Softmax runs in fp32. The weighted sum of V takes
 // the probabilities rounded to bf16, as Hugging Face's eager attention rounds them before its
-// product with V, two keys per dpbf16, summing in fp32: 1.05-1.2x faster per layer call than
-// fp32 products of every key, in same-process runs on benchmarks/kernels.py's shapes.
+// product with V, two keys per dpbf16, summing in fp32: 0.98-1.21x (mostly 1.05-1.2x) the speed
+// of fp32 products of every key per layer call, in same-process runs on kernels.py's shapes.
 constexpr int64_t kTile = 16;
 constexpr int64_t kMaxTileRows = 32;  // query rows (tokens x group heads) of a query tile
 constexpr int64_t kRowBlock = 4;      // query rows computed together
