@@ -24,23 +24,31 @@ namespace {
 constexpr int64_t kBlockN = 64;   // output columns per packed block: 4 vectors of 16 fp32 sums
 constexpr int64_t kBlockK = 32;   // input features per packed block
 constexpr int64_t kMaxRows = 4;   // rows of x served per pass over a block (accumulators in registers)
-// Up to this many passes over a block, the passes prefetch the next block between them (below).
-constexpr int64_t kPrefetchPasses = 8;
 
 // One 64-column block for R rows: acc[r][j] += x[r] pair . w pair, over every k-pair. With Ahead
-// it also prefetches `lines` (at most 2 per k-pair) cache lines from `ahead` along the way; a
-// template flag, as even an empty prefetch loop cost the plain passes 8-10%.
+// it also prefetches `lines` cache lines from `ahead` along the way: one every k_pairs / lines
+// k-pairs, or two a k-pair where there are more lines than k-pairs. Evenly spread, because a
+// burst holds the core's miss buffers that this pass's own reads from L2 need (bursts at the
+// start of each pass measured 5-10% slower than none from 64 rows up). A template flag, as even
+// an empty prefetch loop cost the plain passes 8-10%.
 template <int R, bool Ahead>
 void block_rows(const uint32_t* const* x_pairs, const at::BFloat16* block, int64_t k_pairs, float* sums,
                 const char* ahead, int64_t lines) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t every = lines <= k_pairs ? k_pairs / std::max<int64_t>(lines, 1) : 0;
+  int64_t tick = 0, sent = 0;
   for (int64_t p = 0; p < k_pairs; ++p) {
     const at::BFloat16* w = block + p * kBlockN * 2;
     if constexpr (Ahead) {
-      if (2 * p < lines) _mm_prefetch(ahead + 2 * p * 64, _MM_HINT_T0);
-      if (2 * p + 1 < lines) _mm_prefetch(ahead + (2 * p + 1) * 64, _MM_HINT_T0);
+      if (every == 0) {
+        if (2 * p < lines) _mm_prefetch(ahead + 2 * p * 64, _MM_HINT_T0);
+        if (2 * p + 1 < lines) _mm_prefetch(ahead + (2 * p + 1) * 64, _MM_HINT_T0);
+      } else if (++tick == every) {
+        tick = 0;
+        if (sent < lines) _mm_prefetch(ahead + sent++ * 64, _MM_HINT_T0);
+      }
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
@@ -106,13 +114,13 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
     const int64_t nb = item / chunks, first = item % chunks * chunk_rows;
     const at::BFloat16* block = weight + nb * kBlockN * k_padded;
     const int64_t n0 = nb * kBlockN, cols = std::min<int64_t>(kBlockN, n - n0);
-    // The first pass over a block waits on memory and the others find it in cache. With a few
-    // passes that wait is a large share, so each pass also fetches its share of the next block:
-    // 8-32 rows 1.1-1.35x while memory was slow (a busy hour here), level on a quiet machine.
-    // With more passes the wait is a small share and prefetching measured slower.
+    // The first pass over a block waits on memory and the others find it in cache, so each pass
+    // also fetches its share of the next block. Same-process runs on the model's layer shapes
+    // (benchmarks/kernels.py's set), against prefetching only with 2-8 passes in bursts: 16 rows
+    // 1.23x, 32 1.2-1.33x, 64 1.14-1.16x, 128 1.07x, 256 1.02-1.03x, 1024 level.
     const int64_t last = std::min(rows, first + chunk_rows), passes = (last - first + kMaxRows - 1) / kMaxRows;
     const int64_t block_lines = kBlockN * k_padded * 2 / 64;
-    const int64_t pass_lines = passes > 1 && passes <= kPrefetchPasses ? (block_lines + passes - 1) / passes : 0;
+    const int64_t pass_lines = passes > 1 ? (block_lines + passes - 1) / passes : 0;
     const char* next = reinterpret_cast<const char*>(block + kBlockN * k_padded);
     for (int64_t r0 = first, pass = 0; r0 < last; r0 += kMaxRows, ++pass) {
       const int64_t count = std::min<int64_t>(kMaxRows, rows - r0);
