@@ -2,8 +2,9 @@
 layout: its GEMM then runs faster than on the plain [out, in] layout at every batch size measured
 here (1.1x at 512 rows, 1.4x at 64, 1.8x at one row: benchmarks/kernels.py), with results
 identical to F.linear's. Our own kernel reads that same packed copy: at a few rows, where a layer
-is one pass over its weights, closer to the machine's memory bandwidth; up to 1024 rows, level
-with oneDNN's GEMM or up to 1.1x faster on CPUs without AMX (Zen 4 here)."""
+is one pass over its weights, closer to the machine's memory bandwidth; up to 1024 rows, 1.04x
+(256-1024 rows) to 1.4x (32 rows) oneDNN's GEMM on CPUs without AMX (Zen 4 here; one run of
+benchmarks/kernels.py)."""
 from __future__ import annotations
 
 import ctypes
