@@ -1,5 +1,6 @@
 """Linear layers with bf16 weights packed for oneDNN against F.linear on the plain weights, and
-our kernel that reads the packed weights (up to ROWS_KERNEL_MAX rows) against sums in fp32."""
+our kernel that reads the packed weights (up to ROWS_KERNEL_MAX rows a call, more in chunks)
+against sums in fp32."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.linear import ROWS_KERNEL_MAX, Linear, can_pack
+from pagedllm.layers import linear
+from pagedllm.layers.linear import ROWS_KERNEL_CHUNKS, ROWS_KERNEL_MAX, Linear, can_pack
 
 
 def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool) -> Linear:
@@ -19,7 +21,8 @@ def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool) 
 @pytest.mark.parametrize("rows", [ROWS_KERNEL_MAX + 1, ROWS_KERNEL_MAX + 300])
 @pytest.mark.parametrize("out_features, in_features", [(7, 64), (576, 1536), (1030, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_bf16_matches_plain(rows, out_features, in_features, bias):
+def test_packed_bf16_matches_plain(rows, out_features, in_features, bias, monkeypatch):
+    monkeypatch.setattr(linear, "ROWS_KERNEL_CHUNKS", False)  # past ROWS_KERNEL_MAX: oneDNN's GEMM
     layer = _layer(in_features, out_features, torch.bfloat16, bias)
     plain_weight = layer.weight.detach().clone()
     layer.pack()
@@ -35,7 +38,8 @@ def _rows_kernel_built() -> bool:
 
 
 @pytest.mark.skipif(not _rows_kernel_built(), reason="no AVX512-BF16 kernels or oneDNN here")
-@pytest.mark.parametrize("rows", sorted({r for r in (1, 2, 3, 5, 8, 64, 301, ROWS_KERNEL_MAX) if r <= ROWS_KERNEL_MAX}))
+@pytest.mark.parametrize("rows", sorted({r for r in (1, 2, 3, 5, 8, 64, 301, ROWS_KERNEL_MAX) if r <= ROWS_KERNEL_MAX}
+                                         | ({2 * ROWS_KERNEL_MAX + 3} if ROWS_KERNEL_CHUNKS else set())))
 @pytest.mark.parametrize("out_features, in_features", [(7, 64), (576, 1536), (1030, 100), (128, 2816)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_kernel_sums_in_fp32(rows, out_features, in_features, bias, monkeypatch):

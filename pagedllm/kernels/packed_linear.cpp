@@ -29,7 +29,7 @@ constexpr int64_t kMaxRows = 4;   // rows of x served per pass over a block (acc
 // it also prefetches `lines` cache lines from `ahead` along the way: one every k_pairs / lines
 // k-pairs, or two a k-pair where there are more lines than k-pairs. Evenly spread, because a
 // burst holds the core's miss buffers that this pass's own reads from L2 need (bursts at the
-// start of each pass measured 5-10% slower than none from 64 rows up). A template flag, as even
+// start of each pass measured 4-9% slower than none from 64 rows up). A template flag, as even
 // an empty prefetch loop cost the plain passes 8-10%.
 template <int R, bool Ahead>
 void block_rows(const uint32_t* const* x_pairs, const at::BFloat16* block, int64_t k_pairs, float* sums,
