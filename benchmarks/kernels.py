@@ -6,9 +6,9 @@ Attention: 64 decoding sequences x 16 heads (4 KV heads) x 200, 600 and 1000 tok
 head size 64, bf16, block size 16, blocks scattered: ms per layer call, best of 5, and the K/V
 bytes read per second. Linear: the 250M model's four layer shapes, four of each (88 MB of bf16
 weights), in turn so that they come from memory; GFLOP/s for 1 to 2048 input rows of our Linear
-as the model runs it (packed for oneDNN; up to ROWS_KERNEL_MAX rows, our kernel over the same
-packed weights), of oneDNN's GEMM on the packed weights at every row count, and of F.linear on
-the plain weights; the three are timed in turn, seven rounds, and the median round is reported.
+as the model runs it (packed for oneDNN; our kernel over the same packed weights, at most
+ROWS_KERNEL_MAX rows a call), of oneDNN's GEMM on the packed weights at every row count, and of
+F.linear on the plain weights; the three are timed in turn, seven rounds, and the median round is reported.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def main() -> None:
     packed = [Linear(i, o, bias=False).bfloat16() for o, i in shapes]
     for layer in packed:
         layer.pack()
-    print(f"| input rows | Linear GFLOP/s (our kernel up to {ROWS_KERNEL_MAX} rows) | oneDNN, packed GFLOP/s | "
+    print(f"| input rows | Linear GFLOP/s (our kernel, {ROWS_KERNEL_MAX} rows a call) | oneDNN, packed GFLOP/s | "
           "F.linear GFLOP/s | Linear: weight GB/s |")
     print("|---|---|---|---|---|")
     params = sum(o * i for o, i in shapes)
