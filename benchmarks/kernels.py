@@ -8,7 +8,8 @@ bytes read per second. Linear: the 250M model's four layer shapes, four of each 
 weights), in turn so that they come from memory; GFLOP/s for 1 to 2048 input rows of our Linear
 as the model runs it (packed for oneDNN; our kernel over the same packed weights, at most
 ROWS_KERNEL_MAX rows a call), of oneDNN's GEMM on the packed weights at every row count, and of
-F.linear on the plain weights; the three are timed in turn, seven rounds, and the median round is reported.
+F.linear on the plain weights; the three are timed in turn, seven rounds, and the median round
+is reported.
 """
 from __future__ import annotations
 
