@@ -6,6 +6,8 @@ import logging
 import os
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(__file__)
 
@@ -29,3 +31,8 @@ def cpu_ops() -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("C++ kernels unavailable (%s); using the pure-torch attention", exc)
         return None
+
+
+def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """The compiled module where its elementwise kernels take x (fp32 or bf16 on the CPU), else None."""
+    return cpu_ops() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None

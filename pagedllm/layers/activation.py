@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import cpu_ops
+from pagedllm.kernels import fused_ops_for
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[.., 2n] -> [.., n]: silu(first half) * second half."""
     n = gate_up.shape[-1] // 2
-    ops = cpu_ops() if gate_up.device.type == "cpu" and gate_up.dtype in (torch.float32, torch.bfloat16) else None
+    ops = fused_ops_for(gate_up)
     if ops is None or not gate_up.is_contiguous():
         return silu_and_mul_reference(gate_up)
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)

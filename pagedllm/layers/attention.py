@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import cpu_ops
+from pagedllm.kernels import cpu_ops, fused_ops_for
 from pagedllm.layers.rotary import RopeTables, apply_rotary
 
 
@@ -31,7 +31,7 @@ def rotary_and_write_kv(qkv: torch.Tensor, rope: RopeTables, k_cache: torch.Tens
     q, k, v = qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = q.view(tokens, num_heads, head_dim)
     k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
-    ops = cpu_ops() if qkv.device.type == "cpu" and qkv.dtype in (torch.float32, torch.bfloat16) else None
+    ops = fused_ops_for(qkv)
     if ops is not None and qkv.stride(1) == 1:
         ops.rotary_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, slot_mapping, num_heads)
         return q, k, v

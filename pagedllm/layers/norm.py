@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.kernels import cpu_ops
+from pagedllm.kernels import fused_ops_for
 
 
 def _fused(x: torch.Tensor):
-    ops = cpu_ops() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    ops = fused_ops_for(x)
     return ops if ops is not None and x.is_contiguous() else None
 
 
