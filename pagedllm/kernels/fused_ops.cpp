@@ -58,8 +58,6 @@ void silu_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t n) {
 }
 
 #if defined(__AVX512BF16__)
-// bf16 rows 16 lanes at a time: silu(g) = g / (1 + exp(-g)) in fp32 with PyTorch's own exp
-// (Sleef, 1 ulp), rounded to bf16 before the product, as F.silu(gate) * up rounds.
 inline __m512 load_bf16x16(const at::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
@@ -68,25 +66,45 @@ inline __m512 round_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
+// silu(g) * u, 16 lanes: silu(g) = g / (1 + exp(-g)) in fp32 with PyTorch's own exp (Sleef,
+// 1 ulp), rounded to bf16 before the product, as F.silu(gate) * up rounds.
+inline __m256bh silu_mul_x16(__m512 g, __m512 u) {
+  const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(act), u));
+}
+
 template <>
 void silu_mul_rows<at::BFloat16>(at::BFloat16* out, const at::BFloat16* gate_up, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    const __m512 one = _mm512_set1_ps(1.f);
     for (int64_t r = begin; r < end; ++r) {
       const at::BFloat16* g = gate_up + r * 2 * n;
       const at::BFloat16* u = g + n;
       at::BFloat16* o = out + r * n;
       for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-        const __m512 gf = load_bf16x16(g + i, m);
-        const __m512 act = _mm512_div_ps(gf, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), gf))));
-        const __m256bh prod = _mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(act), load_bf16x16(u + i, m)));
-        _mm256_mask_storeu_epi16(o + i, m, (__m256i)prod);
+        _mm256_mask_storeu_epi16(o + i, m, (__m256i)silu_mul_x16(load_bf16x16(g + i, m), load_bf16x16(u + i, m)));
       }
     }
   });
 }
 #endif
+
+}  // namespace
+
+#if defined(__AVX512BF16__)
+// out[0, n) = silu(g) * u, where g and u are fp32 sums of the gate and up projections: each is
+// rounded to bf16 first, as a bf16 linear layer's output is, then treated as silu_and_mul treats
+// that output. packed_linear_rows calls it as it stores a block of gate_up columns.
+void silu_mul_sums_bf16(at::BFloat16* out, const float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 gf = round_bf16(_mm512_maskz_loadu_ps(m, g + i)), uf = round_bf16(_mm512_maskz_loadu_ps(m, u + i));
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)silu_mul_x16(gf, uf));
+  }
+}
+#endif
+
+namespace {
 
 // x[t, h, :] = x * cos + rotate_half(x) * sin, each product and the sum rounded to T.
 template <typename T>

@@ -8,7 +8,9 @@
 // layers/linear.py checks that layout before it calls in), so the model keeps one copy of
 // its weights. Threads take whole 64-column blocks, one contiguous stream of weights each;
 // every k-pair of x is broadcast against 64 columns with dpbf16, and the sums run in fp32 in
-// k order.
+// k order. For a gated MLP's gate_up layer, packed with gate and up interleaved 64 columns at a
+// time, it can also apply SiLU-and-mul as it stores (silu_mul): the [M, 2n] product is never
+// written.
 #include <algorithm>
 
 #include <torch/extension.h>
@@ -89,30 +91,48 @@ void store_rows(at::BFloat16* out, int64_t out_stride, const float* sums, int64_
 
 }  // namespace
 
+#if defined(__AVX512BF16__)
+void silu_mul_sums_bf16(at::BFloat16* out, const float* g, const float* u, int64_t n);  // fused_ops.cpp
+
+namespace {
+void store_silu_mul_rows(at::BFloat16* out, int64_t out_stride, const float* gate_sums, const float* up_sums,
+                         int64_t rows, int64_t n0, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    silu_mul_sums_bf16(out + r * out_stride + n0, gate_sums + r * kBlockN, up_sums + r * kBlockN, cols);
+}
+}  // namespace
+#endif
+
 // out: [M, N] bf16; x: [M, K] bf16 rows with K padded to k_padded (zeros past K);
-// weight_ptr: oneDNN's packed buffer of n_padded x k_padded.
+// weight_ptr: oneDNN's packed buffer of n_padded x k_padded. With silu_mul, the packed blocks
+// alternate gate and up columns (block 2i: gate columns 64i.., block 2i + 1: the same up
+// columns) and out is [M, N / 2] = silu(gate) * up.
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
-                        int64_t k_padded, c10::optional<torch::Tensor> bias) {
+                        int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16, "bf16 expected");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.size(1) == k_padded, "contiguous padded rows expected");
   TORCH_CHECK(n_padded % kBlockN == 0 && k_padded % kBlockK == 0, "whole packed blocks expected");
-  const int64_t rows = x.size(0), n = out.size(1), k_pairs = k_padded / 2, blocks = n_padded / kBlockN;
+  const int64_t rows = x.size(0), n = out.size(1), k_pairs = k_padded / 2;
+  const int64_t width = silu_mul ? 2 : 1;  // packed blocks a unit of work reads: 64 output columns' worth
+  TORCH_CHECK(!silu_mul || (!bias.has_value() && n_padded == 2 * n && n % kBlockN == 0),
+              "silu_mul: interleaved gate and up blocks of whole columns, no bias expected");
+  const int64_t units = n_padded / kBlockN / width;
   const auto* weight = reinterpret_cast<const at::BFloat16*>(weight_ptr);
   const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  // Work items are (block, chunk of rows) pairs. With blocks enough for every thread, a chunk
-  // is all the rows; with fewer (a narrow layer, many cores) rows split too, so no thread idles.
+  // Work items are (unit, chunk of rows) pairs. With units enough for every thread, a chunk is
+  // all the rows; with fewer (a narrow layer, many cores) rows split too, so no thread idles.
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
-  const int64_t chunks = std::min(groups, std::max<int64_t>(1, (4 * omp_get_max_threads() + blocks - 1) / blocks));
+  const int64_t chunks = std::min(groups, std::max<int64_t>(1, (4 * omp_get_max_threads() + units - 1) / units));
   const int64_t chunk_rows = (groups + chunks - 1) / chunks * kMaxRows;
 #pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < blocks * chunks; ++item) {
-    alignas(64) float sums[kMaxRows * kBlockN];
+  for (int64_t item = 0; item < units * chunks; ++item) {
+    alignas(64) float sums[2][kMaxRows * kBlockN];
     const uint32_t* x_pairs[kMaxRows];
-    const int64_t nb = item / chunks, first = item % chunks * chunk_rows;
-    const at::BFloat16* block = weight + nb * kBlockN * k_padded;
+    const int64_t nb = item / chunks, first = item % chunks * chunk_rows, block_size = kBlockN * k_padded;
+    const at::BFloat16* block = weight + nb * width * block_size;
     const int64_t n0 = nb * kBlockN, cols = std::min<int64_t>(kBlockN, n - n0);
     // The first pass over a block waits on memory and the others find it in cache, so each pass
     // also fetches its share of the next block. Same-process runs on the model's layer shapes
@@ -121,13 +141,18 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
     const int64_t last = std::min(rows, first + chunk_rows), passes = (last - first + kMaxRows - 1) / kMaxRows;
     const int64_t block_lines = kBlockN * k_padded * 2 / 64;
     const int64_t pass_lines = passes > 1 ? (block_lines + passes - 1) / passes : 0;
-    const char* next = reinterpret_cast<const char*>(block + kBlockN * k_padded);
+    const char* next = reinterpret_cast<const char*>(block + width * block_size);
     for (int64_t r0 = first, pass = 0; r0 < last; r0 += kMaxRows, ++pass) {
       const int64_t count = std::min<int64_t>(kMaxRows, rows - r0);
       for (int64_t r = 0; r < count; ++r) x_pairs[r] = xs + (r0 + r) * k_pairs;
       const int64_t lines = std::clamp<int64_t>(block_lines - pass * pass_lines, 0, pass_lines);
-      kBlockFns[lines > 0][count](x_pairs, block, k_pairs, sums, next + pass * pass_lines * 64, lines);
-      store_rows(y + r0 * n, n, sums, count, n0, cols, b);
+      for (int64_t h = 0; h < width; ++h)
+        kBlockFns[lines > 0][count](x_pairs, block + h * block_size, k_pairs, sums[h],
+                                    next + h * block_size * 2 + pass * pass_lines * 64, lines);
+      if (silu_mul)
+        store_silu_mul_rows(y + r0 * n, n, sums[0], sums[1], count, n0, cols);
+      else
+        store_rows(y + r0 * n, n, sums[0], count, n0, cols, b);
     }
   }
 #else

@@ -652,7 +652,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads);
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
-                        int64_t k_padded, c10::optional<torch::Tensor> bias);
+                        int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 bool packed_linear_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -664,7 +664,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]", release());
   m.def("rotary_and_cache", &rotary_and_cache, "rotary on q and k of qkv rows in place, k and v into the cache",
         release());
-  m.def("packed_linear_rows", &packed_linear_rows, "x W^T over oneDNN's packed bf16 weights",
+  m.def("packed_linear_rows", &packed_linear_rows, "x W^T over oneDNN's packed bf16 weights (then silu-and-mul)",
         release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
 }

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata, paged_attention, rotary_and_write_kv
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.linear import Linear, SiluAndMulLinear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -69,11 +68,11 @@ class MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.gate_up_proj = SiluAndMulLinear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
