@@ -6,7 +6,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.step import ScheduledRequest
-from pagedllm.layers.sampler import Sampler, apply_penalties
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers.sampler import Sampler, apply_penalties, greedy_tokens
 
 VOCAB = 8
 
@@ -25,6 +26,23 @@ def _draws(logits: list[float], params: SamplingParams, times: int = 300) -> set
 
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05, 0, 0, 0, 0]).clamp_min(1e-12).log().tolist()
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("vocab", [1, 5, 63, 64, 65, 32000])
+def test_greedy_tokens_is_torch_argmax_with_its_ties_infinities_and_nans(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g)
+    logits[1] = logits[1].round()  # many ties: the first index wins
+    logits[2] = float("-inf")
+    logits[3, -1] = float("inf")
+    logits[4, vocab // 2] = float("nan")
+    logits[5, :] = 0.0
+    logits[5, vocab - 1] = -0.0  # equal to 0.0: still the first index
+    logits[6, ::2] = float("nan")
+    logits[7] = logits[7].bfloat16().float()  # coarse values tie more often
+    logits[8, vocab // 3:] = logits[8].max()  # the max again, late in the row
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
 
 
 def test_draws_follow_the_distribution():

@@ -1,15 +1,19 @@
 // Fused elementwise work of a decoder layer, one pass each instead of a chain of small ops:
-// RMSNorm (with the residual add before it), SiLU-and-mul, rotary embedding with the KV cache write.
+// RMSNorm (with the residual add before it), SiLU-and-mul, rotary embedding with the KV cache write;
+// and the greedy sampler's argmax over rows of logits.
 // Each rounds to the tensor dtype exactly where PyTorch's op-by-op version does, so results
 // match the torch references in layers/ bit for bit in float32 and in bfloat16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__)
 #include <sleef.h>  // ships with PyTorch, whose own vectorized exp this is
 #endif
 
@@ -132,6 +136,50 @@ void rotary_rows(T* x, int64_t token_stride, int64_t heads, int64_t d, const flo
   });
 }
 
+// The index of the largest of p[0, n), the first where several tie, a NaN counting as largest:
+// torch.argmax's answer.
+int64_t argmax_scalar(const float* p, int64_t n) {
+  int64_t arg = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] != p[i]) return i;
+    if (p[i] > p[arg]) arg = i;
+  }
+  return arg;
+}
+
+// The same in two vectorized passes, the max and then its first index (torch's own CPU argmax
+// took 0.7-1.3 ms on 64 x 32000 logits here); rows with a NaN go the scalar way.
+int64_t argmax_row(const float* p, int64_t n) {
+#if defined(__AVX512F__)
+  const __m512 lowest = _mm512_set1_ps(-INFINITY);
+  __m512 m0 = lowest, m1 = lowest;
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(p + i), b = _mm512_loadu_ps(p + i + 16);
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    m0 = _mm512_max_ps(m0, a);
+    m1 = _mm512_max_ps(m1, b);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 a = _mm512_mask_loadu_ps(lowest, k, p + i);
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    m0 = _mm512_max_ps(m0, a);
+  }
+  if (nan) return argmax_scalar(p, n);
+  const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)));
+  for (i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, p + i), best, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;  // n == 0
+#else
+  return argmax_scalar(p, n);
+#endif
+}
+
 }  // namespace
 
 #define DISPATCH(dtype, NAME, ...)                                                     \
@@ -186,4 +234,16 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
       }
     });
   })
+}
+
+// out[r] = argmax of row r of x ([rows, n] fp32, contiguous), as torch.argmax(x, dim=-1).
+void argmax_rows(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "[rows, n] fp32 expected");
+  TORCH_CHECK(out.scalar_type() == torch::kLong && out.numel() == x.size(0), "one int64 per row expected");
+  const int64_t n = x.size(1);
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * n, n);
+  });
 }

@@ -654,6 +654,7 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 bool packed_linear_available();
+void argmax_rows(torch::Tensor out, torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as PyTorch's own operators do, so that a server's
@@ -666,5 +667,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("packed_linear_rows", &packed_linear_rows, "x W^T over oneDNN's packed bf16 weights (then silu-and-mul)",
         release());
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of fp32 rows", release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
 }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.step import ScheduledRequest, TokenLogprobs
+from pagedllm.kernels import cpu_ops
 from pagedllm.sampling_params import SamplingType
 
 
@@ -29,7 +30,7 @@ class Sampler:
         raw_logprobs = _logprobs_wanted(logits, requests)
         logits = apply_logit_controls(logits, requests)
         logits = apply_penalties(logits, requests)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         random_rows = [i for i, r in enumerate(requests) if r.sampling_params.sampling_type != SamplingType.GREEDY]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -37,6 +38,17 @@ class Sampler:
             tokens[rows] = sample_random(logits[rows], picked, generators)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, gather_logprobs(raw_logprobs, token_list, requests))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax of each row; on the CPU by the C++ kernel (torch's own took 0.7-1.3 ms a step at
+    64 x 32000 here, 2-3% of a decode step)."""
+    ops = cpu_ops() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if ops is None or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long)
+    ops.argmax_rows(tokens, logits)
+    return tokens
 
 
 def _logprobs_wanted(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor | None:
