@@ -25,7 +25,8 @@ def label_kernels() -> None:
     ops = cpu_ops()
     if ops is None:
         return
-    for name in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_and_cache", "packed_linear_rows"):
+    names = ("paged_attention", "rms_norm", "silu_and_mul", "rotary_and_cache", "packed_linear_rows", "argmax_rows")
+    for name in names:
         fn = getattr(ops, name)
 
         def labelled(*args, _fn=fn, _name=f"pagedllm::{name}"):
