@@ -6,7 +6,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -18,6 +17,11 @@
 #endif
 
 namespace {
+
+#if defined(__AVX512F__)
+// The first min(left, 16) lanes.
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+#endif
 
 template <typename T>
 inline T round_to(float v) { return static_cast<T>(v); }
@@ -73,7 +77,8 @@ inline __m512 round_bf16(__m512 x) {
 // silu(g) * u, 16 lanes: silu(g) = g / (1 + exp(-g)) in fp32 with PyTorch's own exp (Sleef,
 // 1 ulp), rounded to bf16 before the product, as F.silu(gate) * up rounds.
 inline __m256bh silu_mul_x16(__m512 g, __m512 u) {
-  const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
   return _mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(act), u));
 }
 
@@ -85,7 +90,7 @@ void silu_mul_rows<at::BFloat16>(at::BFloat16* out, const at::BFloat16* gate_up,
       const at::BFloat16* u = g + n;
       at::BFloat16* o = out + r * n;
       for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+        const __mmask16 m = lanes(n - i);
         _mm256_mask_storeu_epi16(o + i, m, (__m256i)silu_mul_x16(load_bf16x16(g + i, m), load_bf16x16(u + i, m)));
       }
     }
@@ -101,7 +106,7 @@ void silu_mul_rows<at::BFloat16>(at::BFloat16* out, const at::BFloat16* gate_up,
 // that output. packed_linear_rows calls it as it stores a block of gate_up columns.
 void silu_mul_sums_bf16(at::BFloat16* out, const float* g, const float* u, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 m = lanes(n - i);
     const __m512 gf = round_bf16(_mm512_maskz_loadu_ps(m, g + i)), uf = round_bf16(_mm512_maskz_loadu_ps(m, u + i));
     _mm256_mask_storeu_epi16(out + i, m, (__m256i)silu_mul_x16(gf, uf));
   }
@@ -162,7 +167,7 @@ int64_t argmax_row(const float* p, int64_t n) {
     m1 = _mm512_max_ps(m1, b);
   }
   for (; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 k = lanes(n - i);
     const __m512 a = _mm512_mask_loadu_ps(lowest, k, p + i);
     nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
     m0 = _mm512_max_ps(m0, a);
@@ -170,7 +175,7 @@ int64_t argmax_row(const float* p, int64_t n) {
   if (nan) return argmax_scalar(p, n);
   const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)));
   for (i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 k = lanes(n - i);
     const __mmask16 hit = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, p + i), best, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
