@@ -12,6 +12,9 @@
 // time, it can also apply SiLU-and-mul as it stores (silu_mul): the [M, 2n] product is never
 // written.
 #include <algorithm>
+#include <chrono>
+#include <thread>
+#include <vector>
 
 #include <torch/extension.h>
 
@@ -19,6 +22,8 @@
 #include <immintrin.h>
 #endif
 #include <omp.h>
+
+#include "work_split.h"
 
 namespace {
 
@@ -127,8 +132,13 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t chunks = std::min(groups, std::max<int64_t>(1, (4 * omp_get_max_threads() + units - 1) / units));
   const int64_t chunk_rows = (groups + chunks - 1) / chunks * kMaxRows;
-#pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < units * chunks; ++item) {
+  // Items in address order, each thread a contiguous share, so that each block's passes can
+  // prefetch the next; a thread that is done takes items from the others' (work_split.h). In the
+  // server, steps alternating the two splits: decode steps 1.7-4% faster (mean of 61 steps, five
+  // runs), prefill steps about 3%; offline, level.
+  WorkSplit split(units * chunks, omp_get_max_threads());
+#pragma omp parallel num_threads(split.threads())
+  for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
     alignas(64) float sums[2][kMaxRows * kBlockN];
     const uint32_t* x_pairs[kMaxRows];
     const int64_t nb = item / chunks, first = item % chunks * chunk_rows, block_size = kBlockN * k_padded;
@@ -158,6 +168,20 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 #else
   TORCH_CHECK(false, "packed_linear_rows needs a build with AVX512-BF16");
 #endif
+}
+
+// For the tests of work_split.h: how many times each of `items` items was taken, by `threads`
+// threads of which the first starts `delay_us` late (so that the others take from its share).
+std::vector<int64_t> work_split_counts(int64_t items, int64_t threads, int64_t delay_us) {
+  std::vector<std::atomic<int64_t>> counts(items);
+  WorkSplit split(items, static_cast<int>(threads));
+#pragma omp parallel num_threads(split.threads())
+  {
+    const int self = omp_get_thread_num();
+    if (self == 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    for (int64_t item = split.take(self); item >= 0; item = split.take(self)) counts[item] += self == 0 ? 1 : 1000;
+  }
+  return std::vector<int64_t>(counts.begin(), counts.end());
 }
 
 bool packed_linear_available() {

@@ -654,6 +654,7 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 bool packed_linear_available();
+std::vector<int64_t> work_split_counts(int64_t items, int64_t threads, int64_t delay_us);
 void argmax_rows(torch::Tensor out, torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -669,4 +670,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of fp32 rows", release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
+  m.def("work_split_counts", &work_split_counts, "for tests: times each item was taken (1 by the late thread, 1000 by others)",
+        release());
 }
