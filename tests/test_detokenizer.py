@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, _decoder
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +37,21 @@ def test_stop_string_spanning_tokens(tokenizer):
         if found:
             break
     assert found == stop and detok.text == "Hell"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_fast_decode_gives_the_tokenizers_answer(tokenizer, skip_special_tokens):
+    ids = tokenizer.encode("Ünïcode, spaces  and\nlines") + tokenizer.all_special_ids + tokenizer.encode(" end")
+    expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert _decoder(tokenizer)(ids, skip_special_tokens) == expected
+
+
+def test_tokenizers_that_clean_up_spaces_decode_through_transformers(tokenizer):
+    class CleaningUp:  # what the wrapper would do differently: the Rust tokenizer must not be used
+        _tokenizer = tokenizer._tokenizer
+        clean_up_tokenization_spaces = True
+
+        def decode(self, ids, skip_special_tokens):
+            return "cleaned"
+
+    assert _decoder(CleaningUp())([5, 6], True) == "cleaned"
