@@ -24,7 +24,9 @@ from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.linear import ROWS_KERNEL_MAX, Linear
 
 
-def attention_case(seqs: int, context: int, block_size: int = 16, heads: int = 16, kv_heads: int = 4, d: int = 64):
+def attention_case(seqs: int, context: int, block_size: int = 16, heads: int = 16, kv_heads: int = 4, d: int = 64,
+                   prompts: bool = False):
+    """Decodes (one query token a sequence) or, with prompts, whole prompts of `context` tokens."""
     per_seq = -(-context // block_size)
     num_blocks = seqs * per_seq
     order = list(range(num_blocks))
@@ -32,9 +34,11 @@ def attention_case(seqs: int, context: int, block_size: int = 16, heads: int = 1
     k = torch.randn(num_blocks, block_size, kv_heads, d).bfloat16()
     v = torch.randn(num_blocks, block_size, kv_heads, d).bfloat16()
     tables = torch.tensor([order[i * per_seq:(i + 1) * per_seq] for i in range(seqs)], dtype=torch.int32)
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables, torch.arange(seqs + 1, dtype=torch.int32),
-                             torch.full((seqs,), context, dtype=torch.int32), [context] * seqs, [1] * seqs)
-    return torch.randn(seqs, heads, d).bfloat16(), k, v, meta
+    q_len = context if prompts else 1
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables,
+                             torch.arange(0, seqs * q_len + 1, q_len, dtype=torch.int32),
+                             torch.full((seqs,), context, dtype=torch.int32), [context] * seqs, [q_len] * seqs)
+    return torch.randn(seqs * q_len, heads, d).bfloat16(), k, v, meta
 
 
 def best_seconds(fn, repeats: int = 5, inner: int = 20) -> float:
@@ -60,6 +64,16 @@ def main() -> None:
                                                            meta.seq_lens, 0.125, 0, True))
         kv_bytes = 2 * 64 * context * k.shape[2] * k.shape[3] * k.element_size()
         print(f"| {context} tokens of context | {seconds * 1000:.2f} | {kv_bytes / seconds / 1e9:.1f} |")
+    print()
+    print("| paged attention, whole prompts x 16 heads | ms a layer | GFLOP/s (causal: QK and PV of each pair) |")
+    print("|---|---|---|")
+    for seqs, length in ((16, 128), (1, 1024), (1, 2048)):
+        q, k, v, meta = attention_case(seqs, length, prompts=True)
+        out = torch.empty_like(q)
+        seconds = best_seconds(lambda: ops.paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc,
+                                                           meta.seq_lens, 0.125, 0, True), inner=3)
+        flops = 4 * seqs * q.shape[1] * q.shape[2] * length * (length + 1) // 2
+        print(f"| {seqs} x {length} tokens | {seconds * 1000:.2f} | {flops / seconds / 1e9:.0f} |")
     print()
     # The 250M model's four layer shapes (qkv, o, gate_up, down), four of each: 88 MB of weights,
     # more than the caches hold, so each layer's weights come from memory as in the model.

@@ -387,65 +387,85 @@ void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat
     for (int64_t i = 0; i < D; ++i) acc[r * D + i] = 0.f;
   }
   auto row_of = [&](int64_t r) { return ((tile.token0 + r / G) * num_heads + tile.h0 + r % G) * D; };
-  PackedTile<D> packed;
-  for (int64_t t = 0; t < n; t += kTile) {
-    prefetch_rows(k_cache, v_cache, scratch.rows, std::min(n, t + 2 * kTile), std::min(n, t + 3 * kTile), D * 2);
-    const int64_t nk = std::min(kTile, n - t), key0 = first + t;
-    packed.pack(k_cache, v_cache, scratch.rows + t, nk);
-    // Rows four at a time, two accumulators each: eight independent chains of dot products.
+  // Keys 32 at a time, as two packed halves of 16: each row's softmax bookkeeping (maxima, exp,
+  // sums, rescaling its accumulators) is paid once per 32 keys rather than per 16.
+  constexpr int64_t kStep = 2 * kTile;
+  PackedTile<D> packed[2];
+  for (int64_t t = 0; t < n; t += kStep) {
+    prefetch_rows(k_cache, v_cache, scratch.rows, std::min(n, t + 2 * kStep), std::min(n, t + 3 * kStep), D * 2);
+    const int64_t nk = std::min(kStep, n - t), key0 = first + t;
+    for (int64_t h = 0; h < 2; ++h)
+      packed[h].pack(k_cache, v_cache, scratch.rows + t + h * kTile, std::clamp<int64_t>(nk - h * kTile, 0, kTile));
+    // Rows four at a time, one accumulator per half each: eight independent chains of dot products.
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-      __mmask16 valid[kRowBlock];
+      __mmask16 valid[kRowBlock][2];
       const uint32_t* qr[kRowBlock];
-      bool any = false;
+      bool any = false, upper = false;  // upper: some row sees a key of the second half
       for (int64_t rr = 0; rr < kRowBlock; ++rr) {
         const int64_t r = std::min(r0 + rr, m - 1), pos = tile.pos0 + r / G;
         const int64_t lo = tile.window > 0 ? pos - tile.window + 1 : 0;
         // Keys key0 + j this row may see: j < nk, key0 + j <= pos, key0 + j >= lo.
         const int64_t j_end = std::min(nk, pos - key0 + 1), j_begin = std::max<int64_t>(0, lo - key0);
-        valid[rr] = r0 + rr < m && j_end > j_begin
-                        ? static_cast<__mmask16>(((1u << j_end) - 1) & ~((1u << j_begin) - 1)) : 0;
-        any |= valid[rr] != 0;
+        const uint32_t seen = r0 + rr < m && j_end > j_begin
+                                  ? static_cast<uint32_t>(((1ull << j_end) - 1) & ~((1ull << j_begin) - 1)) : 0;
+        valid[rr][0] = static_cast<__mmask16>(seen);
+        valid[rr][1] = static_cast<__mmask16>(seen >> 16);
+        any |= seen != 0;
+        upper |= valid[rr][1] != 0;
         qr[rr] = reinterpret_cast<const uint32_t*>(q + row_of(r));
       }
       if (!any) continue;
       __m512 dots[kRowBlock][2];
       for (int64_t rr = 0; rr < kRowBlock; ++rr) dots[rr][0] = dots[rr][1] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D / 2; c += 2) {
+      // The second half only where a row sees into it (not past the diagonal of short prompts).
+      for (int64_t c = 0; c < D / 2; ++c) {
         for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-          dots[rr][0] = _mm512_dpbf16_ps(dots[rr][0], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][c])),
-                                         (__m512bh)packed.k[c]);
-          dots[rr][1] = _mm512_dpbf16_ps(dots[rr][1], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][c + 1])),
-                                         (__m512bh)packed.k[c + 1]);
+          const __m512bh qc = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][c]));
+          dots[rr][0] = _mm512_dpbf16_ps(dots[rr][0], qc, (__m512bh)packed[0].k[c]);
+          if (upper) dots[rr][1] = _mm512_dpbf16_ps(dots[rr][1], qc, (__m512bh)packed[1].k[c]);
         }
       }
-      alignas(32) uint32_t pairs[kRowBlock][kTile / 2];
+      alignas(64) uint32_t pairs[kRowBlock][kTile];  // the 16 key pairs' probabilities of a row
       __m512 corr[kRowBlock];
       for (int64_t rr = 0; rr < kRowBlock; ++rr) {
         const int64_t r = r0 + rr;
-        if (valid[rr] == 0) {  // nothing new for this row: weight 0, no rescale
+        if ((valid[rr][0] | valid[rr][1]) == 0) {  // nothing new for this row: weight 0, no rescale
           corr[rr] = _mm512_set1_ps(1.f);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[rr]), _mm256_setzero_si256());
+          _mm512_store_si512(pairs[rr], _mm512_setzero_si512());
           continue;
         }
-        const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid[rr],
-                                                 _mm512_mul_ps(_mm512_add_ps(dots[rr][0], dots[rr][1]),
-                                                               _mm512_set1_ps(scale)));
-        const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(scores));
+        const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s = _mm512_set1_ps(scale);
+        const __m512 scores0 = _mm512_mask_mov_ps(minus_inf, valid[rr][0], _mm512_mul_ps(dots[rr][0], s));
+        const __m512 scores1 = _mm512_mask_mov_ps(minus_inf, valid[rr][1], _mm512_mul_ps(dots[rr][1], s));
+        const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(_mm512_max_ps(scores0, scores1)));
         const float correction = fast_exp(running_max[r] - new_max);
-        const __m512 p = _mm512_maskz_mov_ps(valid[rr], exp_neg(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-        denom[r] = denom[r] * correction + _mm512_reduce_add_ps(p);
+        const __m512 top = _mm512_set1_ps(new_max);
+        const __m512 p0 = _mm512_maskz_mov_ps(valid[rr][0], exp_neg(_mm512_sub_ps(scores0, top)));
+        const __m512 p1 = _mm512_maskz_mov_ps(valid[rr][1], exp_neg(_mm512_sub_ps(scores1, top)));
+        denom[r] = denom[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
         running_max[r] = new_max;
         corr[rr] = _mm512_set1_ps(correction);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[rr]), (__m256i)_mm512_cvtneps_pbh(p));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[rr]), (__m256i)_mm512_cvtneps_pbh(p0));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[rr] + kTile / 2), (__m256i)_mm512_cvtneps_pbh(p1));
       }
-      for (int64_t c = 0; c < D / 16; ++c) {
-        __m512 sum[kRowBlock];
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) sum[rr] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + rr) * D + 16 * c), corr[rr]);
-        for (int64_t pp = 0; pp < kTile / 2; ++pp)
-          for (int64_t rr = 0; rr < kRowBlock; ++rr)
-            sum[rr] = _mm512_dpbf16_ps(sum[rr], (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[rr][pp])),
-                                       (__m512bh)packed.v[pp][c]);
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) _mm512_storeu_ps(acc + (r0 + rr) * D + 16 * c, sum[rr]);
+      // Up to 64 dims at a time (16 accumulators), so that each probability pair is broadcast
+      // once for all of them: loads, not dot products, bound this loop.
+      constexpr int64_t kDimGroup = std::min<int64_t>(4, D / 16);
+      static_assert(D % (16 * kDimGroup) == 0, "whole groups of dims");
+      for (int64_t c0 = 0; c0 < D / 16; c0 += kDimGroup) {
+        __m512 sum[kRowBlock][kDimGroup];
+        for (int64_t rr = 0; rr < kRowBlock; ++rr)
+          for (int64_t c = 0; c < kDimGroup; ++c)
+            sum[rr][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + rr) * D + 16 * (c0 + c)), corr[rr]);
+        for (int64_t pp = 0; pp < (upper ? kTile : kTile / 2); ++pp) {
+          const __m512i* v = packed[pp / (kTile / 2)].v[pp % (kTile / 2)] + c0;
+          for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[rr][pp]));
+            for (int64_t c = 0; c < kDimGroup; ++c) sum[rr][c] = _mm512_dpbf16_ps(sum[rr][c], p, (__m512bh)v[c]);
+          }
+        }
+        for (int64_t rr = 0; rr < kRowBlock; ++rr)
+          for (int64_t c = 0; c < kDimGroup; ++c) _mm512_storeu_ps(acc + (r0 + rr) * D + 16 * (c0 + c), sum[rr][c]);
       }
     }
   }
