@@ -2,8 +2,15 @@
 
     python benchmarks/latency.py --model /tmp/llama-250m --baseline hf
 
+--engine vllm measures vLLM's offline API the same way, when the `vllm` package is importable
+(../shared/peers/README.md says how; prefix caching off, so that no prompt finds another's
+blocks). It steps no engine from outside, so there the time to first token is a whole
+generate() of one token, and decode speed is (new tokens - 1) over the rest of a generate() of
+all of them.
+
 It measures the machine (bf16/fp32 matmul rate), then one request at a time: time to first
-token for a 32- and a 1,024-token prompt, and decode speed over 256 new tokens. Decode is
+token for a 32- and a 1,024-token prompt (the median of five requests each), and decode speed
+over 256 new tokens. Decode is
 memory-bound at batch 1: every step reads all weights once, so the roofline is bandwidth /
 weight bytes per token, and the script prints decode speed as a share of it. The bandwidth this
 shared machine gives moves with its neighbours' load (45-80 GB/s within an hour), so it is
@@ -13,8 +20,10 @@ the table shows the median round.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -38,6 +47,19 @@ def ttft_and_decode(engine, prompt: list[int], new_tokens: int) -> tuple[float, 
     return first - start, (new_tokens - 1) / (end - first) if new_tokens > 1 else 0.0
 
 
+def vllm_ttft_and_decode(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    import vllm
+
+    def generate(n: int) -> float:
+        params = vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    first = generate(1)
+    return first, (new_tokens - 1) / (generate(new_tokens) - first) if new_tokens > 1 else 0.0
+
+
 def hf_decode(model, prompt: list[int], new_tokens: int) -> float:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -56,41 +78,53 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="decode rounds, each after its own bandwidth reading")
+    parser.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
     parser.add_argument("--compile", action="store_true", help="our engine's --compile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from pagedllm import LLM
+    from pagedllm.models.loader import load_model_config, load_tokenizer
+    from pagedllm.models.registry import model_class
 
-    engine = LLM(args.model, dtype=args.dtype, compile=args.compile).engine
-    model = engine.model_runner.model
-    dtype = engine.model_config.dtype
+    model_config = load_model_config(args.model, args.dtype, None, "cpu")
+    dtype = model_config.dtype
+    if args.engine == "vllm":
+        import vllm
+
+        llm = vllm.LLM(model=model_config.path, dtype=str(dtype).removeprefix("torch."), enable_prefix_caching=False)
+        measure = functools.partial(vllm_ttft_and_decode, llm)
+    else:
+        measure = functools.partial(ttft_and_decode, LLM(args.model, dtype=args.dtype, compile=args.compile).engine)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device("meta"):  # the model's weights as shapes: the bytes a decode step reads
+        weight_bytes = weight_bytes_per_token(model_class(model_config.hf_config)(model_config.hf_config, 1))
+    torch.set_default_dtype(default_dtype)
     rng = random.Random(0)
-    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    vocab = min(model_config.vocab_size, len(load_tokenizer(model_config)))
     prompt = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731
-    ttft_and_decode(engine, prompt(8), 4)  # warm-up
+    measure(prompt(8), 4)  # warm-up
 
     gflops = {d: measure_matmul_gflops(d) for d in (torch.bfloat16, torch.float32)}
-    weight_bytes = weight_bytes_per_token(model)
     rounds = []
     for _ in range(args.rounds):
         bandwidth = measure_bandwidth_gbs()
-        ttft_short, decode = ttft_and_decode(engine, prompt(32), args.new_tokens)
+        _, decode = measure(prompt(32), args.new_tokens)
         roofline = bandwidth * 1e9 / weight_bytes
         rounds.append({"bandwidth_gbs": bandwidth, "roofline_tok_s": roofline, "decode_tok_s": decode,
-                       "decode_roofline_pct": 100 * decode / roofline, "ttft_32_s": ttft_short})
+                       "decode_roofline_pct": 100 * decode / roofline})
     median = sorted(rounds, key=lambda r: r["decode_roofline_pct"])[len(rounds) // 2]
-    bandwidth, roofline, decode, ttft_short = (median[k] for k in ("bandwidth_gbs", "roofline_tok_s", "decode_tok_s",
-                                                                   "ttft_32_s"))
-    ttft_long, _ = ttft_and_decode(engine, prompt(1024), 2)
-    result = {"dtype": str(dtype).removeprefix("torch."), **median, "rounds": rounds,
+    bandwidth, roofline, decode = (median[k] for k in ("bandwidth_gbs", "roofline_tok_s", "decode_tok_s"))
+    ttft_short, ttft_long = (statistics.median(measure(prompt(n), 1)[0] for _ in range(5)) for n in (32, 1024))
+    result = {"engine": args.engine, "dtype": str(dtype).removeprefix("torch."), **median, "rounds": rounds,
               "matmul_bf16_gflops": gflops[torch.bfloat16], "matmul_fp32_gflops": gflops[torch.float32],
-              "weight_mb_per_token": weight_bytes / 1e6, "ttft_1024_s": ttft_long}
+              "weight_mb_per_token": weight_bytes / 1e6, "ttft_32_s": ttft_short, "ttft_1024_s": ttft_long}
     if args.baseline == "hf":
         from throughput import load_hf
 
-        result["hf_decode_tok_s"] = hf_decode(load_hf(engine.model_config, dtype), prompt(32), args.new_tokens)
+        result["hf_decode_tok_s"] = hf_decode(load_hf(model_config, dtype), prompt(32), args.new_tokens)
     shares = ", ".join(f"{r['decode_tok_s']:.1f} tok/s at {r['bandwidth_gbs']:.0f} GB/s = {r['decode_roofline_pct']:.0f}%"
                        for r in rounds)
     print(f"decode rounds: {shares}")
@@ -98,10 +132,10 @@ def main() -> None:
           f"fp32 {gflops[torch.float32]:.0f} GFLOP/s")
     print(f"model: {weight_bytes / 1e6:.0f} MB of {result['dtype']} weights read per token -> "
           f"batch-1 decode roofline {roofline:.1f} tok/s\n")
-    print("| dtype | decode tok/s | % of roofline | TTFT 32 tok | TTFT 1024 tok | HF decode tok/s |")
-    print("|---|---|---|---|---|---|")
+    print("| engine | dtype | decode tok/s | % of roofline | TTFT 32 tok | TTFT 1024 tok | HF decode tok/s |")
+    print("|---|---|---|---|---|---|---|")
     hf = f"{result['hf_decode_tok_s']:.1f}" if "hf_decode_tok_s" in result else ""
-    print(f"| {result['dtype']} | {decode:.1f} | {result['decode_roofline_pct']:.0f}% | {ttft_short * 1000:.0f} ms | "
+    print(f"| {args.engine} | {result['dtype']} | {decode:.1f} | {result['decode_roofline_pct']:.0f}% | {ttft_short * 1000:.0f} ms | "
           f"{ttft_long * 1000:.0f} ms | {hf} |")
     if args.out:
         with open(args.out, "w") as f:
