@@ -303,10 +303,10 @@ void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_c
 }
 
 // -- Query tiles: many query rows (tokens x the heads of one KV head) against the same keys ------
-// Prefill chunks take this path. Per tile of 16 keys, K and V are repacked once so that every
-// query row reaches them with bf16 pair dot products and no horizontal sums: K transposed to
-// [dim pair][key] (a score vector of 16 keys per row), V interleaved by key pairs (the
-// probabilities, rounded to bf16 as fused attention kernels do, weight two keys per product).
+// Prefill chunks take this path. Per tile of 16 keys (two to a step), K and V are repacked once
+// so that every query row reaches them with bf16 pair dot products and no horizontal sums: K
+// transposed to [dim pair][key] (a score vector of 16 keys per row), V interleaved by key pairs
+// (the probabilities, rounded to bf16 as fused attention kernels do, weight two keys per product).
 
 // r[j] <- column j of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15].
 inline void transpose16(__m512i* r) {
