@@ -303,7 +303,7 @@ void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_c
 }
 
 // -- Query tiles: many query rows (tokens x the heads of one KV head) against the same keys ------
-// Prefill chunks take this path. Per tile of 16 keys (two to a step), K and V are repacked once
+// Prefill chunks take this path. Per tile of 16 keys (four to a step), K and V are repacked once
 // so that every query row reaches them with bf16 pair dot products and no horizontal sums: K
 // transposed to [dim pair][key] (a score vector of 16 keys per row), V interleaved by key pairs
 // (the probabilities, rounded to bf16 as fused attention kernels do, weight two keys per product).
@@ -362,6 +362,89 @@ struct PackedTile {
   }
 };
 
+constexpr int64_t kQuarters = 4;  // 16-key packed tiles a query tile's key step takes
+
+// One key step (up to 64 keys, in packed quarters) for a block of kRowBlock query rows: scores,
+// the online softmax, and the probability-weighted V added into the rows' fp32 accumulators.
+// Q: the quarters some row of the block sees, known at compile time so that the accumulators
+// stay in registers.
+template <int64_t D, int64_t G>
+struct KeyStep {
+  const PackedTile<D>* packed;
+  float* acc;  // [rows][D]
+  float* running_max;
+  float* denom;
+  float scale;
+  int64_t r0;
+  __mmask16 valid[kRowBlock][kQuarters] = {};
+  const uint32_t* q[kRowBlock] = {};
+
+  template <int Q>
+  void run() {
+    __m512 dots[kRowBlock][Q];
+    for (int64_t rr = 0; rr < kRowBlock; ++rr)
+      for (int h = 0; h < Q; ++h) dots[rr][h] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D / 2; ++c) {
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+        const __m512bh qc = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[rr][c]));
+        for (int h = 0; h < Q; ++h) dots[rr][h] = _mm512_dpbf16_ps(dots[rr][h], qc, (__m512bh)packed[h].k[c]);
+      }
+    }
+    alignas(64) uint32_t pairs[kRowBlock][Q * kTile / 2];  // each row's probabilities, by key pairs
+    __m512 corr[kRowBlock];
+    for (int64_t rr = 0; rr < kRowBlock; ++rr) corr[rr] = softmax_row(rr, dots[rr], pairs[rr]);
+    // Up to 64 dims at a time (16 accumulators), so that each probability pair is broadcast once
+    // for all of them.
+    constexpr int64_t kDimGroup = std::min<int64_t>(4, D / 16);
+    static_assert(D % (16 * kDimGroup) == 0, "whole groups of dims");
+    for (int64_t c0 = 0; c0 < D / 16; c0 += kDimGroup) {
+      __m512 sum[kRowBlock][kDimGroup];
+      for (int64_t rr = 0; rr < kRowBlock; ++rr)
+        for (int64_t c = 0; c < kDimGroup; ++c)
+          sum[rr][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + rr) * D + 16 * (c0 + c)), corr[rr]);
+      for (int64_t pp = 0; pp < Q * kTile / 2; ++pp) {
+        const __m512i* v = packed[pp / (kTile / 2)].v[pp % (kTile / 2)] + c0;
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[rr][pp]));
+          for (int64_t c = 0; c < kDimGroup; ++c) sum[rr][c] = _mm512_dpbf16_ps(sum[rr][c], p, (__m512bh)v[c]);
+        }
+      }
+      for (int64_t rr = 0; rr < kRowBlock; ++rr)
+        for (int64_t c = 0; c < kDimGroup; ++c) _mm512_storeu_ps(acc + (r0 + rr) * D + 16 * (c0 + c), sum[rr][c]);
+    }
+  }
+
+  // Row r0 + rr's probabilities for this step, rounded to bf16 pairs; returns its accumulators'
+  // rescaling (1 for a row that sees none of these keys: weight 0, no rescale).
+  template <int Q>
+  __m512 softmax_row(int64_t rr, const __m512 (&dots)[Q], uint32_t* pairs) {
+    __mmask16 any = 0;
+    for (int h = 0; h < Q; ++h) any |= valid[rr][h];
+    if (any == 0) {
+      for (int h = 0; h < Q; ++h) _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + 8 * h), _mm256_setzero_si256());
+      return _mm512_set1_ps(1.f);
+    }
+    const int64_t r = r0 + rr;
+    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s = _mm512_set1_ps(scale);
+    __m512 scores[Q], top = minus_inf;
+    for (int h = 0; h < Q; ++h) {
+      scores[h] = _mm512_mask_mov_ps(minus_inf, valid[rr][h], _mm512_mul_ps(dots[h], s));
+      top = _mm512_max_ps(top, scores[h]);
+    }
+    const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(top));
+    const float correction = fast_exp(running_max[r] - new_max);
+    __m512 total = _mm512_setzero_ps();
+    for (int h = 0; h < Q; ++h) {
+      const __m512 p = _mm512_maskz_mov_ps(valid[rr][h], exp_neg(_mm512_sub_ps(scores[h], _mm512_set1_ps(new_max))));
+      total = _mm512_add_ps(total, p);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + 8 * h), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    denom[r] = denom[r] * correction + _mm512_reduce_add_ps(total);
+    running_max[r] = new_max;
+    return _mm512_set1_ps(correction);
+  }
+};
+
 struct QueryTile {
   int64_t token0;     // first query token (row of q/out) of the tile
   int64_t pos0;       // its position in the sequence
@@ -387,85 +470,40 @@ void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat
     for (int64_t i = 0; i < D; ++i) acc[r * D + i] = 0.f;
   }
   auto row_of = [&](int64_t r) { return ((tile.token0 + r / G) * num_heads + tile.h0 + r % G) * D; };
-  // Keys 32 at a time, as two packed halves of 16: each row's softmax bookkeeping (maxima, exp,
-  // sums, rescaling its accumulators) is paid once per 32 keys rather than per 16.
-  constexpr int64_t kStep = 2 * kTile;
-  PackedTile<D> packed[2];
-  for (int64_t t = 0; t < n; t += kStep) {
-    prefetch_rows(k_cache, v_cache, scratch.rows, std::min(n, t + 2 * kStep), std::min(n, t + 3 * kStep), D * 2);
-    const int64_t nk = std::min(kStep, n - t), key0 = first + t;
-    for (int64_t h = 0; h < 2; ++h)
+  // Keys 64 at a time, as four packed quarters of 16: each row's softmax bookkeeping (maxima, exp,
+  // sums, rescaling its accumulators) is paid once per 64 keys, and the score products take four
+  // rows x 64 keys per load of q, as the linear kernel takes its blocks: loads, not dot products,
+  // bound these loops. A row block computes only the quarters some row of it sees (Q of them).
+  PackedTile<D> packed[kQuarters];
+  for (int64_t t = 0; t < n; t += kQuarters * kTile) {
+    prefetch_rows(k_cache, v_cache, scratch.rows, std::min(n, t + 2 * kQuarters * kTile),
+                  std::min(n, t + 3 * kQuarters * kTile), D * 2);
+    const int64_t nk = std::min(kQuarters * kTile, n - t), key0 = first + t;
+    for (int64_t h = 0; h < kQuarters; ++h)
       packed[h].pack(k_cache, v_cache, scratch.rows + t + h * kTile, std::clamp<int64_t>(nk - h * kTile, 0, kTile));
-    // Rows four at a time, one accumulator per half each: eight independent chains of dot products.
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-      __mmask16 valid[kRowBlock][2];
-      const uint32_t* qr[kRowBlock];
-      bool any = false, upper = false;  // upper: some row sees a key of the second half
+      KeyStep<D, G> step{packed, acc, running_max, denom, scale, r0};
+      int64_t quarters = 0;
       for (int64_t rr = 0; rr < kRowBlock; ++rr) {
         const int64_t r = std::min(r0 + rr, m - 1), pos = tile.pos0 + r / G;
         const int64_t lo = tile.window > 0 ? pos - tile.window + 1 : 0;
         // Keys key0 + j this row may see: j < nk, key0 + j <= pos, key0 + j >= lo.
         const int64_t j_end = std::min(nk, pos - key0 + 1), j_begin = std::max<int64_t>(0, lo - key0);
-        const uint32_t seen = r0 + rr < m && j_end > j_begin
-                                  ? static_cast<uint32_t>(((1ull << j_end) - 1) & ~((1ull << j_begin) - 1)) : 0;
-        valid[rr][0] = static_cast<__mmask16>(seen);
-        valid[rr][1] = static_cast<__mmask16>(seen >> 16);
-        any |= seen != 0;
-        upper |= valid[rr][1] != 0;
-        qr[rr] = reinterpret_cast<const uint32_t*>(q + row_of(r));
-      }
-      if (!any) continue;
-      __m512 dots[kRowBlock][2];
-      for (int64_t rr = 0; rr < kRowBlock; ++rr) dots[rr][0] = dots[rr][1] = _mm512_setzero_ps();
-      // The second half only where a row sees into it (not past the diagonal of short prompts).
-      for (int64_t c = 0; c < D / 2; ++c) {
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-          const __m512bh qc = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][c]));
-          dots[rr][0] = _mm512_dpbf16_ps(dots[rr][0], qc, (__m512bh)packed[0].k[c]);
-          if (upper) dots[rr][1] = _mm512_dpbf16_ps(dots[rr][1], qc, (__m512bh)packed[1].k[c]);
+        uint64_t seen = 0;
+        if (r0 + rr < m && j_end > j_begin)
+          seen = (j_end == 64 ? ~0ull : (1ull << j_end) - 1) & ~((1ull << j_begin) - 1);
+        for (int64_t h = 0; h < kQuarters; ++h) {
+          step.valid[rr][h] = static_cast<__mmask16>(seen >> (16 * h));
+          if (step.valid[rr][h] != 0) quarters = std::max(quarters, h + 1);
         }
+        step.q[rr] = reinterpret_cast<const uint32_t*>(q + row_of(r));
       }
-      alignas(64) uint32_t pairs[kRowBlock][kTile];  // the 16 key pairs' probabilities of a row
-      __m512 corr[kRowBlock];
-      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-        const int64_t r = r0 + rr;
-        if ((valid[rr][0] | valid[rr][1]) == 0) {  // nothing new for this row: weight 0, no rescale
-          corr[rr] = _mm512_set1_ps(1.f);
-          _mm512_store_si512(pairs[rr], _mm512_setzero_si512());
-          continue;
-        }
-        const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s = _mm512_set1_ps(scale);
-        const __m512 scores0 = _mm512_mask_mov_ps(minus_inf, valid[rr][0], _mm512_mul_ps(dots[rr][0], s));
-        const __m512 scores1 = _mm512_mask_mov_ps(minus_inf, valid[rr][1], _mm512_mul_ps(dots[rr][1], s));
-        const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(_mm512_max_ps(scores0, scores1)));
-        const float correction = fast_exp(running_max[r] - new_max);
-        const __m512 top = _mm512_set1_ps(new_max);
-        const __m512 p0 = _mm512_maskz_mov_ps(valid[rr][0], exp_neg(_mm512_sub_ps(scores0, top)));
-        const __m512 p1 = _mm512_maskz_mov_ps(valid[rr][1], exp_neg(_mm512_sub_ps(scores1, top)));
-        denom[r] = denom[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-        running_max[r] = new_max;
-        corr[rr] = _mm512_set1_ps(correction);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[rr]), (__m256i)_mm512_cvtneps_pbh(p0));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[rr] + kTile / 2), (__m256i)_mm512_cvtneps_pbh(p1));
-      }
-      // Up to 64 dims at a time (16 accumulators), so that each probability pair is broadcast
-      // once for all of them: loads, not dot products, bound this loop.
-      constexpr int64_t kDimGroup = std::min<int64_t>(4, D / 16);
-      static_assert(D % (16 * kDimGroup) == 0, "whole groups of dims");
-      for (int64_t c0 = 0; c0 < D / 16; c0 += kDimGroup) {
-        __m512 sum[kRowBlock][kDimGroup];
-        for (int64_t rr = 0; rr < kRowBlock; ++rr)
-          for (int64_t c = 0; c < kDimGroup; ++c)
-            sum[rr][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + rr) * D + 16 * (c0 + c)), corr[rr]);
-        for (int64_t pp = 0; pp < (upper ? kTile : kTile / 2); ++pp) {
-          const __m512i* v = packed[pp / (kTile / 2)].v[pp % (kTile / 2)] + c0;
-          for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[rr][pp]));
-            for (int64_t c = 0; c < kDimGroup; ++c) sum[rr][c] = _mm512_dpbf16_ps(sum[rr][c], p, (__m512bh)v[c]);
-          }
-        }
-        for (int64_t rr = 0; rr < kRowBlock; ++rr)
-          for (int64_t c = 0; c < kDimGroup; ++c) _mm512_storeu_ps(acc + (r0 + rr) * D + 16 * (c0 + c), sum[rr][c]);
+      switch (quarters) {
+        case 1: step.template run<1>(); break;
+        case 2: step.template run<2>(); break;
+        case 3: step.template run<3>(); break;
+        case 4: step.template run<4>(); break;
+        default: break;  // no row of the block sees any of these keys
       }
     }
   }
