@@ -368,7 +368,7 @@ constexpr int64_t kQuarters = 4;  // 16-key packed tiles a query tile's key step
 // the online softmax, and the probability-weighted V added into the rows' fp32 accumulators.
 // Q: the quarters some row of the block sees, known at compile time so that the accumulators
 // stay in registers.
-template <int64_t D, int64_t G>
+template <int64_t D>
 struct KeyStep {
   const PackedTile<D>* packed;
   float* acc;  // [rows][D]
@@ -482,7 +482,7 @@ void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat
     for (int64_t h = 0; h < kQuarters; ++h)
       packed[h].pack(k_cache, v_cache, scratch.rows + t + h * kTile, std::clamp<int64_t>(nk - h * kTile, 0, kTile));
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-      KeyStep<D, G> step{packed, acc, running_max, denom, scale, r0};
+      KeyStep<D> step{packed, acc, running_max, denom, scale, r0};
       int64_t quarters = 0;
       for (int64_t rr = 0; rr < kRowBlock; ++rr) {
         const int64_t r = std::min(r0 + rr, m - 1), pos = tile.pos0 + r / G;
