@@ -41,10 +41,10 @@ def _config(arch: str, vocab_size: int, **overrides):
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     if arch == "mistral":  # a window smaller than the prompts, so it matters
-        return MistralConfig(**common, sliding_window=8, head_dim=16)
+        return MistralConfig(**{"head_dim": 16, **common}, sliding_window=8)
     if arch == "qwen2":
         return Qwen2Config(**common)
-    return Qwen3Config(**common, head_dim=16)
+    return Qwen3Config(**{"head_dim": 16, **common})
 
 
 def make_model(arch: str, path, tokenizer_dir: str, **overrides) -> str:

@@ -704,6 +704,12 @@ bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   return false;
 }
 
+// Whether bf16 attention has its query-tile kernel for this head size and group (then prompts
+// are never left to the caller).
+bool attention_has_query_tiles(int64_t head_dim, int64_t group) {
+  return pick_bf16<at::BFloat16>(head_dim, group).tile != nullptr;
+}
+
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
               double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
@@ -714,6 +720,7 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 bool packed_linear_available();
 std::vector<int64_t> work_split_counts(int64_t items, int64_t threads, int64_t delay_us);
 void argmax_rows(torch::Tensor out, torch::Tensor x);
+void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as PyTorch's own operators do, so that a server's
@@ -728,6 +735,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of fp32 rows", release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
+  m.def("attention_has_query_tiles", &attention_has_query_tiles, "whether bf16 attention has query tiles for (d, group)");
+  bind_decoder_stack(m);
   m.def("work_split_counts", &work_split_counts, "for tests: times each item was taken (1 by the late thread, 1000 by others)",
         release());
 }

@@ -64,6 +64,16 @@ class Linear(nn.Linear):
             return self._packed_rows(x, False)
         return self._library_linear(x)
 
+    def kernel_spec(self) -> tuple[torch.Tensor, int, int, int, int, torch.Tensor | None] | None:
+        """(packed weight, its buffer's address, padded out and in features, out features, bias) for
+        a C++ caller of the rows kernel (kernels/decoder_stack.cpp): where that kernel takes every
+        batch size and its input needs no padding; else None."""
+        rows = self._rows
+        if (rows is None or not ROWS_KERNEL_CHUNKS or rows[3] != self.in_features
+                or rows[0] is not self._buffers.get("weight")):
+            return None
+        return (*rows, self.out_features, self._parameters["bias"])
+
     def _rows_kernel_takes(self, x: torch.Tensor) -> bool:
         rows = self._rows
         # The kernel reads the packed buffer by address: only while that buffer is the weight.
@@ -107,6 +117,10 @@ class SiluAndMulLinear(Linear):
             return super().pack()
         self._pack(_interleave_halves(self.weight.detach(), _BLOCK_N))
         self._interleaved = True
+
+    def kernel_spec(self) -> tuple[torch.Tensor, int, int, int, int, torch.Tensor | None] | None:
+        """As Linear's, where the kernel can apply SiLU-and-mul (the halves interleaved)."""
+        return super().kernel_spec() if self._interleaved else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._interleaved:

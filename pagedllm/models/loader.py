@@ -135,6 +135,7 @@ def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
     with torch.no_grad():
         model.load_weights(_progress(_weights(model_config), model_config))
     pack_linears(model)
+    model.bind_kernels()
     return model.eval()
 
 

@@ -1,0 +1,60 @@
+"""The C++ decoder stack (kernels/decoder_stack.cpp) against the model's op-by-op path: the same
+kernels in the same order, so the same tokens and logprobs to the bit, and the same KV cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_model, prompts_of_mixed_lengths
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers import linear
+from pagedllm.models import llama
+
+# Head size 64: attention's query tiles exist for it, so the stack can take every op.
+_SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=128)
+
+
+def _stack_can_build() -> bool:
+    ops = cpu_ops()
+    return ops is not None and ops.packed_linear_available() and linear.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+
+
+needs_stack = pytest.mark.skipif(not _stack_can_build(), reason="needs the kernels with AVX512-BF16 and oneDNN")
+
+
+@pytest.fixture(scope="module")
+def head64_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    return {arch: make_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir, **_SHAPE)
+            for arch in ("llama", "mistral", "qwen2", "qwen3")}
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs]
+
+
+@needs_stack
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monkeypatch):
+    """Mixed prompt lengths in chunked prefill steps (cached context, several sequences a step),
+    then decodes; Mistral's window is smaller than the prompts, Qwen2 has qkv biases, Llama's
+    embeddings are tied. The stack's linear calls go 8 rows at a time, so that long batches'
+    chunking is checked too (the op-by-op path takes up to 1024 rows a call)."""
+    monkeypatch.setattr(llama, "ROWS_KERNEL_MAX", 8)
+    stacked, op_by_op = (LLM(head64_models[arch], dtype="bfloat16", kv_cache_memory="16MiB", block_size=16,
+                             max_num_batched_tokens=64) for _ in range(2))
+    assert stacked.engine.model_runner.model._stack is not None
+    op_by_op.engine.model_runner.model._stack = None
+    prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=3)
+    assert _generate(stacked, prompts) == _generate(op_by_op, prompts)
+    for ours, theirs in zip(stacked.engine.model_runner.kv_caches, op_by_op.engine.model_runner.kv_caches):
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+@needs_stack
+def test_stack_is_left_out_where_an_op_has_no_kernel(head64_models):
+    """Qwen3's per-head q/k norm has no place in the stack; fp32 has no packed kernel."""
+    assert LLM(head64_models["qwen3"], dtype="bfloat16", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
+    assert LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
