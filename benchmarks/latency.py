@@ -13,9 +13,9 @@ token for a 32- and a 1,024-token prompt (the median of five requests each), and
 over 256 new tokens. Decode is
 memory-bound at batch 1: every step reads all weights once, so the roofline is bandwidth /
 weight bytes per token, and the script prints decode speed as a share of it. The bandwidth this
-shared machine gives moves with its neighbours' load (45-80 GB/s within an hour), so it is
-measured right before each of a few decode rounds, and each round's share is its own ratio;
-the table shows the median round.
+shared machine gives moves with its neighbours' load (40-67 GB/s within minutes), so it is
+measured right before and right after each of a few decode rounds, and each round's share is
+its decode speed over the roofline of the mean of the two; the table shows the median round.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3, help="decode rounds, each after its own bandwidth reading")
+    parser.add_argument("--rounds", type=int, default=5, help="decode rounds, each between two bandwidth readings")
     parser.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
     parser.add_argument("--compile", action="store_true", help="our engine's --compile")
@@ -110,8 +110,9 @@ def main() -> None:
     gflops = {d: measure_matmul_gflops(d) for d in (torch.bfloat16, torch.float32)}
     rounds = []
     for _ in range(args.rounds):
-        bandwidth = measure_bandwidth_gbs()
+        before = measure_bandwidth_gbs()
         _, decode = measure(prompt(32), args.new_tokens)
+        bandwidth = (before + measure_bandwidth_gbs()) / 2
         roofline = bandwidth * 1e9 / weight_bytes
         rounds.append({"bandwidth_gbs": bandwidth, "roofline_tok_s": roofline, "decode_tok_s": decode,
                        "decode_roofline_pct": 100 * decode / roofline})
