@@ -4,7 +4,9 @@
 
 Prints the operators that take the most of the run's CPU time (self time, so that nothing is
 counted twice) and the share of the run outside any operator (Python: scheduling, batch tensors,
-sampling bookkeeping, detokenizing). Our kernels show under their own names (pagedllm::*).
+sampling bookkeeping, detokenizing). Our kernels show under their own names (pagedllm::*); the
+C++ decoder stack calls its kernels itself, so it shows as one (pagedllm::decoder_stack), and
+--op-by-op runs the layers without it to see each kernel's share.
 """
 from __future__ import annotations
 
@@ -35,11 +37,23 @@ def label_kernels() -> None:
         setattr(ops, name, labelled)
 
 
+class LabelledStack:
+    """The model's decoder stack, named for the profiler."""
+
+    def __init__(self, stack) -> None:
+        self.stack = stack
+
+    def forward(self, *args):
+        with torch.profiler.record_function("pagedllm::decoder_stack"):
+            return self.stack.forward(*args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="fixed")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--op-by-op", action="store_true", help="without the C++ decoder stack")
     args = parser.parse_args()
 
     from pagedllm import LLM
@@ -47,6 +61,9 @@ def main() -> None:
 
     label_kernels()
     llm = LLM(args.model)
+    model = llm.engine.model_runner.model
+    if model._stack is not None:
+        model._stack = None if args.op_by_op else LabelledStack(model._stack)
     vocab = min(llm.engine.model_config.vocab_size, len(load_tokenizer(llm.engine.model_config)))
     requests = WORKLOADS[args.workload](vocab)
     run_pagedllm(llm, [([5] * 8, 4)] * 2)  # warm-up: kernels built, caches touched
