@@ -63,8 +63,7 @@ class DecoderStack {
         rows_per_call_(rows_per_linear_call) {}
 
   // Each linear as (packed weight, its buffer's address, padded out and in features, out features,
-  // bias);
-  // gate_up's blocks interleave gate and up 64 columns at a time (SiluAndMulLinear).
+  // bias); gate_up's blocks interleave gate and up 64 columns at a time (SiluAndMulLinear).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, const LinearSpec& qkv,
                  const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down, int64_t sliding_window) {
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), linear(qkv, false), linear(o, false),
