@@ -23,7 +23,8 @@ def cpu_ops() -> ModuleType | None:
         logger.info("Loading the C++ kernels (built and cached on first use: about 35 s)")
         return load(
             name="pagedllm_cpu_ops",
-            sources=[os.path.join(_DIR, f) for f in ("paged_attention.cpp", "fused_ops.cpp", "packed_linear.cpp", "decoder_stack.cpp")],
+            sources=[os.path.join(_DIR, f) for f in ("paged_attention.cpp", "fused_ops.cpp", "packed_linear.cpp",
+                                                     "decoder_stack.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
