@@ -110,7 +110,7 @@ class KVCacheManager:
         if copy:
             self._copy_on_write(blocks, start // bs)
         if needed > 0:
-            blocks.extend(self.pool.get_new_blocks(needed))
+            blocks.extend(self.pool.get_new_blocks(needed, after=blocks[-1] if blocks else None))
         if self.debug:
             self._check_writable(blocks, start, num_new_tokens)
         return True
