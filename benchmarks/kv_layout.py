@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from collections import deque
@@ -113,6 +112,14 @@ def end_to_end(model: str, rounds: int) -> dict:
     return {name: {"output_tok_s": statistics.median(r), "rounds": r} for name, r in rates.items()}
 
 
+def print_comparison(results: dict, key: str, header: str) -> None:
+    print(f"| placement | {header} (median) | rounds |")
+    print("|---|---|---|")
+    for name, e in results.items():
+        print(f"| {name} | {e[key]:.1f} | {' '.join(f'{x:.1f}' for x in e['rounds'])} |")
+    print(f"\nruns / front: {results['runs'][key] / results['front of the queue'][key]:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4, help="layers' caches read in turn")
@@ -121,22 +128,15 @@ def main() -> None:
     parser.add_argument("--e2e-rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    random.seed(0)
+    torch.manual_seed(0)
     report = {"kernel": kernel(args.layers, args.rounds)}
-    print("| placement | blocks after their predecessor | decode attention K/V GB/s (median) | rounds |")
-    print("|---|---|---|---|")
-    for name, e in report["kernel"].items():
-        print(f"| {name} | {e['run_share']:.1%} | {e['kv_gbs']:.1f} | {' '.join(f'{x:.1f}' for x in e['rounds'])} |")
-    k = report["kernel"]
-    print(f"\nruns / front: {k['runs']['kv_gbs'] / k['front of the queue']['kv_gbs']:.3f}x")
+    print("blocks after their predecessor: " + ", ".join(f"{name} {e['run_share']:.1%}"
+                                                      for name, e in report["kernel"].items()) + "\n")
+    print_comparison(report["kernel"], "kv_gbs", "decode attention K/V GB/s")
     if args.model:
         report["end_to_end"] = end_to_end(args.model, args.e2e_rounds)
-        print("\n| placement | variable workload, output tok/s (median) | rounds |")
-        print("|---|---|---|")
-        for name, e in report["end_to_end"].items():
-            print(f"| {name} | {e['output_tok_s']:.1f} | {' '.join(f'{x:.1f}' for x in e['rounds'])} |")
-        e = report["end_to_end"]
-        print(f"\nruns / front: {e['runs']['output_tok_s'] / e['front of the queue']['output_tok_s']:.3f}x")
+        print()
+        print_comparison(report["end_to_end"], "output_tok_s", "variable workload, output tok/s")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
