@@ -53,25 +53,24 @@ class BlockPool:
         block) while they are free and uncached, then the front of the free queue."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        taken = self._run_after(after.block_id, n) if after is not None else []
+        taken = self._free_run_after(after.block_id, n) if after is not None else []
+        for block in taken:
+            del self._free[block.block_id]
         taken += [self._free.popitem(last=False)[1] for _ in range(n - len(taken))]
         for block in taken:
             self._evict(block)
             block.ref_cnt = 1
         if taken:
-            for block in self._run_after(taken[-1].block_id, SET_ASIDE, take=False):
+            for block in self._free_run_after(taken[-1].block_id, SET_ASIDE):
                 self._free.move_to_end(block.block_id)
         return taken
 
-    def _run_after(self, block_id: int, limit: int, take: bool = True) -> list[KVBlock]:
-        """Up to `limit` free, uncached blocks right after block_id, out of the queue if `take`."""
+    def _free_run_after(self, block_id: int, limit: int) -> list[KVBlock]:
+        """Up to `limit` free, uncached blocks right after block_id, in order."""
         run = []
-        for i in range(block_id + 1, min(block_id + 1 + limit, len(self.blocks))):
-            block = self.blocks[i]
-            if i not in self._free or block.block_hash is not None:
+        for block in self.blocks[block_id + 1:block_id + 1 + limit]:
+            if block.block_id not in self._free or block.block_hash is not None:
                 break
-            if take:
-                del self._free[i]
             run.append(block)
         return run
 
