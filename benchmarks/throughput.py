@@ -6,7 +6,8 @@
 Workloads: fixed (64 x 128 in x 128 out; --num-prompts, --input-len and --output-len change it), variable (200 requests, heavy-tailed lengths, input
 4..1024, output 4..512), shared (64 requests sharing a 512-token prefix, 32 own tokens, 128 out).
 --baseline hf runs transformers `generate` on the same model and requests in the same process
-(static batches, left padding, prompts sorted by length; only requested tokens count as output)
+(static batches, left padding, prompts sorted by length; only requested tokens count as output;
+the batch size the fastest found for the workload, or --hf-batch-size)
 and prints our speed as a ratio of it. --engine vllm drives vLLM's offline API instead of ours,
 when the `vllm` package is importable (see ../shared/peers/README.md for its setup). For the
 fixed workload it also prints output tokens/s as a share of this machine's compute roofline
@@ -42,6 +43,11 @@ def run_vllm(llm, requests: list[tuple[list[int], int]]) -> float:
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
     return time.perf_counter() - start
+
+
+# transformers' fastest static batch size found per workload on the 250M model (BENCHMARKS.md): on
+# the variable workload, batch 16 / 32 / 64 / 128 gave 68.5 / 81.5 / 73.9 / 45.3 output tok/s.
+HF_BATCH_SIZE = {"fixed": 64, "variable": 32, "shared": 64}
 
 
 def run_hf(model, requests: list[tuple[list[int], int]], batch_size: int) -> float:
@@ -87,7 +93,8 @@ def main() -> None:
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="fixed")
     parser.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
-    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=None,
+                        help="transformers' static batch size (default: the fastest found for the workload)")
     parser.add_argument("--num-prompts", type=int, nargs="+", default=[64],
                         help="fixed workload only: run it with each of these request counts")
     parser.add_argument("--input-len", type=int, default=128, help="fixed workload only")
@@ -140,7 +147,9 @@ def main() -> None:
             row["roofline_pct"] = 100 * row["output_tok_s"] / roofline_tok_s(shapes, model_config.hf_config,
                                                                              requests, gflops)
         if hf is not None:
-            row["hf_output_tok_s"] = out_tokens / run_hf(hf, requests, args.hf_batch_size)
+            hf_batch = args.hf_batch_size or HF_BATCH_SIZE[name]
+            row["hf_output_tok_s"] = out_tokens / run_hf(hf, requests, hf_batch)
+            row["hf_batch_size"] = hf_batch
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         rows.append(row)
     print(f"matmul {str(dtype).removeprefix('torch.')}: {gflops:.0f} GFLOP/s measured\n")
@@ -149,7 +158,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         roofline = f"{r['roofline_pct']:.0f}%" if "roofline_pct" in r else ""
-        hf_tok_s = f"{r['hf_output_tok_s']:.1f}" if "x_hf" in r else ""
+        hf_tok_s = f"{r['hf_output_tok_s']:.1f} (batch {r['hf_batch_size']})" if "x_hf" in r else ""
         x_hf = f"{r['x_hf']:.2f}" if "x_hf" in r else ""
         waste = f"{r['kv_waste_at_peak_pct']:.1f}%" if "kv_waste_at_peak_pct" in r else ""
         print(f"| {r['workload']} | {r['engine']} | {r['dtype']} | {r['requests']} | {r['requests_s']:.2f} | "
