@@ -6,7 +6,9 @@
 (../shared/peers/README.md says how; prefix caching off, so that no prompt finds another's
 blocks). It steps no engine from outside, so there the time to first token is a whole
 generate() of one token, and decode speed is (new tokens - 1) over the rest of a generate() of
-all of them.
+all of them. --engine llamacpp measures llama.cpp (the `llama_cpp` package of llama-cpp-python) on
+a GGUF of the same weights (--gguf; BENCHMARKS.md says how to convert the folder): one request
+after another through its `generate`, greedy, timed at each token it yields.
 
 It measures the machine (bf16/fp32 matmul rate), then one request at a time: time to first
 token for a 32- and a 1,024-token prompt (the median of five requests each), and decode speed
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
 import statistics
 import time
@@ -60,6 +63,18 @@ def vllm_ttft_and_decode(llm, prompt: list[int], new_tokens: int) -> tuple[float
     return first, (new_tokens - 1) / (generate(new_tokens) - first) if new_tokens > 1 else 0.0
 
 
+def llamacpp_ttft_and_decode(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    llm.reset()  # no prefix of an earlier request's KV cache is reused
+    start = time.perf_counter()
+    first = end = None
+    for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), start=1):
+        end = time.perf_counter()  # the token is sampled; the next one is computed when asked for
+        first = first or end
+        if count == new_tokens:
+            break
+    return first - start, (new_tokens - 1) / (end - first) if new_tokens > 1 else 0.0
+
+
 def hf_decode(model, prompt: list[int], new_tokens: int) -> float:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -78,7 +93,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5, help="decode rounds, each between two bandwidth readings")
-    parser.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
+    parser.add_argument("--engine", choices=["pagedllm", "vllm", "llamacpp"], default="pagedllm")
+    parser.add_argument("--gguf", default=None, help="--engine llamacpp: the GGUF file of --model's weights")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
     parser.add_argument("--compile", action="store_true", help="our engine's --compile")
     parser.add_argument("--out", default=None)
@@ -95,6 +111,15 @@ def main() -> None:
 
         llm = vllm.LLM(model=model_config.path, dtype=str(dtype).removeprefix("torch."), enable_prefix_caching=False)
         measure = functools.partial(vllm_ttft_and_decode, llm)
+    elif args.engine == "llamacpp":
+        import llama_cpp
+
+        if not args.gguf or not os.path.isfile(args.gguf):
+            parser.error("--engine llamacpp needs --gguf FILE, the model's weights converted to GGUF")
+        threads = os.cpu_count()
+        llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                              verbose=False)
+        measure = functools.partial(llamacpp_ttft_and_decode, llm)
     else:
         measure = functools.partial(ttft_and_decode, LLM(args.model, dtype=args.dtype, compile=args.compile).engine)
     default_dtype = torch.get_default_dtype()

@@ -10,8 +10,10 @@ Workloads: fixed (64 x 128 in x 128 out; --num-prompts, --input-len and --output
 the batch size the fastest found for the workload, or --hf-batch-size)
 and prints our speed as a ratio of it. --engine vllm drives vLLM's offline API instead of ours,
 when the `vllm` package is importable (see ../shared/peers/README.md for its setup). For the
-fixed workload it also prints output tokens/s as a share of this machine's compute roofline
-(its model FLOPs at the bf16 matmul rate it measures).
+fixed and variable workloads it also prints output tokens/s as a share of this machine's compute
+roofline: the workload's FLOPs at the matmul rate it measures, counted as issue 5 counts them (every
+token through every matrix, the output head included, and causal attention); not for the shared
+workload, whose prefix is computed once, not once a request.
 """
 from __future__ import annotations
 
@@ -143,7 +145,7 @@ def main() -> None:
                "output_tok_s": out_tokens / seconds, "total_tok_s": all_tokens / seconds}
         if tracker:
             row["kv_waste_at_peak_pct"] = 100 * tracker.waste_at_peak
-        if name == "fixed":
+        if name != "shared":
             row["roofline_pct"] = 100 * row["output_tok_s"] / roofline_tok_s(shapes, model_config.hf_config,
                                                                              requests, gflops)
         if hf is not None:
