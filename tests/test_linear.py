@@ -121,20 +121,3 @@ def test_silu_and_mul_linear_not_interleaved_where_blocks_do_not_fit(n, dtype):
     x = torch.randn(3, 64).to(dtype)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), silu_and_mul_reference(F.linear(x, plain_weight)))
-
-
-@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain here")
-@pytest.mark.parametrize("items", [0, 1, 3, 7, 100, 1000])
-@pytest.mark.parametrize("threads", [1, 2, 3, 4])
-@pytest.mark.parametrize("delay_us", [0, 2000])
-def test_work_split_hands_out_every_item_once(items, threads, delay_us):
-    counts = cpu_ops().work_split_counts(items, threads, delay_us)
-    assert len(counts) == items
-    assert all(c in (1, 1000) for c in counts)  # once, by the late thread (1) or another (1000)
-
-
-@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain here")
-def test_work_split_lets_the_others_take_a_late_threads_share():
-    counts = cpu_ops().work_split_counts(100, 2, 50_000)  # thread 0 owns items 0-49, thread 1 50-99
-    assert counts[50:] == [1000] * 50
-    assert counts[49] == 1000  # thread 0's share was taken from its back while it slept

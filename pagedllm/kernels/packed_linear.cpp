@@ -189,18 +189,23 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 #endif
 }
 
-// For the tests of work_split.h: how many times each of `items` items was taken, by `threads`
-// threads of which the first starts `delay_us` late (so that the others take from its share).
-std::vector<int64_t> work_split_counts(int64_t items, int64_t threads, int64_t delay_us) {
-  std::vector<std::atomic<int64_t>> counts(items);
-  WorkSplit split(items, static_cast<int>(threads));
+// For the tests of work_split.h: the items in the order they were taken, each with the thread that
+// took it, shared out by weight (or evenly where `weights` is empty) among `threads` threads of
+// which the first starts `delay_us` late (so that the others take from its share).
+std::vector<std::pair<int64_t, int64_t>> work_split_trace(int64_t items, int64_t threads, int64_t delay_us,
+                                                          const std::vector<int64_t>& weights) {
+  TORCH_CHECK(weights.empty() || static_cast<int64_t>(weights.size()) == items, "one weight an item expected");
+  std::vector<std::pair<int64_t, int64_t>> trace(items, {-1, -1});
+  std::atomic<int64_t> taken{0};
+  WorkSplit split = weights.empty() ? WorkSplit(items, static_cast<int>(threads))
+                                    : WorkSplit(weights, static_cast<int>(threads));
 #pragma omp parallel num_threads(split.threads())
   {
     const int self = omp_get_thread_num();
     if (self == 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-    for (int64_t item = split.take(self); item >= 0; item = split.take(self)) counts[item] += self == 0 ? 1 : 1000;
+    for (int64_t item = split.take(self); item >= 0; item = split.take(self)) trace[taken++] = {item, self};
   }
-  return std::vector<int64_t>(counts.begin(), counts.end());
+  return trace;
 }
 
 bool packed_linear_available() {

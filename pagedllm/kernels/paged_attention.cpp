@@ -14,6 +14,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
+#include "work_split.h"
+
 namespace {
 
 // bf16 is the high half of an fp32: widening by a shift, not the scalar conversion operator,
@@ -644,42 +648,40 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   T* op = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
-  // Units are split across threads by cost, so that one long sequence does not leave the other
-  // threads idle at the end.
-  std::vector<int64_t> cost_end(units.size());
-  int64_t total = 0;
-  for (size_t u = 0; u < units.size(); ++u) cost_end[u] = total += units[u].cost;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, units.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t first_thread, int64_t end_thread) {
+  // Units are shared out by cost, so that one long sequence does not leave the other threads idle
+  // at the end, and a thread that is done takes units from the others' shares (work_split.h): the
+  // costs are rough (a walk's keys come from memory, a tile's from cache), and a thread the OS
+  // preempts (a server's HTTP thread) would otherwise hold the step up.
+  std::vector<int64_t> costs(units.size());
+  for (size_t u = 0; u < units.size(); ++u) costs[u] = units[u].cost;
+  WorkSplit split(costs, static_cast<int>(std::min<int64_t>(threads, units.size())));
+#pragma omp parallel num_threads(split.threads())
+  {
     std::vector<float> scores(served * block_size), acc(kMaxTileRows * d);
     std::vector<int64_t> rows(longest);
     Scratch scratch{scores.data(), rows.data(), acc.data()};
-    for (int64_t tid = first_thread; tid < end_thread; ++tid) {
-      const auto begin = std::upper_bound(cost_end.begin(), cost_end.end(), total * tid / workers) - cost_end.begin();
-      const auto end = std::upper_bound(cost_end.begin(), cost_end.end(), total * (tid + 1) / workers) - cost_end.begin();
-      for (auto u = begin; u < end; ++u) {
-        const Unit& unit = units[u];
-        const QueryTile& tile = unit.tile;
-        const int32_t* table = tables + unit.seq * table_stride;
-        const int64_t kv_head = tile.h0 / group;
-        if (tile.tokens > 0) {
-          tile_fn(op, qp, kp + kv_head * d, vp + kv_head * d, table, tile, num_heads, block_size, token_stride,
-                  static_cast<float>(scale), scratch);
-          continue;
-        }
-        const int64_t pos = tile.pos0;
-        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
-        const int64_t offset = (tile.token0 * num_heads + tile.h0) * d;
-        if (walk_fn != nullptr) {
-          walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
-                  block_size, token_stride, static_cast<float>(scale), scratch);
-          continue;
-        }
-        attend_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, block_size,
-                  token_stride, d, static_cast<float>(scale), scratch);
+    for (int64_t u = split.take(omp_get_thread_num()); u >= 0; u = split.take(omp_get_thread_num())) {
+      const Unit& unit = units[u];
+      const QueryTile& tile = unit.tile;
+      const int32_t* table = tables + unit.seq * table_stride;
+      const int64_t kv_head = tile.h0 / group;
+      if (tile.tokens > 0) {
+        tile_fn(op, qp, kp + kv_head * d, vp + kv_head * d, table, tile, num_heads, block_size, token_stride,
+                static_cast<float>(scale), scratch);
+        continue;
       }
+      const int64_t pos = tile.pos0;
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+      const int64_t offset = (tile.token0 * num_heads + tile.h0) * d;
+      if (walk_fn != nullptr) {
+        walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
+                block_size, token_stride, static_cast<float>(scale), scratch);
+        continue;
+      }
+      attend_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, block_size,
+                token_stride, d, static_cast<float>(scale), scratch);
     }
-  });
+  }
   return left_fresh;
 }
 
@@ -718,7 +720,8 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 bool packed_linear_available();
-std::vector<int64_t> work_split_counts(int64_t items, int64_t threads, int64_t delay_us);
+std::vector<std::pair<int64_t, int64_t>> work_split_trace(int64_t items, int64_t threads, int64_t delay_us,
+                                                          const std::vector<int64_t>& weights);
 void argmax_rows(torch::Tensor out, torch::Tensor x);
 void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
 
@@ -737,6 +740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
   m.def("attention_has_query_tiles", &attention_has_query_tiles, "whether bf16 attention has query tiles for (d, group)");
   bind_decoder_stack(m);
-  m.def("work_split_counts", &work_split_counts, "for tests: times each item was taken (1 by the late thread, 1000 by others)",
+  m.def("work_split_trace", &work_split_trace, "for tests: (item, thread) in the order taken, thread 0 late",
+        py::arg("items"), py::arg("threads"), py::arg("delay_us"), py::arg("weights") = std::vector<int64_t>(),
         release());
 }

@@ -10,11 +10,25 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 class WorkSplit {
  public:
   WorkSplit(int64_t items, int threads) : threads_(threads), ranges_(new Range[threads]) {
     for (int t = 0; t < threads; ++t) ranges_[t].bounds.store(pack(items * t / threads, items * (t + 1) / threads));
+  }
+
+  // Shares of about equal weight, for items whose costs differ: each item goes to the share that
+  // holds the middle of its weight.
+  WorkSplit(const std::vector<int64_t>& weights, int threads) : threads_(threads), ranges_(new Range[threads]) {
+    int64_t total = 0, before = 0, item = 0;  // before: the weight of items [0, item)
+    for (int64_t w : weights) total += w;
+    const int64_t n = static_cast<int64_t>(weights.size());
+    for (int t = 0; t < threads; ++t) {
+      const int64_t begin = item;
+      while (item < n && 2 * before + weights[item] <= 2 * total * (t + 1) / threads) before += weights[item++];
+      ranges_[t].bounds.store(pack(begin, t + 1 == threads ? n : item));
+    }
   }
 
   int threads() const { return threads_; }
