@@ -67,7 +67,7 @@ def llamacpp_ttft_and_decode(llm, prompt: list[int], new_tokens: int) -> tuple[f
     llm.reset()  # no prefix of an earlier request's KV cache is reused
     start = time.perf_counter()
     first = end = None
-    for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), start=1):
+    for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0), start=1):
         end = time.perf_counter()  # the token is sampled; the next one is computed when asked for
         first = first or end
         if count == new_tokens:
