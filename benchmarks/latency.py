@@ -101,6 +101,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedllm import LLM
+    from pagedllm.engine.llm_engine import physical_cores
     from pagedllm.models.loader import load_model_config, load_tokenizer
     from pagedllm.models.registry import model_class
 
@@ -116,7 +117,7 @@ def main() -> None:
 
         if not args.gguf or not os.path.isfile(args.gguf):
             parser.error("--engine llamacpp needs --gguf FILE, the model's weights converted to GGUF")
-        threads = os.cpu_count()
+        threads = physical_cores()  # as our engine's thread count
         llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                               verbose=False)
         measure = functools.partial(llamacpp_ttft_and_decode, llm)

@@ -165,9 +165,12 @@ class LLMEngine:
         return self.scheduler.stats()
 
 
+def physical_cores() -> int:
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 def _set_threads() -> None:
     """One thread per physical core: hyper-threads only contend for the same vector units."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    torch.set_num_threads(cores)
+    torch.set_num_threads(physical_cores())
