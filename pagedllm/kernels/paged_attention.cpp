@@ -193,6 +193,10 @@ struct Bf16Walk {
   // n <= kTile keys at these row offsets (missing ones repeat the first and are masked out).
   void tile(const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* rows, int64_t n, float scale) {
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    // Each step below for all G heads before the next, so that the heads' dependency chains
+    // (reductions, the scalar max, exp) run side by side instead of one after another: decodes
+    // whose K/V the cache holds (a shared prefix) 1.3x; from memory the reads set the pace.
+    __m512 scores[G];
     for (int64_t g = 0; g < G; ++g) {
       __m512 dots[kTile];
       for (int64_t j = 0; j < kTile; ++j) {
@@ -202,15 +206,20 @@ struct Bf16Walk {
           sum = _mm512_dpbf16_ps(sum, q[g][c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
         dots[j] = sum;
       }
-      const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                               _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
-      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(scores));
-      const float correction = fast_exp(running_max[g] - new_max);
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-      denom[g] = denom[g] * correction + _mm512_reduce_add_ps(p);
-      running_max[g] = new_max;
-      _mm512_store_ps(probs[g], p);
-      const __m512 corr = _mm512_set1_ps(correction);
+      scores[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                     _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
+    }
+    float new_max[G], correction[G];
+    for (int64_t g = 0; g < G; ++g) new_max[g] = std::max(running_max[g], _mm512_reduce_max_ps(scores[g]));
+    for (int64_t g = 0; g < G; ++g) correction[g] = fast_exp(running_max[g] - new_max[g]);
+    __m512 p[G];
+    for (int64_t g = 0; g < G; ++g)
+      p[g] = _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(scores[g], _mm512_set1_ps(new_max[g]))));
+    for (int64_t g = 0; g < G; ++g) {
+      denom[g] = denom[g] * correction[g] + _mm512_reduce_add_ps(p[g]);
+      running_max[g] = new_max[g];
+      _mm512_store_ps(probs[g], p[g]);
+      const __m512 corr = _mm512_set1_ps(correction[g]);
       for (int64_t c = 0; c < kLanes; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], corr);
     }
     // V by key pairs: the two rows interleaved (unpack within 128-bit lanes), each query head's
