@@ -33,6 +33,53 @@ def measure_matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -
     return 2 * n**3 / best / 1e9
 
 
+# The machine's bf16 arithmetic ceiling: each thread issues only independent AVX-512 BF16 pair dot
+# products (32 multiply-adds each), 12 chains deep so that their latency is hidden. No memory, no
+# loads: what no GEMM can beat, to set the measured matmul rate and our kernels against.
+_DOT_PEAK_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+volatile float sink;
+double bf16_dot_peak(long rounds, int threads) {
+  double start = omp_get_wtime();
+  #pragma omp parallel num_threads(threads)
+  {
+    __m512 acc[12];
+    for (int j = 0; j < 12; j++) acc[j] = _mm512_setzero_ps();
+    __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);
+    for (long i = 0; i < rounds; i++) {
+      __asm__ volatile("" : "+v"(a));  /* a is opaque: the loop cannot be folded */
+      for (int j = 0; j < 12; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, a);
+    }
+    float total = 0;
+    for (int j = 0; j < 12; j++) total += _mm512_reduce_add_ps(acc[j]);
+    sink = total;
+  }
+  return 2.0 * 32 * 12 * rounds * threads / (omp_get_wtime() - start) / 1e9;
+}
+"""
+
+
+def measure_bf16_dot_peak_gflops(threads: int, repeats: int = 5) -> float | None:
+    """GFLOP/s of AVX-512 BF16 dot products alone on `threads` threads (best of `repeats`), or None
+    where there is no C compiler or no AVX-512 BF16."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = os.path.join(tmp, "peak.c"), os.path.join(tmp, "peak.so")
+        with open(source, "w") as f:
+            f.write(_DOT_PEAK_SOURCE)
+        built = subprocess.run(["cc", "-O3", "-mavx512f", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC", source,
+                                "-o", library], capture_output=True)
+        if built.returncode != 0 or "avx512_bf16" not in open("/proc/cpuinfo").read():
+            return None
+        peak = ctypes.CDLL(library).bf16_dot_peak
+    peak.restype, peak.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_int]
+    return max(peak(2_000_000, threads) for _ in range(repeats))
+
+
 def _linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The matrices a token multiplies through (plain or packed for oneDNN), the output head included."""
     from pagedllm.layers.linear import Linear

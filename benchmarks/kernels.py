@@ -9,7 +9,9 @@ weights), in turn so that they come from memory; GFLOP/s for 1 to 2048 input row
 as the model runs it (packed for oneDNN; our kernel over the same packed weights, at most
 ROWS_KERNEL_MAX rows a call), of oneDNN's GEMM on the packed weights at every row count, and of
 F.linear on the plain weights; the three are timed in turn, seven rounds, and the median round
-is reported.
+is reported. Our kernel's rate is also given as a share of this machine's bf16 arithmetic peak
+(`common.measure_bf16_dot_peak_gflops`: dot-product instructions alone, on as many threads),
+measured just before the table.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common import measure_bf16_dot_peak_gflops
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.linear import ROWS_KERNEL_MAX, Linear
@@ -82,9 +85,12 @@ def main() -> None:
     packed = [Linear(i, o, bias=False).bfloat16() for o, i in shapes]
     for layer in packed:
         layer.pack()
+    peak = measure_bf16_dot_peak_gflops(torch.get_num_threads())
+    print(f"bf16 dot-product peak, {torch.get_num_threads()} threads: "
+          + (f"{peak:.0f} GFLOP/s" if peak else "not measured (no C compiler or no AVX-512 BF16)"))
     print(f"| input rows | Linear GFLOP/s (our kernel, {ROWS_KERNEL_MAX} rows a call) | oneDNN, packed GFLOP/s | "
-          "F.linear GFLOP/s | Linear: weight GB/s |")
-    print("|---|---|---|---|---|")
+          "F.linear GFLOP/s | Linear: weight GB/s | Linear: % of the dot peak |")
+    print("|---|---|---|---|---|---|")
     params = sum(o * i for o, i in shapes)
     for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         xs = {i: torch.randn(rows, i).bfloat16() for i in {i for _, i in shapes}}
@@ -95,7 +101,8 @@ def main() -> None:
         with torch.inference_mode():
             seconds = median_seconds_interleaved(ways)
         rates = " | ".join(f"{2 * rows * params / s / 1e9:.0f}" for s in seconds)
-        print(f"| {rows} | {rates} | {2 * params / seconds[0] / 1e9:.1f} |")
+        share = f"{100 * 2 * rows * params / seconds[0] / 1e9 / peak:.0f}%" if peak else "n/a"
+        print(f"| {rows} | {rates} | {2 * params / seconds[0] / 1e9:.1f} | {share} |")
 
 
 def median_seconds_interleaved(ways: list, rounds: int = 7) -> list[float]:

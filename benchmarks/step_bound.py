@@ -1,0 +1,184 @@
+"""Each engine step against its own bound: how near a workload runs to this machine's limits.
+
+    python benchmarks/step_bound.py --model /tmp/llama-250m --workload variable
+
+Runs the workload through our engine once (all requests at once, greedy, EOS ignored, as
+throughput.py does) and records every step's work and wall time. A step's bound is the longer of
+its arithmetic at the bf16 dot-product peak (linear layers on every computed token, the output head
+on every sampled row, QK and PV of each query token over its context) and its memory traffic at
+the read bandwidth (every weight once, and the K/V its tokens attend to, once). Both limits are
+measured before and after the run, and the higher reading of each is used (neighbours' load only
+lowers them). No engine can run a step faster than its bound on this machine, so the sum
+of the bounds over the steps caps the output tokens/s this schedule can reach; the schedule itself
+(which requests share a step) is the engine's own and the same for any engine that keeps every
+request running from the start. A second, tighter bound takes the linear layers and attention in
+turn, each at its own limit (the weights' arithmetic or their bytes, then attention's arithmetic
+or its K/V bytes), as an engine that runs a layer's operators one after another can at best.
+Steps are grouped by kind, and each group's time is set against both bounds.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from common import (WORKLOADS, attention_flops, matmul_flops_per_token, measure_bandwidth_gbs,
+                    measure_bf16_dot_peak_gflops, weight_bytes_per_token)
+
+
+@dataclasses.dataclass
+class StepWork:
+    tokens: int  # computed this step (prompt chunks and decodes)
+    sampled: int  # rows through the output head
+    prefill: bool  # some request computes more than one token
+    decodes: int  # requests computing one token
+    attended: int  # sum over query tokens of the context each attends to
+    kv_tokens: int  # sum over requests of the context whose K/V the step reads
+    seconds: float = 0.0
+
+
+def step_work(scheduler_output) -> StepWork:
+    tokens = sampled = decodes = attended = kv_tokens = 0
+    for r in scheduler_output.scheduled:
+        n, start = len(r.new_token_ids), r.start_pos
+        tokens += n
+        sampled += r.sample
+        decodes += n == 1
+        attended += n * start + n * (n + 1) // 2
+        kv_tokens += start + n
+    return StepWork(tokens, sampled, decodes < len(scheduler_output.scheduled), decodes, attended, kv_tokens)
+
+
+def record_steps(engine) -> list[StepWork]:
+    """Wrap the engine's step so that each one's work and wall time are appended to the list returned."""
+    steps: list[StepWork] = []
+    schedule, step = engine.scheduler.schedule, engine.step
+
+    def recording_schedule():
+        output = schedule()
+        if not output.is_empty:
+            steps.append(step_work(output))
+        return output
+
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()
+        if steps:
+            steps[-1].seconds = time.perf_counter() - start
+        return outputs
+
+    engine.scheduler.schedule, engine.step = recording_schedule, timed_step
+    return steps
+
+
+KINDS = ("with prefill chunks", "decodes only, more than 128", "decodes only, 33-128", "decodes only, up to 32")
+
+
+def kind(step: StepWork) -> str:
+    if step.prefill:
+        return "with prefill chunks"
+    if step.decodes > 128:
+        return "decodes only, more than 128"
+    return "decodes only, 33-128" if step.decodes > 32 else "decodes only, up to 32"
+
+
+def measure_limits() -> tuple[float, float]:
+    """(bf16 dot-product GFLOP/s, read GB/s) on the threads the engine uses."""
+    peak = measure_bf16_dot_peak_gflops(torch.get_num_threads())
+    if peak is None:
+        raise SystemExit("no bf16 dot-product peak here (needs a C compiler and AVX-512 BF16)")
+    return peak, measure_bandwidth_gbs()
+
+
+@dataclasses.dataclass
+class Bounds:
+    """The model's costs per unit of work and the machine's limits: seconds no step can beat."""
+    body_flops: int  # per computed token: every linear layer but the output head
+    head_flops: int  # per sampled row
+    weight_bytes: int  # read once a step
+    kv_bytes: int  # per token of context a step attends to
+    config: object  # the model's Hugging Face config, for attention's FLOPs
+    peak_gflops: float
+    bandwidth_gbs: float
+
+    @classmethod
+    def of(cls, engine, peak_gflops: float, bandwidth_gbs: float) -> "Bounds":
+        model, config = engine.model_runner.model, engine.model_config.hf_config
+        head = 2 * model.lm_head.weight.numel()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * engine.model_config.dtype.itemsize
+        return cls(matmul_flops_per_token(model) - head, head, weight_bytes_per_token(model), kv_bytes, config,
+                   peak_gflops, bandwidth_gbs)
+
+    def linear(self, step: StepWork) -> float:
+        return max((self.body_flops * step.tokens + self.head_flops * step.sampled) / (self.peak_gflops * 1e9),
+                   self.weight_bytes / (self.bandwidth_gbs * 1e9))
+
+    def attention(self, step: StepWork) -> float:
+        return max(attention_flops(self.config, step.attended) / (self.peak_gflops * 1e9),
+                   self.kv_bytes * step.kv_tokens / (self.bandwidth_gbs * 1e9))
+
+    def step(self, step: StepWork) -> float:
+        """Arithmetic and memory traffic each overlapped with the other, across the whole step."""
+        flops = (self.body_flops * step.tokens + self.head_flops * step.sampled
+                 + attention_flops(self.config, step.attended))
+        return max(flops / (self.peak_gflops * 1e9),
+                   (self.weight_bytes + self.kv_bytes * step.kv_tokens) / (self.bandwidth_gbs * 1e9))
+
+
+def run_recorded(llm, requests: list[tuple[list[int], int]]) -> tuple[list[StepWork], float]:
+    from pagedllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [5] * 8}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    steps = record_steps(llm.engine)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p, _ in requests],
+                 [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests], use_tqdm=False)
+    return steps, time.perf_counter() - start
+
+
+def print_table(steps: list[StepWork], bounds: Bounds) -> tuple[float, float, float]:
+    """One row per kind of step and one for all; returns all steps' (bound, linear's, attention's)."""
+    print("| steps | count | tokens computed | time s | bound s | bound / time | in turn: bound s | bound / time |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, group in [(name, [s for s in steps if kind(s) == name]) for name in KINDS] + [("all steps", steps)]:
+        if not group:
+            continue
+        spent = sum(s.seconds for s in group)
+        least = sum(bounds.step(s) for s in group)
+        linear, attention = sum(bounds.linear(s) for s in group), sum(bounds.attention(s) for s in group)
+        print(f"| {name} | {len(group)} | {sum(s.tokens for s in group)} | {spent:.2f} | {least:.2f} | "
+              f"{least / spent:.0%} | {linear + attention:.2f} | {(linear + attention) / spent:.0%} |")
+    return least, linear, attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="variable")
+    args = parser.parse_args()
+
+    from pagedllm import LLM
+    from pagedllm.models.loader import load_tokenizer
+
+    limits = [measure_limits()]
+    llm = LLM(args.model)
+    vocab = min(llm.engine.model_config.vocab_size, len(load_tokenizer(llm.engine.model_config)))
+    requests = WORKLOADS[args.workload](vocab)
+    steps, elapsed = run_recorded(llm, requests)
+    limits.append(measure_limits())
+    peak, bandwidth = max(p for p, _ in limits), max(b for _, b in limits)
+    out_tokens = sum(n for _, n in requests)
+    print(" then ".join(f"bf16 dot-product peak {p:.0f} GFLOP/s, read bandwidth {b:.1f} GB/s" for p, b in limits))
+    print(f"the bounds take {peak:.0f} GFLOP/s and {bandwidth:.1f} GB/s; "
+          f"{len(requests)} requests, {out_tokens} output tokens, {len(steps)} steps\n")
+    least, linear, attention = print_table(steps, Bounds.of(llm.engine, peak, bandwidth))
+    print(f"\noutput tok/s: {out_tokens / elapsed:.1f} (run, {elapsed:.2f} s); at the steps' bound "
+          f"{out_tokens / least:.1f}; at the bound in turn {out_tokens / (linear + attention):.1f} "
+          f"(linear layers {linear:.2f} s, attention {attention:.2f} s)")
+
+
+if __name__ == "__main__":
+    main()
