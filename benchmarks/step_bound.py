@@ -6,7 +6,8 @@ Runs the workload through our engine once (all requests at once, greedy, EOS ign
 throughput.py does) and records every step's work and wall time. A step's bound is the longer of
 its arithmetic at the bf16 dot-product peak (linear layers on every computed token, the output head
 on every sampled row, QK and PV of each query token over its context) and its memory traffic at
-the read bandwidth (every weight once, and the K/V its tokens attend to, once). Both limits are
+the read bandwidth (every weight once, and each KV block its tokens attend to once, however many
+requests share it). Both limits are
 measured before and after the run, and the higher reading of each is used (neighbours' load only
 lowers them). No engine can run a step faster than its bound on this machine, so the sum
 of the bounds over the steps caps the output tokens/s this schedule can reach; the schedule itself
@@ -35,31 +36,42 @@ class StepWork:
     prefill: bool  # some request computes more than one token
     decodes: int  # requests computing one token
     attended: int  # sum over query tokens of the context each attends to
-    kv_tokens: int  # sum over requests of the context whose K/V the step reads
+    kv_tokens: int  # tokens in the distinct KV blocks the step reads (a shared block counts once)
+    seconds: float
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What the scheduler asked of one step, kept as it was: (tokens computed, start position,
+    sampled, the blocks holding its context) a request."""
+    requests: list[tuple[int, int, bool, list[int]]]
     seconds: float = 0.0
 
+    def work(self, block_size: int) -> StepWork:
+        tokens = sampled = decodes = attended = 0
+        filled: dict[int, int] = {}  # block -> tokens of it some request reads
+        for n, start, sample, blocks in self.requests:
+            tokens, sampled, decodes = tokens + n, sampled + sample, decodes + (n == 1)
+            attended += n * start + n * (n + 1) // 2
+            for i, block in enumerate(blocks):
+                filled[block] = max(filled.get(block, 0), min(block_size, start + n - i * block_size))
+        return StepWork(tokens, sampled, decodes < len(self.requests), decodes, attended, sum(filled.values()),
+                        self.seconds)
 
-def step_work(scheduler_output) -> StepWork:
-    tokens = sampled = decodes = attended = kv_tokens = 0
-    for r in scheduler_output.scheduled:
-        n, start = len(r.new_token_ids), r.start_pos
-        tokens += n
-        sampled += r.sample
-        decodes += n == 1
-        attended += n * start + n * (n + 1) // 2
-        kv_tokens += start + n
-    return StepWork(tokens, sampled, decodes < len(scheduler_output.scheduled), decodes, attended, kv_tokens)
 
-
-def record_steps(engine) -> list[StepWork]:
-    """Wrap the engine's step so that each one's work and wall time are appended to the list returned."""
-    steps: list[StepWork] = []
+def record_steps(engine) -> list[StepRecord]:
+    """Wrap the engine's step so that each one's request and wall time are appended to the list
+    returned (the work is counted after the run, off the timed path)."""
+    steps: list[StepRecord] = []
     schedule, step = engine.scheduler.schedule, engine.step
+    block_size = engine.args.block_size
 
     def recording_schedule():
         output = schedule()
         if not output.is_empty:
-            steps.append(step_work(output))
+            steps.append(StepRecord([(len(r.new_token_ids), r.start_pos, r.sample,
+                                      r.block_ids[:-(-(r.start_pos + len(r.new_token_ids)) // block_size)])
+                                     for r in output.scheduled]))
         return output
 
     def timed_step():
@@ -132,11 +144,12 @@ def run_recorded(llm, requests: list[tuple[list[int], int]]) -> tuple[list[StepW
     from pagedllm import SamplingParams
 
     llm.generate([{"prompt_token_ids": [5] * 8}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    steps = record_steps(llm.engine)
+    records = record_steps(llm.engine)
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p, _ in requests],
                  [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests], use_tqdm=False)
-    return steps, time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    return [r.work(llm.engine.args.block_size) for r in records], elapsed
 
 
 def print_table(steps: list[StepWork], bounds: Bounds) -> tuple[float, float, float]:
