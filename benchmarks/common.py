@@ -67,13 +67,15 @@ def measure_bf16_dot_peak_gflops(threads: int, repeats: int = 5) -> float | None
     import subprocess
     import tempfile
 
+    if not os.path.exists("/proc/cpuinfo") or "avx512_bf16" not in open("/proc/cpuinfo").read():
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         source, library = os.path.join(tmp, "peak.c"), os.path.join(tmp, "peak.so")
         with open(source, "w") as f:
             f.write(_DOT_PEAK_SOURCE)
         built = subprocess.run(["cc", "-O3", "-mavx512f", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC", source,
                                 "-o", library], capture_output=True)
-        if built.returncode != 0 or "avx512_bf16" not in open("/proc/cpuinfo").read():
+        if built.returncode != 0:
             return None
         peak = ctypes.CDLL(library).bf16_dot_peak
     peak.restype, peak.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_int]
@@ -103,10 +105,13 @@ def matmul_flops_per_token(model: torch.nn.Module) -> int:
     return 2 * sum(w.numel() for w in _linear_weights(model))
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def attention_flops(config, context: int) -> int:
     """QK^T and PV for one token attending to `context` tokens, all layers."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 4 * config.num_hidden_layers * config.num_attention_heads * head_dim * context
+    return 4 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * context
 
 
 def fixed_workload(vocab: int, seed: int = 0, count: int = 64, input_len: int = 128,

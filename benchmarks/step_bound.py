@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from common import (WORKLOADS, attention_flops, matmul_flops_per_token, measure_bandwidth_gbs,
+from common import (WORKLOADS, attention_flops, head_dim, matmul_flops_per_token, measure_bandwidth_gbs,
                     measure_bf16_dot_peak_gflops, weight_bytes_per_token)
 
 
@@ -119,25 +119,30 @@ class Bounds:
     def of(cls, engine, peak_gflops: float, bandwidth_gbs: float) -> "Bounds":
         model, config = engine.model_runner.model, engine.model_config.hf_config
         head = 2 * model.lm_head.weight.numel()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * engine.model_config.dtype.itemsize
+        kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config)
+                    * engine.model_config.dtype.itemsize)
         return cls(matmul_flops_per_token(model) - head, head, weight_bytes_per_token(model), kv_bytes, config,
                    peak_gflops, bandwidth_gbs)
 
+    def _linear_work(self, step: StepWork) -> tuple[float, float]:
+        """(seconds of arithmetic at the peak, seconds of reads at the bandwidth) of the linear layers."""
+        return ((self.body_flops * step.tokens + self.head_flops * step.sampled) / (self.peak_gflops * 1e9),
+                self.weight_bytes / (self.bandwidth_gbs * 1e9))
+
+    def _attention_work(self, step: StepWork) -> tuple[float, float]:
+        return (attention_flops(self.config, step.attended) / (self.peak_gflops * 1e9),
+                self.kv_bytes * step.kv_tokens / (self.bandwidth_gbs * 1e9))
+
     def linear(self, step: StepWork) -> float:
-        return max((self.body_flops * step.tokens + self.head_flops * step.sampled) / (self.peak_gflops * 1e9),
-                   self.weight_bytes / (self.bandwidth_gbs * 1e9))
+        return max(self._linear_work(step))
 
     def attention(self, step: StepWork) -> float:
-        return max(attention_flops(self.config, step.attended) / (self.peak_gflops * 1e9),
-                   self.kv_bytes * step.kv_tokens / (self.bandwidth_gbs * 1e9))
+        return max(self._attention_work(step))
 
     def step(self, step: StepWork) -> float:
         """Arithmetic and memory traffic each overlapped with the other, across the whole step."""
-        flops = (self.body_flops * step.tokens + self.head_flops * step.sampled
-                 + attention_flops(self.config, step.attended))
-        return max(flops / (self.peak_gflops * 1e9),
-                   (self.weight_bytes + self.kv_bytes * step.kv_tokens) / (self.bandwidth_gbs * 1e9))
+        linear, attention = self._linear_work(step), self._attention_work(step)
+        return max(linear[0] + attention[0], linear[1] + attention[1])
 
 
 def run_recorded(llm, requests: list[tuple[list[int], int]]) -> tuple[list[StepWork], float]:
