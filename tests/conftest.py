@@ -88,3 +88,12 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
 def prompts_of_mixed_lengths(vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 73)]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop the run where the C++ kernels should build but did not: their tests would only skip, and the
+    model tests would compare torch with torch."""
+    from pagedllm.kernels import build_error, cpu_ops, kernels_expected
+
+    if kernels_expected() is None and cpu_ops() is None:
+        pytest.exit(f"the C++ kernels failed to build:\n{build_error()}", returncode=pytest.ExitCode.TESTS_FAILED)
