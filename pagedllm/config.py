@@ -5,6 +5,8 @@ import re
 from dataclasses import dataclass, fields
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MAX_BODY_BYTES = 8 * 1024 * 1024  # the server's default request body limit
 
 
 @dataclass
@@ -34,6 +36,11 @@ class EngineArgs:
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the elementwise torch paths (layers/compile.py)
+
+    def served_name(self) -> str:
+        """The name clients ask for and metrics are labelled with: --served-model-name, else the model
+        as given (the default model by its own name, not its file's path)."""
+        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
     @classmethod
     def field_names(cls) -> list[str]:

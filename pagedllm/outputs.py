@@ -22,7 +22,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -38,6 +38,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why the request failed (finish reason "error"), if it did
 
 
 @dataclass

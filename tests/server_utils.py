@@ -17,7 +17,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, *args: str, api_key: str | None = None, log_path: str | None = None) -> None:
+    def __init__(self, model: str, *args: str, api_key: str | None = None, log_path: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -25,7 +26,8 @@ class Server:
         if api_key:
             command += ["--api-key", api_key]
         self.log = open(log_path or os.devnull, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
         self._wait_ready(timeout=180)
 
     @property

@@ -21,7 +21,7 @@ def _req(params: SamplingParams, prompt=(1,), output=(), rid="r") -> ScheduledRe
 def _draws(logits: list[float], params: SamplingParams, times: int = 300) -> set[int]:
     sampler = Sampler()
     batch = torch.tensor([logits] * times)
-    out = sampler(batch, [_req(params, rid=str(i)) for i in range(times)], {})
+    out = sampler(batch, [_req(params, rid=str(i)) for i in range(times)])
     return set(out.token_ids)
 
 
@@ -48,7 +48,7 @@ def test_greedy_tokens_is_torch_argmax_with_its_ties_infinities_and_nans(vocab):
 def test_draws_follow_the_distribution():
     sampler = Sampler()
     rows = 6000
-    out = sampler(torch.tensor([PROBS] * rows), [_req(SamplingParams(temperature=1.0), rid=str(i)) for i in range(rows)], {})
+    out = sampler(torch.tensor([PROBS] * rows), [_req(SamplingParams(temperature=1.0), rid=str(i)) for i in range(rows)])
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).float() / rows
     want = torch.tensor(PROBS).exp()
     assert (freq - want).abs().max() < 0.025, freq  # ~4 standard errors at p = 0.5
@@ -75,16 +75,16 @@ def test_greedy_with_logit_bias_and_allowed_tokens():
     logits = torch.tensor([PROBS, PROBS, PROBS])
     reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0, logit_bias={3: 100.0})),
             _req(SamplingParams(temperature=0, allowed_token_ids=[2, 5]))]
-    assert sampler(logits, reqs, {}).token_ids == [0, 3, 2]
+    assert sampler(logits, reqs).token_ids == [0, 3, 2]
 
 
 def test_min_tokens_bars_eos_and_stop_tokens():
     logits = torch.zeros(VOCAB)
     logits[2], logits[4], logits[5] = 10.0, 9.0, 8.0  # 2 is EOS, 4 a stop token
     params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[4])
-    out = Sampler()(logits[None].clone(), [_req(params, output=(7,))], {})
+    out = Sampler()(logits[None].clone(), [_req(params, output=(7,))])
     assert out.token_ids == [5]
-    out = Sampler()(logits[None].clone(), [_req(params, output=(7, 7, 7))], {})
+    out = Sampler()(logits[None].clone(), [_req(params, output=(7, 7, 7))])
     assert out.token_ids == [2]
 
 
@@ -147,3 +147,23 @@ def test_stop_strings_and_stop_tokens(llama_dir):
 def test_invalid_sampling_params_raise(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("seeds", [(-1, 2**63 - 1, 2**64 - 1, 2**64 + 2**32 - 1, 2**200 - 1)])
+def test_seeds_differing_above_32_bits_draw_differently(seeds):
+    """torch's CPU generator keeps a seed's low 32 bits: all of these once drew the same tokens."""
+    vocab = 4096
+    flat = torch.zeros(vocab).tolist()
+
+    def draws(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed)
+        rows = [_req(params, output=(5,) * i, rid=f"{seed}-{i}") for i in range(8)]  # output indices 0..7
+        return Sampler()(torch.tensor([flat] * len(rows)), rows).token_ids
+
+    sequences = [draws(seed) for seed in seeds]
+    assert len({tuple(s) for s in sequences}) == len(seeds)
+    assert draws(seeds[0]) == sequences[0]  # and the same seed draws the same again
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    assert _draws(PROBS, SamplingParams(temperature=1.0, top_k=2**40)) == {0, 1, 2, 3}

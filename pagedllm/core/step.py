@@ -53,3 +53,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> (index of the first prompt token covered, one entry per prompt token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+    def merge(self, other: ModelRunnerOutput) -> None:
+        """Take in another run's results for other requests (a step rerun request by request)."""
+        self.sampled_token_ids.update(other.sampled_token_ids)
+        self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pagedllm.config import EngineArgs
@@ -34,6 +34,18 @@ _IDLE_POLL_S = 0.1
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served any more."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no new request now (shutting down, or too many waiting): try again later."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (the others go on)."""
 
 
 @dataclass
@@ -72,8 +84,11 @@ class RequestStream:
 class AsyncLLM:
     engine: LLMEngine  # set by the engine thread, which loads it
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, max_waiting_requests: int | None = None) -> None:
         self.error: BaseException | None = None
+        self.max_waiting_requests = max_waiting_requests
+        self.draining = False  # shutting down: no new requests
+        self.on_dead: Callable[[], None] | None = None  # called on the event loop once the engine has died
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -87,8 +102,12 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
-        self.metrics = EngineMetrics(args.served_model_name or self.model_config.path)
+        self.metrics = EngineMetrics(args.served_name())
         self.stats: SchedulerStats = engine.stats()
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop the engine thread posts outputs (and its death) to."""
+        self._loop = loop
 
     @property
     def is_dead(self) -> bool:
@@ -99,9 +118,15 @@ class AsyncLLM:
         return self.engine.process_inputs(prompt, params)
 
     def add_request(self, request_id: str, processed: ProcessedRequest) -> RequestStream:
-        """Queue a validated request; raises EngineDeadError if the engine has stopped."""
+        """Queue a validated request; raises EngineDeadError if the engine has stopped, and
+        EngineUnavailableError while it drains for shutdown or when too many requests wait."""
         if self.is_dead:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        if self.draining:
+            raise EngineUnavailableError("the server is shutting down")
+        waiting = self.stats.num_waiting + self._commands.qsize()
+        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+            raise EngineUnavailableError(f"too many requests waiting ({waiting}): try again shortly", retry_after=1)
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -136,11 +161,28 @@ class AsyncLLM:
                 # The consumer keeps its own handle; forgetting it here means a stream nobody
                 # ever read (its client left before the first byte) leaves nothing behind.
                 del self._streams[output.request_id]
-            stream.queue.put_nowait(output)
+            stream.queue.put_nowait(output if output.error is None else RequestFailedError(output.error))
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(f"the engine has stopped: {error!r}"))
+        if self.on_dead is not None:
+            self.on_dead()
+
+    async def drain(self, grace_s: float) -> None:
+        """For shutdown: take no new request, give those in flight up to `grace_s` seconds to
+        finish, then end the rest (each stream gets an error as its last event)."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        if self._streams:
+            logger.info("Shutting down: waiting up to %.0f s for %d requests", grace_s, len(self._streams))
+        while self._streams and time.monotonic() < deadline and not self.is_dead:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            logger.warning("Shutting down: ending %d requests still running", len(self._streams))
+        for request_id, stream in list(self._streams.items()):
+            stream.queue.put_nowait(EngineUnavailableError("the server is shutting down"))
+            self.abort(request_id)
 
     def _fail_one(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

@@ -51,6 +51,7 @@ class BeamSearch:
             while any(g.live for g in groups):
                 while self.scheduler.has_unfinished_requests():
                     self.engine.step()
+                    self._raise_failures(groups)
                 for group in groups:
                     if group.live:
                         self._advance(group)
@@ -58,6 +59,14 @@ class BeamSearch:
             for group in groups:  # an error half-way still frees every beam
                 self._drop(group.live)
         return [self._output(g) for g in groups]
+
+    def _raise_failures(self, groups: list[_Group]) -> None:
+        for group in groups:
+            for beam in group.live:
+                error = self.engine.failed_requests.pop(beam.request_id, None)
+                if error is not None:
+                    group.live.remove(beam)  # the engine has ended it already
+                    raise RuntimeError(f"beam search failed: {error}") from error
 
     def _start(self, processed: ProcessedRequest) -> _Group:
         request_id = next(self._ids)

@@ -19,6 +19,8 @@ from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.layers.compile import compile_torch_paths
 from pagedllm.models.loader import load_model, load_model_config, load_tokenizer
@@ -59,6 +61,9 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len), kv)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.failed_requests: dict[str, Exception] = {}  # requests no output carries (beams) -> why
+        self.faults = FaultInjector.from_env()
+        self.model_runner.fault_hook = self.faults.in_execute
 
     def _num_kv_blocks(self) -> int:
         args = self.args
@@ -149,17 +154,61 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. A failure in the model runner ends only the requests it can be pinned on; any
+        other exception (the scheduler's or the output processor's state) is the caller's: the
+        engine cannot go on."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.scheduler.has_unfinished_requests():  # only paused requests hold the blocks
                 raise RuntimeError("no request can be scheduled: the KV cache is full of paused requests")
             return []
-        result = self.model_runner.execute(scheduler_output)
+        result, failures = self._execute(scheduler_output)
+        failed = [self._fail(request_id, error) for request_id, error in failures.items()]
+        self.faults.after_execute()
         updated = self.scheduler.update(scheduler_output, result)
         outputs, stopped = self.output_processor.process(updated, result)
         for request_id in stopped:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        return outputs + [o for o in failed if o is not None]
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
+        """The step's forward pass and sampling; if it raises, each request again on its own, so that
+        one request's failure (a kernel error on its rows, a bad parameter that got through) ends
+        that request and the others go on. Rerunning is safe: a request's K/V slots are written with
+        the same values, and nothing is sampled until a run succeeds."""
+        try:
+            return self.model_runner.execute(scheduler_output), {}
+        except Exception as exc:  # noqa: BLE001 - pinned on requests below
+            if len(scheduler_output.scheduled) == 1:
+                return ModelRunnerOutput(), {scheduler_output.scheduled[0].request_id: exc}
+            logger.warning("a step of %d requests failed (%r): running them one at a time",
+                           len(scheduler_output.scheduled), exc)
+        merged, failures = ModelRunnerOutput(), {}
+        # Block copies and finished ids ride with the first run that succeeds (copies are idempotent
+        # until a forward pass writes into their targets).
+        pending = dataclasses.replace(scheduler_output, scheduled=[])
+        for scheduled in scheduler_output.scheduled:
+            try:
+                part = self.model_runner.execute(dataclasses.replace(pending, scheduled=[scheduled]))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                failures[scheduled.request_id] = exc
+                continue
+            merged.merge(part)
+            pending = SchedulerOutput([])
+        return merged, failures
+
+    def _fail(self, scheduler_id: str, error: Exception) -> RequestOutput | None:
+        """End a request (all of its parallel samples) whose step failed; its output says why."""
+        logger.error("request %s failed: %r", scheduler_id, error)
+        parent_id = self.output_processor.parent_of.get(scheduler_id, scheduler_id)
+        if parent_id not in self.output_processor.parents:  # a beam: its driver reads the error
+            self.scheduler.finish_request(scheduler_id, RequestStatus.FINISHED_ABORTED)
+            self.failed_requests[scheduler_id] = error
+            return None
+        self.scheduler.finish_request(parent_id, RequestStatus.FINISHED_ABORTED)
+        for child_id in self.output_processor.child_ids(parent_id):
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.fail(parent_id, f"{type(error).__name__}: {error}")
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -83,6 +83,19 @@ class OutputProcessor:
         for cid in parent.samples if parent else ():
             self.parent_of.pop(cid, None)
 
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """The final output of a request that failed: every unfinished sample ends with "error"."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for sample in parent.samples.values():
+            if sample.finish_reason is None:
+                sample.finish_reason = "error"
+        output = self._output(parent)
+        if output is not None:
+            output.error = error
+        return output
+
     def process(self, updated: list[Request], result: ModelRunnerOutput) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to hand out and the scheduler ids that a stop string finished."""
         touched: dict[str, _Parent] = {}

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import MAX_BODY_BYTES, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,43 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=defaults.enable_prefix_caching, help="share KV blocks of common prompt prefixes")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
+def _positive(kind: type):
+    def parse(value: str):
+        number = kind(value)
+        if number <= 0:
+            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        return number
+    return parse
+
+
+def _origins(value: str) -> list[str]:
+    """Comma-separated, or a JSON list as vLLM takes it."""
+    if value.strip().startswith("["):
+        return [str(origin) for origin in json.loads(value)]
+    return [origin.strip() for origin in value.split(",") if origin.strip()]
+
+
+def add_server_limits(parser: argparse.ArgumentParser) -> None:
+    """What one client may ask of the server, and how it stops."""
+    parser.add_argument("--max-request-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,
+                        help="larger bodies get 413, counted as they arrive")
+    parser.add_argument("--max-waiting-requests", type=_positive(int), default=1024,
+                        help="past this many requests waiting to start, new ones get 503 with Retry-After")
+    parser.add_argument("--request-timeout", type=_positive(float), default=None,
+                        help="seconds a request may take from admission to its last token (default: no limit)")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="on SIGTERM, seconds in-flight requests get to finish before they are ended")
+    parser.add_argument("--allowed-origins", type=_origins, default=[],
+                        help="CORS origins allowed (comma-separated or a JSON list); CORS is off without it")
 
 
 def engine_args(ns: argparse.Namespace) -> dict:
@@ -49,12 +87,14 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.entrypoints.openai.api_server import ServerLimits, run_server
 
     args = engine_args(ns)
     args["model"] = ns.model_path or ns.model
-    run_server(EngineArgs(**args), ns.host, ns.port, ns.api_key, ns.chat_template)
-    return 0
+    limits = ServerLimits(max_body_bytes=ns.max_request_body_bytes, request_timeout=ns.request_timeout,
+                          allowed_origins=ns.allowed_origins)
+    return run_server(EngineArgs(**args), ns.host, ns.port, ns.api_key, ns.chat_template, limits,
+                      ns.max_waiting_requests, ns.shutdown_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("model_path", nargs="?", default=None, help="HF folder or .gguf file (default model if left out)")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGEDLLM_API_KEY)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    add_server_limits(serve)
     gen = commands.add_parser("generate", help="complete prompts offline and print the text")
     gen.add_argument("prompts", nargs="+")
     add_engine_args(gen)

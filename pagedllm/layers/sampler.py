@@ -3,10 +3,11 @@
 Order, as vLLM applies it: logprobs are taken from the raw logits; then allowed tokens and logit
 bias, min_tokens, penalties; greedy rows take the argmax; the rest are scaled by temperature,
 cut by top-k, top-p and min-p, and drawn by inverting their cumulative distribution at a uniform
-number, which seeded rows take from their own generator.
+number, which seeded rows derive from their seed and the token's index.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest],
-                 generators: dict[str, torch.Generator]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> SamplerOutput:
         """Changes `logits` in place (fresh from the model each step: a copy would cost ~2 ms
         a step at batch 200)."""
         raw_logprobs = _logprobs_wanted(logits, requests)
@@ -35,7 +35,7 @@ class Sampler:
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             picked = [requests[i] for i in random_rows]
-            tokens[rows] = sample_random(logits[rows], picked, generators)
+            tokens[rows] = sample_random(logits[rows], picked)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, gather_logprobs(raw_logprobs, token_list, requests))
 
@@ -112,10 +112,9 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
-def sample_random(logits: torch.Tensor, requests: list[ScheduledRequest],
-                  generators: dict[str, torch.Generator]) -> torch.Tensor:
+def sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
     """One draw per row by inverting its cumulative distribution: one uniform number a row (from
-    the request's own generator when seeded), where an exponential race would draw one per
+    the request's seed when it has one), where an exponential race would draw one per
     vocabulary entry (30 ms a step at 64 x 32000 on this CPU, against about 1 ms)."""
     device = logits.device
     temperature = torch.tensor([r.sampling_params.temperature for r in requests], device=device)[:, None]
@@ -123,12 +122,21 @@ def sample_random(logits: torch.Tensor, requests: list[ScheduledRequest],
     cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
     u = torch.rand(len(requests), 1, device=device)
     for i, r in enumerate(requests):
-        generator = generators.get(r.request_id)
-        if generator is not None:
-            u[i] = torch.rand(1, generator=generator, device=device)
+        if r.sampling_params.seed is not None:
+            u[i] = seeded_uniform(r.sampling_params.seed, r.num_output_tokens)
     # The first token whose cumulative probability passes u; tokens of probability 0 never do.
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
     return tokens.clamp_(max=logits.shape[1] - 1)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """A uniform number in [0, 1) from the whole seed (any size) and the output token's index.
+
+    A hash rather than a seeded torch.Generator: that one keeps only the low 32 bits of a seed
+    (so -1, 2**63 - 1 and 2**64 - 1 drew the same tokens), overflows past 64 bits, and has state
+    that a step retried or a request recomputed after preemption would have to rewind."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53  # 53 bits: every double in [0, 1) reachable
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
@@ -142,7 +150,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, requests: list[ScheduledReques
         return logits
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)[:, None]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)[:, None]
     ranks = torch.arange(vocab, device=device)[None, :]
     cut = ranks >= top_k
     top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]

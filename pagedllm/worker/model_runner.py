@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -32,14 +33,14 @@ class ModelRunner:
                            torch.zeros(shape, dtype=model_config.dtype, device=self.device))
                           for _ in range(hf.num_hidden_layers)]
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests' injected faults
         if self.device.type == "cpu":
             cpu_ops()  # build (or load) the kernels now, not inside the first request's time
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in output.finished_request_ids:
-            self.generators.pop(request_id, None)
+        if self.fault_hook is not None:
+            self.fault_hook(output)
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self._prepare(output.scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -99,11 +100,7 @@ class ModelRunner:
             return
         ends = meta.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[ends[rows]])
-        for r in samplers:
-            seed = r.sampling_params.seed
-            if seed is not None and r.request_id not in self.generators:
-                self.generators[r.request_id] = torch.Generator(self.device).manual_seed(seed)
-        sampled = self.sampler(logits, samplers, self.generators)
+        sampled = self.sampler(logits, samplers)
         for r, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
             result.sampled_token_ids[r.request_id] = token
             if logprobs is not None:

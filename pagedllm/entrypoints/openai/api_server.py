@@ -5,37 +5,52 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.config import EngineArgs
+from pagedllm.config import MAX_BODY_BYTES, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest, error_response)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving import api_error, off_loop
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("pagedllm")
-MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class ServerLimits:
+    """What one client may ask of the server (flags of `pagedllm serve`)."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    request_timeout: float | None = None  # seconds from admission to the last token
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: none unless asked
 
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
-              chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              chat_template: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        engine.bind_loop(asyncio.get_running_loop())
         yield
         engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    completions = OpenAIServingCompletion(engine, model_name)
-    chat = OpenAIServingChat(engine, model_name, chat_template)
-    _install_guards(app, api_key, max_body_bytes)
+    completions = OpenAIServingCompletion(engine, model_name, limits.request_timeout)
+    chat = OpenAIServingChat(engine, model_name, chat_template, limits.request_timeout)
+    _install_guards(app, api_key, limits)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request):
@@ -55,6 +70,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     async def health():
         if engine.is_dead:
             return error_response(APIError("the engine has stopped", 503, "service_unavailable"))
+        if engine.draining:
+            return error_response(APIError("the server is shutting down", 503, "service_unavailable"))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -67,9 +84,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = chat.prompt_ids(body.messages, body.add_generation_prompt)
+            tokens = await chat.prompt_ids(body.messages, body.add_generation_prompt)
         else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await off_loop(partial(engine.tokenizer.encode, add_special_tokens=body.add_special_tokens),
+                                    body.prompt)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -87,33 +105,56 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     return app
 
 
-def _install_guards(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
-    """Auth, body size and the error shapes: every failure answers in OpenAI's format."""
+def _install_guards(app: FastAPI, api_key: str | None, limits: ServerLimits) -> None:
+    """Auth, body size, CORS and the error shapes: every failure answers in OpenAI's format."""
 
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    if limits.allowed_origins:  # added last, so it runs first: preflights need no API key
+        app.add_middleware(CORSMiddleware, allow_origins=limits.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError):
+    async def api_error_(_: Request, exc: APIError):
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(part) for part in first.get("loc", ())[1:])
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-                            for e in errors[:3])
-        return error_response(APIError(message or "invalid request", param=where or None))
+        return error_response(_validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(str(exc.detail), exc.status_code, kind))
 
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception):  # a bug: still an answer in OpenAI's shape
+        logger.exception("unhandled error in a request")
+        return error_response(api_error(exc))
+
+
+def _validation_error(errors: list[dict]) -> APIError:
+    """pydantic's errors as one 400: the first field at fault is the param."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # its loc holds a byte offset, not a field
+        position = first.get("loc", ("body", "?"))[-1]
+        return APIError(f"the body is not valid JSON (at byte {position}: {first.get('ctx', {}).get('error')})",
+                        code="invalid_json")
+    where = ".".join(str(part) for part in first.get("loc", ())[1:])
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
+                        for e in errors[:3])
+    return APIError(message or "invalid request", param=where or None)
+
+
+# Routes that answer without an API key, as in vLLM: probes and scrapers hold no key.
+_OPEN_PATHS = ("/health", "/metrics", "/version")
+
 
 class _Guard:
     """Checks the API key and the body size before a request reaches a route. Plain ASGI, not
-    Starlette's BaseHTTPMiddleware, which costs a task and a memory stream per streamed chunk."""
+    Starlette's BaseHTTPMiddleware, which costs a task and a memory stream per streamed chunk.
+
+    The body is counted as it arrives (a chunked body has no Content-Length to check up front)
+    and handed on to the route from memory."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -121,20 +162,51 @@ class _Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             refusal = self._refusal(Request(scope))
+            if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                messages, refusal = await self._read_body(receive)
+                receive = _replay(messages, receive)
             if refusal is not None:
                 await error_response(refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
     def _refusal(self, request: Request) -> APIError | None:
-        if self.api_key is not None and request.url.path.startswith("/v1"):
+        if self.api_key is not None and request.url.path not in _OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return APIError("Invalid API key", 401, "authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            return APIError(f"request body larger than {self.max_body_bytes} bytes", 413, code="request_too_large")
+            return self._too_large()
         return None
+
+    async def _read_body(self, receive) -> tuple[list[dict], APIError | None]:
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages, None  # the client left: the route sees it go
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return [], self._too_large()
+            if not message.get("more_body", False):
+                return messages, None
+
+    def _too_large(self) -> APIError:
+        return APIError(f"request body larger than {self.max_body_bytes} bytes", 413, code="request_too_large")
+
+
+def _replay(messages: list[dict], receive):
+    """A receive() that gives the buffered body first (as one message), then the connection's own."""
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+    pending = [{"type": "http.request", "body": body, "more_body": False}] if messages else []
+    pending += [m for m in messages if m["type"] != "http.request"]
+
+    async def replay() -> dict:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
 
 
 async def _until_disconnect(request: Request, handler):
@@ -154,14 +226,61 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def run_server(args: EngineArgs, host: str, port: int, api_key: str | None, chat_template_file: str | None) -> None:
+class _Server(uvicorn.Server):
+    """uvicorn's server, with a drain before its shutdown (SIGTERM: in-flight requests finish within
+    `grace_s`, new ones get 503) and a non-zero exit when the engine has died."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace_s = engine, grace_s
+        self.exit_code = 0
+        engine.on_dead = self._engine_died
+
+    def _engine_died(self) -> None:
+        logger.error("the engine has died: shutting the server down")
+        self.exit_code = 1
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        await self.engine.drain(0.0 if self.engine.is_dead else self.grace_s)
+        await super().shutdown(sockets)
+        # uvicorn re-raises a caught SIGTERM once done, which would end the process by the
+        # signal; a drained server has shut down as asked and exits with its own code.
+        self._captured_signals.clear()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a taken port fails in a second, not after it."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a TCP port (0-65535)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(args: EngineArgs, host: str, port: int, api_key: str | None, chat_template_file: str | None,
+               limits: ServerLimits | None = None, max_waiting_requests: int | None = None,
+               shutdown_timeout: float = 10.0) -> int:
+    """Serve until stopped; returns the process's exit code (non-zero if the engine died)."""
     chat_template = None
     if chat_template_file:
         with open(chat_template_file) as f:
             chat_template = f.read()
     api_key = api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    engine = AsyncLLM(args)
-    name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
-    app = build_app(engine, name, api_key, chat_template)
+    sock = bind_socket(host, port)
+    engine = AsyncLLM(args, max_waiting_requests=max_waiting_requests)
+    name = args.served_name()
+    app = build_app(engine, name, api_key, chat_template, limits)
     logger.info("Serving %s (max_model_len %d) at http://%s:%d/v1", name, engine.max_model_len, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+    server = _Server(config, engine, shutdown_timeout)
+    server.run(sockets=[sock])
+    return server.exit_code

@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, EngineUnavailableError, RequestFailedError,
+                                       RequestStream)
 from pagedllm.engine.llm_engine import ProcessedRequest
 from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.outputs import Logprob, RequestOutput
@@ -27,6 +32,38 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class RequestTimeoutError(TimeoutError):
+    pass
+
+
+def api_error(exc: BaseException) -> APIError:
+    """Any exception a request ends with, as the OpenAI-shaped error its client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineUnavailableError):
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        return APIError(str(exc), 503, "service_unavailable", headers=headers)
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 503, "service_unavailable")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(str(exc), 504, "timeout_error", code="request_timeout")
+    if isinstance(exc, RequestFailedError):
+        return APIError(f"the request failed in the engine: {exc}", 500, "internal_server_error")
+    if isinstance(exc, ValueError):
+        return APIError(str(exc))
+    return APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "internal_server_error")
+
+
+T = TypeVar("T")
+# Tokenizing a long prompt or rendering a chat template takes seconds; on the event loop it would
+# stall every client (health checks included) for that long.
+_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedllm-tokenize")
+
+
+async def off_loop(fn: Callable[..., T], *args) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
+
+
 @dataclass
 class Choice:
     """One choice's output, accumulated from deltas."""
@@ -38,23 +75,24 @@ class Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, request_timeout: float | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.request_timeout = request_timeout  # seconds from admission to the last token, or None
         self.defaults = engine.engine.default_sampling_params()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def admit(self, prompts: list[str | list[int]], params: SamplingParams, requested_max_tokens: int | None,
-              cache_salt: str | None = None) -> list[ProcessedRequest]:
-        """Tokenize and validate every prompt before any is queued."""
+    async def admit(self, prompts: list[str | list[int]], params: SamplingParams, requested_max_tokens: int | None,
+                    cache_salt: str | None = None) -> list[ProcessedRequest]:
+        """Tokenize (off the event loop) and validate every prompt before any is queued."""
         limit = self.engine.max_model_len
         processed = []
         for prompt in prompts:
             try:
-                item = self.engine.process_inputs(prompt, params)
+                item = await off_loop(self.engine.process_inputs, prompt, params)
                 item.cache_salt = cache_salt
             except ValueError as exc:
                 raise APIError(str(exc), param="prompt") from exc
@@ -68,23 +106,36 @@ class OpenAIServing:
         return processed
 
     def start(self, request_id: str, processed: list[ProcessedRequest]) -> list[RequestStream]:
+        streams: list[RequestStream] = []
         try:
-            return [self.engine.add_request(f"{request_id}-{i}", p) for i, p in enumerate(processed)]
-        except EngineDeadError as exc:
-            raise APIError(str(exc), status=503, type_="service_unavailable") from exc
+            for i, p in enumerate(processed):
+                streams.append(self.engine.add_request(f"{request_id}-{i}", p))
+        except (EngineDeadError, EngineUnavailableError) as exc:
+            for request_stream in streams:  # all of a request's prompts, or none
+                request_stream.close()
+            raise api_error(exc) from exc
+        return streams
 
     async def respond(self, stream: bool, run: Run, streams: list[RequestStream]):
         """SSE as the outputs come, or one JSON body once they are all in."""
+        outputs = merge(streams)
+        if self.request_timeout is not None:
+            outputs = with_deadline(outputs, self.request_timeout)
         if stream:
-            return StreamingResponse(run.stream(merge(streams)), media_type="text/event-stream")
+            return StreamingResponse(run.stream(outputs), media_type="text/event-stream")
         try:
-            return JSONResponse(await run.collect(merge(streams)))
+            return JSONResponse(await run.collect(outputs))
+        except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
+            raise api_error(exc) from exc
         finally:  # cancelled (client gone) before the outputs were read: abort what still runs
             for request_stream in streams:
                 request_stream.close()
 
     def logprob_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return token_bytes(self.engine.tokenizer, token_id)
 
     @staticmethod
     def created() -> int:
@@ -105,6 +156,24 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
     finally:
         for stream in streams:
             stream.close()
+
+
+async def with_deadline(outputs: AsyncIterator[T], seconds: float) -> AsyncIterator[T]:
+    """The outputs, until `seconds` have passed; then RequestTimeoutError (which, through `merge`,
+    aborts the requests still running)."""
+    deadline = time.monotonic() + seconds
+    iterator = aiter(outputs)
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(anext(iterator), deadline - time.monotonic())
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError(f"the request did not finish within {seconds:g} s") from None
+            yield item
+    finally:
+        await iterator.aclose()
 
 
 async def _interleave(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -151,8 +220,8 @@ class Run:
                 yield sse(chunk)
             if self.request.include_usage:
                 yield sse(self.chunk([], usage(self.num_prompt_tokens, self.completion_tokens)))
-        except APIError as exc:
-            yield sse(exc.body())
+        except Exception as exc:  # noqa: BLE001 - the engine, the deadline or shutdown ended it: say so last
+            yield sse(api_error(exc).body())
         yield sse("[DONE]")
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
@@ -175,6 +244,32 @@ def accumulate(choices: dict[int, Choice], index: int, output) -> Choice:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """A token's own bytes. Decoded alone, a token holding part of a UTF-8 character reads as
+    U+FFFD; OpenAI's `bytes` field exists so that clients can join such pieces back together."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback
+        return bytes([int(piece[3:5], 16)])
+    table = _byte_level_table()
+    if all(char in table for char in piece):  # byte-level BPE: one character per byte
+        return bytes(table[char] for char in piece)
+    return text.encode("utf-8")
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet, character -> byte: bytes that print stand for themselves, the others
+    (controls, space, a few Latin-1 ones) take the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
 
 
 def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

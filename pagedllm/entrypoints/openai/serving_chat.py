@@ -6,17 +6,22 @@ from collections.abc import AsyncIterator
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, new_id,
+from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, new_id, off_loop,
                                                  top_entries, usage)
 from pagedllm.outputs import Logprob
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None) -> None:
-        super().__init__(engine, model_name)
+    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None,
+                 request_timeout: float | None = None) -> None:
+        super().__init__(engine, model_name, request_timeout)
         self.chat_template = chat_template
 
-    def prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """The conversation's prompt token ids, rendered and tokenized off the event loop."""
+        return await off_loop(self._prompt_ids, messages, add_generation_prompt)
+
+    def _prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         try:
             return apply_chat_template(self.engine.tokenizer, [m.as_template_input() for m in messages],
                                        self.chat_template, add_generation_prompt)
@@ -27,13 +32,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest):
         self.check_model(request.model)
-        prompt = self.prompt_ids(request.messages, request.add_generation_prompt)
         max_tokens = request.max_completion_tokens or request.max_tokens
         top = request.top_logprobs if request.logprobs else None
         if request.logprobs and top is None:
             top = 0
         params = request.sampling_params(self.defaults, max_tokens, top, None)
-        processed = self.admit([prompt], params, max_tokens, request.cache_salt)
+        prompt = await self.prompt_ids(request.messages, request.add_generation_prompt)
+        processed = await self.admit([prompt], params, max_tokens, request.cache_salt)
         request_id = new_id("chatcmpl")
         streams = self.start(request_id, processed)
         run = _Run(self, request, request_id, len(prompt))
@@ -79,7 +84,7 @@ class _Run(Run):
 
         def item(token: int, logprob: float) -> dict:
             text = decode(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": logprob, "bytes": list(self.serving.token_bytes(token))}
 
         return {"content": [{**item(t, entry[t].logprob),
                              "top_logprobs": [item(tok, lp.logprob) for tok, lp in top_entries(entry, k)]}

@@ -19,7 +19,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _prompt_list(request.prompt)
         echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs, echo_logprobs)
-        processed = self.admit(prompts, params, request.max_tokens, request.cache_salt)
+        processed = await self.admit(prompts, params, request.max_tokens, request.cache_salt)
         request_id = new_id("cmpl")
         streams = self.start(request_id, processed)
         prompt_texts = [p.prompt if p.prompt is not None else self.engine.tokenizer.decode(p.prompt_token_ids)
