@@ -189,3 +189,30 @@ def _wait_for(condition, timeout: float = 60) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("condition not met in time")
+
+
+def test_clients_that_send_slowly_or_never_read_cannot_hold_the_engine(llama_dir):
+    server = Server(llama_dir, *COMMON)
+    try:
+        host, port = "127.0.0.1", server.port
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                           "stream": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        # One client stops half-way through its body; another asks for a long stream and never reads it.
+        stalled = socket.create_connection((host, port))
+        stalled.sendall(head + body[: len(body) // 2])
+        deaf = socket.create_connection((host, port))
+        deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        deaf.sendall(head + body)
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for i in range(3):
+                assert _complete(client, f"meanwhile {i}").status_code == 200
+            # The unread stream is generated to its end (its chunks wait in buffers): nothing stays running.
+            _wait_for(lambda: _gauge(client.get("/metrics").text, "num_requests_running") == 0
+                      and _gauge(client.get("/metrics").text, "num_requests_waiting") == 0)
+            assert client.get("/health").status_code == 200
+        stalled.close()
+        deaf.close()
+    finally:
+        server.stop()
