@@ -121,6 +121,13 @@ def test_auth_unknown_route_and_oversized_body(server, http):
     assert _post(http, "/v1/completions", GOOD).status_code == 200
 
 
+def test_cors_is_off_by_default(server):
+    headers = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    response = httpx.options(f"{server.url}/v1/completions", headers=headers)
+    assert "access-control-allow-origin" not in response.headers
+    assert "access-control-allow-origin" not in httpx.get(f"{server.url}/health", headers=headers).headers
+
+
 def test_a_chunked_body_is_counted_as_it_arrives(http):
     """No Content-Length to check up front: the limit holds anyway (before, 50 MB were read, parsed
     and tokenized for about a minute)."""

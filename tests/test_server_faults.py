@@ -34,7 +34,8 @@ def _sse(client: httpx.Client, body: dict, path: str = "/v1/completions") -> lis
 
 @pytest.fixture(scope="module")
 def faulty(llama_dir):
-    server = Server(llama_dir, *COMMON, env={"PAGEDLLM_FAULT": f"token:{FAULT_TOKEN}"})
+    server = Server(llama_dir, *COMMON, "--allowed-origins", "http://app.example",
+                    env={"PAGEDLLM_FAULT": f"token:{FAULT_TOKEN}"})
     yield server
     server.stop()
 
@@ -67,6 +68,14 @@ def test_a_failing_request_ends_alone_and_the_others_go_on(faulty):
         assert _complete(client, good[0]).json()["choices"][0]["text"] == alone[0]
         metrics = client.get("/metrics").text
         assert "pagedllm:num_requests_running{" in metrics and 'pagedllm:num_requests_running{model_name="' in metrics
+
+
+def test_cors_only_for_the_allowed_origins(faulty):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    allowed = httpx.options(f"{faulty.url}/v1/completions", headers={"Origin": "http://app.example", **preflight})
+    assert allowed.headers.get("access-control-allow-origin") == "http://app.example"
+    other = httpx.options(f"{faulty.url}/v1/completions", headers={"Origin": "http://evil.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
 
 
 def test_an_engine_that_cannot_go_on_fails_its_requests_and_the_process_exits(llama_dir):
