@@ -29,6 +29,17 @@ def reference(llama_dir):
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
 
 
+def test_prompt_logprobs_are_whole_when_the_prefix_is_cached(llama_dir):
+    """Cached blocks hold K/V, not logits: a request asking for prompt logprobs computes its prompt."""
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", block_size=BS)
+    prompt = _prompts()[0]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    first, again = (llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0] for _ in range(2))
+    assert first.prompt_logprobs[0] is None and all(e is not None for e in again.prompt_logprobs[1:])
+    assert [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in again.prompt_logprobs[1:]] == \
+           [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in first.prompt_logprobs[1:]]
+
+
 def test_prefix_caching_keeps_greedy_output(llama_dir, reference):
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", block_size=BS)
     prompts = _prompts()

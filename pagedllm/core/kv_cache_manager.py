@@ -39,8 +39,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks holding the start of a request that has none yet.
 
-        The last token is always left to compute, so that the first sampled token has logits."""
-        if not self.enable_prefix_caching or request.num_computed_tokens or self.req_blocks.get(request.request_id):
+        The last token is always left to compute, so that the first sampled token has logits. A
+        request that asks for prompt logprobs computes its whole prompt (as in vLLM): cached blocks
+        hold K/V, not the logits of the positions they cover."""
+        if (not self.enable_prefix_caching or request.num_computed_tokens or self.req_blocks.get(request.request_id)
+                or request.sampling_params.prompt_logprobs is not None):
             return []
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
         hits = []
