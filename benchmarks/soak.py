@@ -1,0 +1,674 @@
+"""Soak test of the real server: many mixed requests at once, clients leaving, KV too small.
+
+    .venv/bin/python benchmarks/soak.py                      # 1,000 requests, default model
+
+A quick run (half a minute) on a tiny random model, whose KV is so small that it needs its own
+budget to preempt:
+
+    .venv/bin/python benchmarks/make_model.py --out /tmp/tiny --hidden-size 64 --num-layers 2 \
+        --num-heads 4 --num-kv-heads 2 --intermediate-size 128 --vocab-size 49152 --dtype float32
+    .venv/bin/python benchmarks/soak.py --model /tmp/tiny --requests 100 --kv-cache-memory 1MiB \
+        --rss-interval 0.1
+
+It starts `pagedllm serve` (stdout and stderr to --log), sends --requests requests, --concurrency
+at a time, and stops the server (SIGTERM, then SIGKILL after --shutdown-wait s). The workload is
+drawn from --seed, so a rerun sends the same requests:
+
+- /v1/completions or /v1/chat/completions (half each), streamed or not (half each), n = 1 or 2;
+- greedy (temperature 0) or sampled (temperature 0.8, top_p 0.95, a seed half the time);
+- short prompts (a few words) or long ones (--long-words words, a shared preamble half the time,
+  so that prefix caching shares blocks under preemption), max_tokens in --max-tokens;
+- ignore_eos on most, so that every kept request's length is known in advance;
+- --drop-fraction of the streams close their connection after a random number of chunks.
+
+The KV budget (--kv-cache-memory) is far below what --concurrency requests hold, so the
+scheduler must preempt; the preemption counter has to grow, or the run proves nothing.
+
+Checks (any failing makes the exit status 1):
+- no 5xx, no other error status, no transport error, no error event inside a stream;
+- no hang: every request answers within --timeout s;
+- every kept request (not dropped) complete: [DONE] or a full body, n choices each with a finish
+  reason, "length" and n * max_tokens completion tokens where ignore_eos was set;
+- afterwards, within --idle-wait s, zero requests running or waiting, and KV usage back at the
+  value it had before the soak (0: blocks that only hold cached prefixes count as free);
+- greedy output equals the same request sent alone: up to --replay greedy kept requests (spread
+  over endpoint, streaming, n and prompt length) are resent one at a time, non-streaming, after
+  the soak; text per choice, finish reasons and completion tokens must match (streamed text is
+  the deltas joined). Where `auto` picks bf16 (a CPU with AVX512-BF16), a batch of 48 and a
+  request alone round differently, and where two candidates sit within bf16's rounding the greedy
+  pick can flip: a differing request is then resent once more with top-5 logprobs, and the
+  difference passes only where, at its first differing token, the soak's pick is within
+  --tie-margin nats (0.3, tests/test_bf16_oracle.py's EPS) of the alone run's best, with the same
+  token count. --strict-greedy fails any difference; with --extra-server-args "--dtype float32"
+  (where the engine's batch invariance is exact and tested) it is the strict form of this check;
+- resident memory flat over the second half: the server's RSS is sampled every --rss-interval s
+  (1; at least 10 samples are needed); growth = median of the last 10% of samples / median of
+  the 10% around the run's midpoint - 1 < 5%;
+- the server exits 0 on SIGTERM, and its log holds no Traceback or ERROR line.
+
+--timeout must suit the machine: with 48 requests in flight, a request's latency is about 48 /
+(requests/s). On the project's 2-core machine (shared) the default run took 4-5 minutes in bf16;
+with --extra-server-args "--dtype float32" 2.5x longer, and it needs --timeout 300.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+
+WORDS = ("the of and to in is was for on that with as by at from his her they this which have are not but had "
+         "one all were when there been their more time would about out who what into some them other than then "
+         "only its over also new after first two most may well such way even many year old work world life day "
+         "back long great little house water light river stone city road field garden window morning evening "
+         "winter summer music story paper letter market bridge forest mountain island village ship train "
+         "people child friend teacher doctor farmer king queen horse bird tree flower apple bread cheese").split()
+TOPICS = ("rivers", "bridges", "winter", "markets", "trains", "gardens", "music", "islands", "bread", "letters")
+PREAMBLE_WORDS = 64  # the shared start of half the long prompts: four 16-token blocks and more
+
+
+@dataclass
+class Spec:
+    """One request of the workload, as drawn from the seed."""
+    index: int
+    chat: bool
+    stream: bool
+    n: int
+    greedy: bool
+    long: bool
+    max_tokens: int
+    ignore_eos: bool
+    seed: int | None
+    drop_after: int | None  # streams only: chunks read before the client closes the connection
+    prompt: str
+
+    def body(self, stream: bool | None = None) -> dict:
+        stream = self.stream if stream is None else stream
+        body: dict = {"max_tokens": self.max_tokens, "n": self.n, "stream": stream, "ignore_eos": self.ignore_eos,
+                      "temperature": 0.0 if self.greedy else 0.8}
+        if not self.greedy:
+            body["top_p"] = 0.95
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            body["prompt"] = self.prompt
+        return body
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+
+@dataclass
+class Result:
+    """What came back for one request."""
+    spec: Spec
+    status: int | None = None
+    texts: dict[int, str] = field(default_factory=dict)
+    finish: dict[int, str | None] = field(default_factory=dict)
+    completion_tokens: int | None = None
+    done: bool = False  # [DONE] seen, or the whole body read
+    dropped: bool = False  # the client left mid-stream, as planned
+    hang: bool = False
+    error: str | None = None  # error status body, stream error event, or transport failure
+    seconds: float = 0.0
+
+
+# -- the workload --------------------------------------------------------------------------------
+def make_prompt(rng: random.Random, long: bool, long_words: tuple[int, int], preamble: list[str]) -> str:
+    if not long:
+        return f"Tell me about {rng.choice(TOPICS)} and {rng.choice(WORDS)}"
+    words = [rng.choice(WORDS) for _ in range(rng.randint(*long_words))]
+    if rng.random() < 0.5:
+        words[:PREAMBLE_WORDS] = preamble
+    return " ".join(words).capitalize() + "."
+
+
+def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble: list[str]) -> Spec:
+    stream = rng.random() < 0.5
+    greedy = rng.random() < 0.5
+    long = rng.random() < args.long_fraction
+    max_tokens = rng.randint(*args.max_tokens)
+    drop = stream and rng.random() < args.drop_fraction
+    return Spec(index=index, chat=rng.random() < 0.5, stream=stream, n=2 if rng.random() < args.n2_fraction else 1,
+                greedy=greedy, long=long, max_tokens=max_tokens, ignore_eos=rng.random() < 0.8,
+                seed=rng.randrange(2**31) if not greedy and rng.random() < 0.5 else None,
+                # from 2 on, so that a chat stream is past its role chunk, into the tokens
+                drop_after=rng.randint(2, max(2, max_tokens // 2)) if drop else None,
+                prompt=make_prompt(rng, long, args.long_words, preamble))
+
+
+def make_workload(args: argparse.Namespace) -> list[Spec]:
+    rng = random.Random(args.seed)
+    preamble = [rng.choice(WORDS) for _ in range(PREAMBLE_WORDS)]
+    return [make_spec(i, rng, args, preamble) for i in range(args.requests)]
+
+
+# -- one request ---------------------------------------------------------------------------------
+def take_choice(result: Result, choice: dict, chat: bool) -> None:
+    """Add one choice (a whole one, or a stream delta) to what the result holds."""
+    index = choice["index"]
+    if chat:
+        text = (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+    else:
+        text = choice.get("text") or ""
+    result.texts[index] = result.texts.get(index, "") + text
+    if choice.get("finish_reason") is not None or index not in result.finish:
+        result.finish[index] = choice.get("finish_reason")
+
+
+async def plain(client: httpx.AsyncClient, spec: Spec, body: dict, result: Result) -> None:
+    response = await client.post(spec.path, json=body)
+    result.status = response.status_code
+    if response.status_code != 200:
+        result.error = response.text[:500]
+        return
+    payload = response.json()
+    for choice in payload["choices"]:
+        take_choice(result, choice, spec.chat)
+    result.completion_tokens = payload["usage"]["completion_tokens"]
+    result.done = True
+
+
+async def streamed(client: httpx.AsyncClient, spec: Spec, body: dict, result: Result) -> None:
+    async with client.stream("POST", spec.path, json=body) as response:
+        result.status = response.status_code
+        if response.status_code != 200:
+            result.error = (await response.aread()).decode(errors="replace")[:500]
+            return
+        chunks = 0
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result.done = True
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                result.error = json.dumps(chunk)[:500]
+                continue
+            for choice in chunk["choices"]:
+                take_choice(result, choice, spec.chat)
+            if chunk.get("usage"):
+                result.completion_tokens = chunk["usage"]["completion_tokens"]
+            chunks += 1
+            if spec.drop_after is not None and chunks >= spec.drop_after:
+                result.dropped = True  # leaving the `async with` closes the connection mid-stream
+                return
+
+
+async def send(client: httpx.AsyncClient, spec: Spec, timeout: float, stream: bool | None = None) -> Result:
+    """One request (streamed as its spec says, unless `stream` is given); one that takes longer than
+    `timeout` s is a hang."""
+    result = Result(spec)
+    body = spec.body(stream)
+    start = time.monotonic()
+    try:
+        exchange = streamed(client, spec, body, result) if body["stream"] else plain(client, spec, body, result)
+        await asyncio.wait_for(exchange, timeout)
+    except asyncio.TimeoutError:
+        result.hang = True
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        result.error = f"client side: {type(exc).__name__}: {exc}"
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def incomplete(result: Result) -> str | None:
+    """Why a kept request is not complete, or None."""
+    spec = result.spec
+    if result.hang:
+        return "hang"
+    if result.status != 200 or result.error:
+        return f"status {result.status}: {result.error}"
+    if not result.done:
+        return "no [DONE]"
+    if sorted(result.finish) != list(range(spec.n)) or None in result.finish.values():
+        return f"choices/finish reasons {result.finish}"
+    if spec.ignore_eos and set(result.finish.values()) != {"length"}:
+        return f"finish reasons {result.finish} with ignore_eos"
+    if result.completion_tokens is None:
+        return "no usage"
+    if spec.ignore_eos and result.completion_tokens != spec.n * spec.max_tokens:
+        return f"{result.completion_tokens} completion tokens, expected {spec.n * spec.max_tokens}"
+    return None
+
+
+# -- the soak and the greedy replay --------------------------------------------------------------
+async def soak(client: httpx.AsyncClient, specs: list[Spec], concurrency: int, timeout: float) -> list[Result]:
+    """Workers take the next request as soon as their last one ends: `concurrency` always in flight."""
+    results: list[Result | None] = [None] * len(specs)
+    pending = iter(specs)
+
+    async def worker() -> None:
+        for spec in pending:  # a shared iterator: each spec is taken by one worker, once
+            results[spec.index] = await send(client, spec, timeout)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return [r for r in results if r is not None]
+
+
+def pick_replays(results: list[Result], count: int, seed: int) -> list[Result]:
+    """Up to `count` greedy kept requests, taken in turn from each (endpoint, stream, n, long) group."""
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        if r.spec.greedy and not r.dropped and incomplete(r) is None:
+            s = r.spec
+            groups.setdefault((s.chat, s.stream, s.n, s.long), []).append(r)
+    rng = random.Random(seed)
+    for members in groups.values():
+        rng.shuffle(members)
+    picked: list[Result] = []
+    for round_ in range(count):
+        picked += [members[round_] for _, members in sorted(groups.items()) if round_ < len(members)]
+        if len(picked) >= count or all(round_ >= len(m) for m in groups.values()):
+            break
+    return picked[:count]
+
+
+def outputs(result: Result) -> tuple:
+    return result.texts, result.finish, result.completion_tokens
+
+
+async def replay(client: httpx.AsyncClient, picked: list[Result], timeout: float) -> tuple[int, list[dict]]:
+    """Each picked request again, alone and non-streaming: how many answered, and the ones whose
+    output differs, each with the gap (see `flip_gap`) at its first difference per choice."""
+    answered, mismatches = 0, []
+    for original in picked:
+        alone = await send(client, original.spec, timeout, stream=False)
+        answered += incomplete(alone) is None
+        if outputs(alone) == outputs(original):
+            continue
+        gaps = await flip_gaps(client, original, alone, timeout)
+        mismatches.append({"body": original.spec.body(), "in_soak": original.texts, "alone": alone.texts,
+                           "tokens_in_soak": original.completion_tokens, "tokens_alone": alone.completion_tokens,
+                           "alone_error": alone.error, "gaps": gaps})
+    return answered, mismatches
+
+
+def logprob_body(spec: Spec, k: int) -> dict:
+    body = spec.body(stream=False)
+    body.update({"logprobs": True, "top_logprobs": k} if spec.chat else {"logprobs": k})
+    return body
+
+
+def token_steps(choice: dict, chat: bool) -> list[tuple[str, dict[str, float]]]:
+    """(token text, {candidate text: logprob}) per generated token, from either endpoint's logprobs."""
+    if chat:
+        return [(e["token"], {t["token"]: t["logprob"] for t in e["top_logprobs"]} | {e["token"]: e["logprob"]})
+                for e in choice["logprobs"]["content"]]
+    lp = choice["logprobs"]
+    return list(zip(lp["tokens"], lp["top_logprobs"]))
+
+
+def flip_gap(steps: list[tuple[str, dict[str, float]]], alone: str, soak: str) -> float | None:
+    """At the first token where the soak's text leaves the alone run's: how many nats below the
+    alone run's best candidate the soak's token sits (None: not among the alone run's top k)."""
+    common = next((i for i, (a, b) in enumerate(zip(alone, soak)) if a != b), min(len(alone), len(soak)))
+    offset = 0
+    for token, top in steps:
+        if not alone.startswith(token, offset):
+            continue  # a special token (<|im_end|>, say), which the text leaves out
+        if offset + len(token) > common:  # the token that crosses the first difference
+            rest = soak[offset:]
+            picks = [lp for candidate, lp in top.items() if candidate and rest.startswith(candidate)]
+            return max(top.values()) - max(picks) if picks else None
+        offset += len(token)
+    return None
+
+
+async def flip_gaps(client: httpx.AsyncClient, original: Result, alone: Result, timeout: float,
+                    k: int = 5) -> dict[int, float | None]:
+    """The request alone once more, with top-k logprobs (which leave the tokens as they are): per
+    differing choice, the gap at its first difference. A difference that rounding explains sits at
+    a near-tie of the alone run; one that does not is a bug."""
+    spec = original.spec
+    response = await client.post(spec.path, json=logprob_body(spec, k), timeout=timeout)
+    if response.status_code != 200:
+        return {}
+    gaps: dict[int, float | None] = {}
+    for choice in response.json()["choices"]:
+        index = choice["index"]
+        text = choice["message"]["content"] if spec.chat else choice["text"]
+        soak = original.texts.get(index, "")
+        if text != alone.texts.get(index):  # not even the same alone twice
+            gaps[index] = None
+        elif text != soak:
+            gaps[index] = flip_gap(token_steps(choice, spec.chat), text, soak)
+    return gaps
+
+
+def is_rounding_flip(mismatch: dict, margin: float) -> bool:
+    """Every differing choice left at a near-tie (within `margin` nats), with the same token count."""
+    gaps = mismatch["gaps"]
+    return (mismatch["tokens_in_soak"] == mismatch["tokens_alone"] and bool(gaps)
+            and all(g is not None and g <= margin for g in gaps.values()))
+
+
+# -- the server: process, metrics, memory --------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"]
+    if args.model:
+        command.append(args.model)
+    command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len),
+                "--kv-cache-memory", args.kv_cache_memory]
+    return command + shlex.split(args.extra_server_args)
+
+
+def start_server(command: list[str], log_path: str, url: str, wait: float) -> subprocess.Popen:
+    """The server, once GET /health answers 200 (within `wait` s)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDLLM_NO_PROGRESS": "1"}
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(process, 10)
+    raise RuntimeError(f"the server did not become ready in {wait:.0f} s; see {log_path}")
+
+
+def stop_server(process: subprocess.Popen, wait: float) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within `wait` s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+    return process.returncode
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {name: value}, summed over labels (one model is served)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$", line)
+        if match:
+            values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
+    return values
+
+
+async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
+    return parse_metrics((await client.get("/metrics")).text)
+
+
+async def wait_idle(client: httpx.AsyncClient, wait: float) -> tuple[dict[str, float], float | None]:
+    """Metrics once nothing runs or waits, and the seconds that took (None: not within `wait` s)."""
+    start = time.monotonic()
+    while True:
+        values = await metrics(client)
+        idle = values["pagedllm:num_requests_running"] == 0 and values["pagedllm:num_requests_waiting"] == 0
+        elapsed = time.monotonic() - start
+        if idle or elapsed > wait:
+            return values, elapsed if idle else None
+        await asyncio.sleep(0.25)
+
+
+class RssSampler:
+    """The server's resident memory (its children's too), every `interval` s, on a thread."""
+
+    def __init__(self, pid: int, interval: float = 1.0, limit: int = 86_400) -> None:
+        self.process, self.interval, self.limit = psutil.Process(pid), interval, limit
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _rss(self) -> int:
+        return sum(p.memory_info().rss for p in [self.process, *self.process.children(recursive=True)])
+
+    def _run(self) -> None:
+        while len(self.samples) < self.limit:
+            try:
+                self.samples.append(self._rss())
+            except psutil.Error:  # the server is gone: the request checks say why
+                return
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def rss_figures(samples: list[int]) -> dict[str, float]:
+    """Start, midpoint and end RSS (MiB; medians of 10% windows) and the growth between the last two."""
+    n = len(samples)
+    if n == 0:
+        return {"samples": 0, "start_mib": 0.0, "mid_mib": 0.0, "end_mib": 0.0, "max_mib": 0.0, "growth": 0.0}
+    width = max(1, n // 10)
+    mid = statistics.median(samples[max(0, n // 2 - width // 2):][:width])
+    end = statistics.median(samples[-width:])
+    mib = 2**20
+    return {"samples": n, "start_mib": samples[0] / mib, "mid_mib": mid / mib, "end_mib": end / mib,
+            "max_mib": max(samples) / mib, "growth": end / mid - 1}
+
+
+# -- report --------------------------------------------------------------------------------------
+def tally(results: list[Result]) -> dict:
+    kept = [r for r in results if not r.dropped]
+    statuses = Counter(r.status for r in results if r.status is not None)
+    return {
+        "sent": len(results), "dropped": sum(r.dropped for r in results),
+        "drop_planned_but_finished": sum(r.spec.drop_after is not None and not r.dropped for r in results),
+        "kept": len(kept), "kept_complete": sum(incomplete(r) is None for r in kept),
+        "statuses": dict(sorted(statuses.items())), "hangs": sum(r.hang for r in results),
+        "client_errors": sum(r.status is None and r.error is not None for r in results),
+        "stream_error_events": sum(r.status == 200 and r.error is not None for r in results),
+        "kept_output_tokens": sum(r.completion_tokens or 0 for r in kept),
+    }
+
+
+def mix(specs: list[Spec]) -> str:
+    """The workload's composition, as counts."""
+    kinds = {"chat": lambda s: s.chat, "streamed": lambda s: s.stream, "n=2": lambda s: s.n == 2,
+             "greedy": lambda s: s.greedy, "seeded": lambda s: s.seed is not None, "long": lambda s: s.long,
+             "ignore_eos": lambda s: s.ignore_eos, "drop planned": lambda s: s.drop_after is not None}
+    counts = ", ".join(f"{name} {sum(map(test, specs))}" for name, test in kinds.items())
+    return f"{len(specs)} requests: {counts}"
+
+
+def print_table(title: str, rows: list[tuple]) -> None:
+    print(f"\n{title}\n\n| {' | '.join(map(str, rows[0]))} |\n|{'---|' * len(rows[0])}")
+    for row in rows[1:]:
+        print(f"| {' | '.join(map(str, row))} |")
+
+
+def greedy_summary(replayed: int, answered: int, mismatches: list[dict], margin: float) -> dict:
+    flips = [m for m in mismatches if is_rounding_flip(m, margin)]
+    gaps = sorted(g for m in flips for g in m["gaps"].values())
+    return {"replayed": replayed, "answered": answered, "equal": replayed - len(mismatches),
+            "rounding_flips": len(flips), "flip_gaps": gaps, "other": len(mismatches) - len(flips)}
+
+
+def greedy_check(g: dict, margin: float, strict: bool) -> tuple[str, bool, str]:
+    ok = g["replayed"] > 0 and g["answered"] == g["replayed"] and g["other"] == 0
+    ok = ok and not (strict and g["rounding_flips"])
+    gaps = ", ".join(f"{x:.3f}" for x in g["flip_gaps"])
+    detail = (f"{g['equal']}/{g['replayed']} equal, {g['rounding_flips']} rounding flips"
+              f"{f' (gaps {gaps})' if gaps else ''}, {g['other']} other differences")
+    name = "greedy equals alone" + ("" if strict else f" (or differs first at a near-tie <= {margin} nats)")
+    return name, ok, detail
+
+
+def checks(t: dict, idle_s: float | None, kv: tuple[float, float], preemptions: float,
+           greedy: tuple[str, bool, str], rss: dict) -> list[tuple[str, bool, str]]:
+    errors_5xx = sum(v for k, v in t["statuses"].items() if k >= 500)
+    other = sum(v for k, v in t["statuses"].items() if k != 200)
+    return [
+        ("zero 5xx", errors_5xx == 0, f"{errors_5xx}"),
+        ("no other error status, stream error event or client-side error",
+         other == errors_5xx and t["stream_error_events"] == 0 and t["client_errors"] == 0,
+         f"{other - errors_5xx} status, {t['stream_error_events']} events, {t['client_errors']} client"),
+        ("zero hangs", t["hangs"] == 0, f"{t['hangs']}"),
+        ("every kept request complete", t["kept_complete"] == t["kept"], f"{t['kept_complete']}/{t['kept']}"),
+        ("idle afterwards (running 0, waiting 0)", idle_s is not None,
+         "never" if idle_s is None else f"after {idle_s:.2f} s"),
+        ("KV usage back at idle value", kv[1] == kv[0], f"before {kv[0]:.4f}, after {kv[1]:.4f}"),
+        ("preemption happened", preemptions > 0, f"{preemptions:.0f} preemptions"),
+        greedy,
+        ("RSS growth over second half < 5%", rss["samples"] >= 10 and rss["growth"] < 0.05,
+         f"{rss['growth'] * 100:+.2f}% ({rss['samples']} samples)"),
+    ]
+
+
+def report(t: dict, wall: float, delta: dict[str, float], rss: dict, results: list[Result]) -> None:
+    hit_rate = delta["pagedllm:prefix_cache_hits_total"] / max(1.0, delta["pagedllm:prefix_cache_queries_total"])
+    print_table("Figures", [
+        ("figure", "value"), ("requests sent", t["sent"]), ("kept (not dropped)", t["kept"]),
+        ("kept and complete", t["kept_complete"]), ("dropped mid-stream", t["dropped"]),
+        ("drop planned, stream ended first", t["drop_planned_but_finished"]),
+        ("HTTP statuses", ", ".join(f"{k}: {v}" for k, v in t["statuses"].items())), ("hangs", t["hangs"]),
+        ("wall time s", f"{wall:.1f}"), ("requests/s", f"{t['sent'] / wall:.2f}"),
+        ("output tok/s (kept requests)", f"{t['kept_output_tokens'] / wall:.1f}"),
+        ("output tok/s (server, all generated)", f"{delta['pagedllm:generation_tokens_total'] / wall:.1f}"),
+        ("prompt tok/s (server, finished)", f"{delta['pagedllm:prompt_tokens_total'] / wall:.1f}"),
+        ("preemptions during the run", f"{delta['pagedllm:num_preemptions_total']:.0f}"),
+        ("prefix cache hit rate (prompt tokens)", f"{hit_rate:.1%}"),
+        ("request latency median / max s", f"{statistics.median(r.seconds for r in results):.2f} / "
+                                           f"{max(r.seconds for r in results):.2f}"),
+        ("RSS start / mid / end / max MiB", f"{rss['start_mib']:.0f} / {rss['mid_mib']:.0f} / "
+                                           f"{rss['end_mib']:.0f} / {rss['max_mib']:.0f}"),
+        ("RSS growth, second half", f"{rss['growth'] * 100:+.2f}%"),
+    ])
+
+
+def show_failures(results: list[Result], mismatches: list[dict], margin: float) -> None:
+    """The first few of each kind of failure, with the request body, to reproduce them."""
+    bad = [(r, incomplete(r)) for r in results if not r.dropped and incomplete(r) is not None]
+    bad += [(r, r.error) for r in results if r.dropped and r.error]
+    for r, why in bad[:10]:
+        print(f"\nrequest {r.spec.index} {r.spec.path}: {why}\n  body: {json.dumps(r.spec.body())[:400]}")
+    for m in mismatches[:10]:
+        kind = "rounding flip" if is_rounding_flip(m, margin) else "GREEDY MISMATCH"
+        print(f"\n{kind}:\n{json.dumps(m, indent=1)[:2000]}")
+
+
+def server_checks(exit_code: int, log_path: str) -> list[tuple[str, bool, str]]:
+    """A clean stop, and a log free of errors (a failure the client never saw still shows there)."""
+    with open(log_path, errors="replace") as f:
+        bad = [line.rstrip() for line in f if re.search(r"Traceback|\bERROR\b|\bCRITICAL\b", line)]
+    for line in bad[:5]:
+        print(f"server log: {line}")
+    return [("server exits 0 on SIGTERM", exit_code == 0, f"exit status {exit_code}"),
+            ("no Traceback or ERROR in the server log", not bad, f"{len(bad)} lines")]
+
+
+# -- main ----------------------------------------------------------------------------------------
+def pair(value: str) -> tuple[int, int]:
+    low, _, high = value.partition("-")
+    return int(low), int(high or low)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the default model)")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=48)
+    p.add_argument("--drop-fraction", type=float, default=0.25, help="of the streams")
+    p.add_argument("--n2-fraction", type=float, default=0.3, help="requests with n = 2")
+    p.add_argument("--long-fraction", type=float, default=0.4, help="requests with a long prompt")
+    p.add_argument("--long-words", type=pair, default=(100, 300), help="a long prompt's words, LOW-HIGH")
+    p.add_argument("--max-tokens", type=pair, default=(8, 64), help="LOW-HIGH")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--kv-cache-memory", default="48MiB", help="small enough to force preemption")
+    p.add_argument("--extra-server-args", default="", help="more `pagedllm serve` flags, one string")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=0, help="0: a free one")
+    p.add_argument("--timeout", type=float, default=120.0, help="s a request may take before it counts as a hang")
+    p.add_argument("--idle-wait", type=float, default=60.0, help="s for the server to go idle after the soak")
+    p.add_argument("--replay", type=int, default=50, help="greedy requests resent alone afterwards")
+    p.add_argument("--rss-interval", type=float, default=1.0, help="s between samples of the server's RSS")
+    p.add_argument("--tie-margin", type=float, default=0.3,
+                   help="nats: a greedy difference that starts where the alone run's best and the soak's pick are "
+                        "this close is bf16 rounding, not a failure (the bf16 oracle test's EPS)")
+    p.add_argument("--strict-greedy", action="store_true", help="any greedy difference fails (for --dtype float32)")
+    p.add_argument("--startup-wait", type=float, default=300.0)
+    p.add_argument("--shutdown-wait", type=float, default=30.0)
+    p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "pagedllm-soak-server.log"),
+                   help="the server's stdout and stderr")
+    p.add_argument("--out", default=None, help="write figures and checks as JSON here")
+    return p.parse_args()
+
+
+async def run(args: argparse.Namespace, url: str, pid: int) -> tuple[list[tuple[str, bool, str]], dict]:
+    specs = make_workload(args)
+    print(f"workload: {mix(specs)}")
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
+        before = await metrics(client)
+        start = time.monotonic()
+        with RssSampler(pid, args.rss_interval) as sampler:
+            results = await soak(client, specs, args.concurrency, args.timeout)
+        wall = time.monotonic() - start
+        after, idle_s = await wait_idle(client, args.idle_wait)
+        picked = pick_replays(results, args.replay, args.seed)
+        answered, mismatches = await replay(client, picked, args.timeout)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    t, rss = tally(results), rss_figures(sampler.samples)
+    kv = (before["pagedllm:kv_cache_usage_perc"], after["pagedllm:kv_cache_usage_perc"])
+    report(t, wall, delta, rss, results)
+    show_failures(results, mismatches, args.tie_margin)
+    greedy = greedy_summary(len(picked), answered, mismatches, args.tie_margin)
+    table = checks(t, idle_s, kv, delta["pagedllm:num_preemptions_total"],
+                   greedy_check(greedy, args.tie_margin, args.strict_greedy), rss)
+    return table, {"tally": t, "wall_s": wall, "rss": rss, "metrics_delta": delta, "greedy": greedy,
+                   "mismatches": mismatches}
+
+
+def main() -> int:
+    args = parse_args()
+    port = args.port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = server_command(args, port)
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}\nserver:  {shlex.join(command)}\nlog:     {args.log}")
+    process = start_server(command, args.log, url, args.startup_wait)
+    try:
+        table, figures = asyncio.run(run(args, url, process.pid))
+    finally:
+        code = stop_server(process, args.shutdown_wait)
+    table += server_checks(code, args.log)
+    print_table("Checks", [("check", "result", "detail"), *((n, "pass" if ok else "FAIL", d) for n, ok, d in table)])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "checks": table, **figures, "server_exit": code}, f, indent=1)
+    return 0 if all(ok for _, ok, _ in table) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
