@@ -156,6 +156,7 @@ def test_waiting_cap_and_request_timeout(llama_dir):
             timed_out = [r for r in results if r.status_code == 504]
             assert timed_out and all(r.json()["error"]["code"] == "request_timeout" for r in timed_out), codes
             assert set(codes) <= {503, 504}, codes  # 240 slow steps outlast 3 s
+            _wait_for(lambda: _gauge(client.get("/metrics").text, "num_requests_waiting") == 0)
             events = _sse(client, {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True})
             assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
             _wait_for(lambda: _gauge(client.get("/metrics").text, "num_requests_running") == 0)

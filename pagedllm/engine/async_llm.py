@@ -89,6 +89,9 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.draining = False  # shutting down: no new requests
         self.on_dead: Callable[[], None] | None = None  # called on the event loop once the engine has died
+        # Requests queued for the engine thread and not yet in its scheduler (counted as waiting).
+        self._unapplied_adds = 0
+        self._adds_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,7 +127,8 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if self.draining:
             raise EngineUnavailableError("the server is shutting down")
-        waiting = self.stats.num_waiting + self._commands.qsize()
+        with self._adds_lock:
+            waiting = self.stats.num_waiting + self._unapplied_adds
         if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
             raise EngineUnavailableError(f"too many requests waiting ({waiting}): try again shortly", retry_after=1)
         self._loop = asyncio.get_running_loop()
@@ -133,6 +137,8 @@ class AsyncLLM:
         params = dataclasses.replace(processed.params, output_kind=RequestOutputKind.DELTA)
         stream = _Stream(num_prompt_tokens=len(processed.prompt_token_ids))
         self._streams[request_id] = stream
+        with self._adds_lock:
+            self._unapplied_adds += 1
         self._commands.put(("add", request_id, dataclasses.replace(processed, params=params)))
         return RequestStream(self, request_id, stream)
 
@@ -220,13 +226,18 @@ class AsyncLLM:
             command = self._commands.get(timeout=_IDLE_POLL_S) if wait else self._commands.get_nowait()
         except queue.Empty:
             return
+        applied_adds = 0
         while True:
             self._apply(command)
+            applied_adds += command[0] == "add"
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self.stats = self.engine.stats()
+        stats = self.engine.stats()
+        with self._adds_lock:  # the scheduler's count and the queue's change together
+            self.stats = stats
+            self._unapplied_adds -= applied_adds
 
     def _apply(self, command: tuple) -> None:
         kind, request_id = command[0], command[1]
