@@ -12,9 +12,19 @@ from pagedllm.logger import configure_logging  # noqa: E402
 configure_logging()  # before the imports below, so a line logged while they load is shown
 
 from pagedllm.config import EngineArgs  # noqa: E402
-from pagedllm.entrypoints.llm import LLM  # noqa: E402
 from pagedllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
+
+
+def __getattr__(name: str):
+    """`LLM` is imported on first use: it brings torch, which the pure-Python core (`pagedllm.core`)
+    and its users (a scheduler in another process, the tests of the core) do without."""
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineArgs", "RequestOutput", "CompletionOutput",
            "Logprob", "BeamSearchOutput"]
