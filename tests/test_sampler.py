@@ -167,3 +167,25 @@ def test_seeds_differing_above_32_bits_draw_differently(seeds):
 
 def test_top_k_beyond_the_vocabulary_keeps_every_token():
     assert _draws(PROBS, SamplingParams(temperature=1.0, top_k=2**40)) == {0, 1, 2, 3}
+
+
+def test_token_bitmask_limits_what_is_sampled_and_leaves_logprobs_alone():
+    from pagedllm.core.step import TokenBitmask
+
+    vocab = 70  # three 32-bit words, the last one partly past the vocabulary
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3))
+    allowed = [3, 33, 65]
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    rows = [_req(greedy, rid="masked"), _req(greedy, rid="free"), _req(SamplingParams(temperature=1.0), rid="drawn")]
+    mask = TokenBitmask({"masked": 0, "drawn": 1}, [TokenBitmask.pack(allowed, vocab)] * 2)
+    out = Sampler()(logits.repeat(3, 1), rows, mask)
+    best_allowed = max(allowed, key=lambda t: logits[t])
+    assert out.token_ids[0] == best_allowed and out.token_ids[1] == int(logits.argmax())
+    assert out.token_ids[2] in allowed
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[0].logprobs[0] == pytest.approx(float(raw[best_allowed]), abs=1e-5)  # the model's, unmasked
+    draws = Sampler()(logits.repeat(200, 1), [_req(SamplingParams(temperature=2.0), rid=str(i)) for i in range(200)],
+                      TokenBitmask({str(i): 0 for i in range(200)}, [TokenBitmask.pack(allowed, vocab)]))
+    assert set(draws.token_ids) <= set(allowed) and len(set(draws.token_ids)) > 1
+    everything = TokenBitmask({"masked": 0}, [TokenBitmask.pack(list(range(vocab)), vocab)])
+    assert Sampler()(logits[None].clone(), rows[:1], everything).token_ids == [int(logits.argmax())]

@@ -23,12 +23,31 @@ class ScheduledRequest:
 
 
 @dataclass
+class TokenBitmask:
+    """Which tokens each of some requests may sample this step: one row of packed 32-bit words per
+    request, bit t % 32 of word t // 32 set where token t is allowed (the layout grammar backends
+    such as xgrammar fill). Requests without a row are not constrained."""
+    rows: dict[str, int]  # request id -> row
+    words: list[list[int]]  # [row][ceil(vocab / 32)], each word in [0, 2**32)
+
+    @staticmethod
+    def pack(allowed: list[int], vocab_size: int) -> list[int]:
+        """One row allowing exactly `allowed` (for tests, and backends without their own packing)."""
+        words = [0] * -(-vocab_size // 32)
+        for token in allowed:
+            words[token // 32] |= 1 << (token % 32)
+        return words
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     # Requests that ended since the last step: the runner drops any state it keeps for them.
     finished_request_ids: set[str] = field(default_factory=set)
     # (src, dst) KV blocks to copy before the forward pass (copy-on-write of shared blocks).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Token masks for the requests sampled this step that are constrained (structured output).
+    token_bitmask: TokenBitmask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -194,7 +194,7 @@ class LLMEngine:
                 failures[scheduled.request_id] = exc
                 continue
             merged.merge(part)
-            pending = SchedulerOutput([])
+            pending = dataclasses.replace(pending, finished_request_ids=set(), blocks_to_copy=[])
         return merged, failures
 
     def _fail(self, scheduler_id: str, error: Exception) -> RequestOutput | None:

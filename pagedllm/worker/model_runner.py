@@ -45,7 +45,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(output.scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         result = ModelRunnerOutput()
-        self._sample(hidden, output.scheduled, meta, result)
+        self._sample(hidden, output, meta, result)
         self._prompt_logprobs(hidden, output.scheduled, meta, result)
         return result
 
@@ -85,8 +85,9 @@ class ModelRunner:
             seq_lens_list=seq_lens, query_lens_list=query_lens)
         return tensor(tokens, torch.long), tensor(positions, torch.long), meta
 
-    def _sample(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], meta: AttentionMetadata,
+    def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, meta: AttentionMetadata,
                 result: ModelRunnerOutput) -> None:
+        scheduled = output.scheduled
         rows: list[int] = []
         samplers: list[ScheduledRequest] = []
         for i, r in enumerate(scheduled):
@@ -100,7 +101,7 @@ class ModelRunner:
             return
         ends = meta.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[ends[rows]])
-        sampled = self.sampler(logits, samplers)
+        sampled = self.sampler(logits, samplers, output.token_bitmask)
         for r, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
             result.sampled_token_ids[r.request_id] = token
             if logprobs is not None:
