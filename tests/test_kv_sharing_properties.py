@@ -42,9 +42,9 @@ class FakeRunner:
             if r.sample:
                 for i, (rid, _) in enumerate(r.fork_samples or [(r.request_id, None)]):
                     token = (sum(r.all_token_ids) * 31 + i + self.seed) % 50 + 3
-                    result.sampled_token_ids[rid] = token
-                    result.logprobs[rid] = TokenLogprobs([token, token, token + 1, token + 2], [-0.1, -0.1, -1.0, -2.0],
-                                                         [1, 1, 2, 3])
+                    result.sampled_token_ids[rid] = [token]
+                    result.logprobs[rid] = [TokenLogprobs([token, token, token + 1, token + 2],
+                                                          [-0.1, -0.1, -1.0, -2.0], [1, 1, 2, 3])]
         return result
 
 

@@ -69,7 +69,7 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
             assert len(s.block_ids) * block_size >= s.start_pos + len(s.new_token_ids)
             if s.sample:
                 counter += 1
-                result.sampled_token_ids[s.request_id] = EOS if counter % w["eos_every"] == 0 else 5
+                result.sampled_token_ids[s.request_id] = [EOS if counter % w["eos_every"] == 0 else 5]
         scheduler.update(output, result)
         _check_blocks(kv, scheduler)
     else:
@@ -90,7 +90,7 @@ def test_each_request_finishes_with_its_max_tokens(max_tokens_list, block_size):
         if not scheduler.has_unfinished_requests():
             break
         output = scheduler.schedule()
-        scheduler.update(output, ModelRunnerOutput({s.request_id: 3 for s in output.scheduled if s.sample}))
+        scheduler.update(output, ModelRunnerOutput({s.request_id: [3] for s in output.scheduled if s.sample}))
     assert [r.num_output_tokens for r in requests] == max_tokens_list
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests)
     assert kv.num_free_blocks == kv.pool.num_blocks

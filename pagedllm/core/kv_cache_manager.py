@@ -134,6 +134,15 @@ class KVCacheManager:
             assert block.ref_cnt == 1, f"write into block {block.block_id} shared by {block.ref_cnt}"
             assert block.block_hash is None, f"write into cached block {block.block_id}"
 
+    def trim(self, request: Request) -> None:
+        """After rejected draft tokens were rolled back: free the blocks past the request's computed
+        tokens (blocks that only those tokens had started filling)."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(blocks) > keep:
+            self.pool.free_blocks(list(reversed(blocks[keep:])))
+            del blocks[keep:]
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
         return copies

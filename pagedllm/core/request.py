@@ -59,6 +59,8 @@ class Request:
     # Beam search: after each step keep the logprobs and pause instead of taking a token.
     pause_after_sample: bool = False
     last_logprobs: object | None = None
+    # Speculative decoding: draft tokens proposed for the next step, verified by the runner.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

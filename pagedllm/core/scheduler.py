@@ -74,7 +74,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens + self._num_spec(request), budget)
             if self._allocate_or_preempt(request, num_new):
                 chosen.append((request, num_new))
                 budget -= num_new
@@ -140,22 +140,31 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    @staticmethod
+    def _num_spec(request: Request) -> int:
+        """Draft tokens to verify this step: only once every known token but the last is computed."""
+        return len(request.spec_token_ids) if request.num_tokens - request.num_computed_tokens == 1 else 0
+
     def _build_output(self, chosen: list[tuple[Request, int]]) -> SchedulerOutput:
         scheduled = []
         for request, num_new in chosen:
             start = request.num_computed_tokens
+            known = request.all_token_ids[start:start + num_new]
+            drafts = request.spec_token_ids[:num_new - len(known)]  # the budget may cut them
+            request.spec_token_ids = []  # proposed again for the next step
             scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
-                new_token_ids=request.all_token_ids[start:start + num_new],
+                new_token_ids=known + drafts,
                 start_pos=start,
                 block_ids=self.kv.block_ids(request.request_id),
                 sampling_params=request.sampling_params,
                 all_token_ids=request.all_token_ids,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=request.num_output_tokens,
-                sample=start + num_new == request.num_tokens,
+                sample=start + num_new >= request.num_tokens,
                 eos_token_ids=request.eos_token_ids,
                 fork_samples=request.fork_children,
+                num_spec_tokens=len(drafts),
             ))
             request.num_computed_tokens += num_new
         output = SchedulerOutput(scheduled, self._finished_ids, self.kv.take_copies())
@@ -163,26 +172,46 @@ class Scheduler:
         return output
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens and finish requests that hit a stop; returns requests with news."""
+        """Append sampled tokens (rolling back rejected drafts) and finish requests that hit a stop;
+        returns requests with news."""
         touched = []
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
-            self.kv.cache_full_blocks(request)
             touched.append(request)
             if not scheduled.sample:
+                self.kv.cache_full_blocks(request)
                 continue  # a prefill chunk: nothing sampled yet
             if request.fork_children:
+                self.kv.cache_full_blocks(request)
                 touched += self._fork_children(request, result)
             elif request.pause_after_sample:
+                self.kv.cache_full_blocks(request)
                 self._pause(request, result)
-            else:
-                if request.max_tokens > 0:  # max_tokens=0 only scores the prompt
-                    request.append_output_token(result.sampled_token_ids[request.request_id])
-                if request.check_stop():
-                    self._finish_running(request)
+            elif not self._accept(request, scheduled, result.sampled_token_ids.get(request.request_id, [])):
+                self.kv.cache_full_blocks(request)  # after the accepted tokens joined all_token_ids
         return touched
+
+    def _accept(self, request: Request, scheduled: ScheduledRequest, tokens: list[int]) -> bool:
+        """Take a step's tokens: the drafts the runner accepted, then its own. Rejected drafts are
+        rolled back (their slots, and the blocks only they filled). True if the request finished."""
+        accepted_drafts = max(len(tokens) - 1, 0)
+        rejected = scheduled.num_spec_tokens - accepted_drafts
+        if rejected < 0:
+            raise ValueError(f"{request.request_id}: {len(tokens)} tokens for {scheduled.num_spec_tokens} drafts")
+        if rejected:
+            request.num_computed_tokens -= rejected
+            self.kv.trim(request)
+        if request.max_tokens == 0:  # max_tokens=0 only scores the prompt
+            tokens = []
+        for token in tokens or [None]:
+            if token is not None:
+                request.append_output_token(token)
+            if request.check_stop():  # tokens past a stop are dropped
+                self._finish_running(request)
+                return True
+        return False
 
     def _finish_running(self, request: Request) -> None:
         self.running.remove(request)
@@ -190,7 +219,7 @@ class Scheduler:
 
     def _fork_children(self, leader: Request, result: ModelRunnerOutput) -> list[Request]:
         """The prompt is computed once: each parallel sample goes on from the leader's blocks."""
-        children = [self._add_fork(leader, child_id, params, result.sampled_token_ids[child_id])
+        children = [self._add_fork(leader, child_id, params, result.sampled_token_ids[child_id][0])
                     for child_id, params in leader.fork_children]
         leader.fork_children = []
         leader.status = RequestStatus.FINISHED_STOPPED
@@ -213,7 +242,7 @@ class Scheduler:
         return child
 
     def _pause(self, request: Request, result: ModelRunnerOutput) -> None:
-        request.last_logprobs = result.logprobs.get(request.request_id)
+        request.last_logprobs = result.logprobs.get(request.request_id, [None])[0]
         request.status = RequestStatus.PAUSED
         self.running.remove(request)
         self.paused[request.request_id] = request

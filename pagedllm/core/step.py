@@ -20,6 +20,9 @@ class ScheduledRequest:
     eos_token_ids: frozenset[int] = frozenset()
     # Parallel samples forked at this step: sample once per (child id, params) from this row.
     fork_samples: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    # The last `num_spec_tokens` of new_token_ids are draft tokens to verify (speculative decoding):
+    # the runner answers with the drafts it accepts, in order, then one token of its own.
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -68,8 +71,9 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> the step's new tokens (one, or accepted drafts and one more), and their logprobs
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> (index of the first prompt token covered, one entry per prompt token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 

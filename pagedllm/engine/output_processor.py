@@ -110,8 +110,8 @@ class OutputProcessor:
             sample = parent.samples.get(request.request_id)
             if sample is None:
                 continue  # the prompt's leader of parallel samples: only prompt logprobs
-            new = request.output_token_ids[len(sample.token_ids):]  # the step's token, if any
-            if new and self._record_token(sample, new[0], result.logprobs.get(request.request_id)):
+            new = request.output_token_ids[len(sample.token_ids):]  # the step's tokens, if any
+            if new and self._record_tokens(sample, new, result.logprobs.get(request.request_id)):
                 stopped.append(request.request_id)
             elif request.status.finished:
                 sample.finish_reason = request.status.finish_reason
@@ -121,6 +121,13 @@ class OutputProcessor:
             touched[parent.request_id] = parent
         outputs = [self._output(p) for p in touched.values()]
         return [o for o in outputs if o is not None], stopped
+
+    def _record_tokens(self, sample: _Sample, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
+        """True if a stop string ended the sample (the tokens after it are dropped)."""
+        for i, token in enumerate(tokens):
+            if self._record_token(sample, token, logprobs[i] if logprobs else None):
+                return True
+        return False
 
     def _record_token(self, sample: _Sample, token: int, logprobs: TokenLogprobs | None) -> bool:
         sample.token_ids.append(token)

@@ -59,6 +59,8 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        if any(r.num_spec_tokens for r in scheduled):  # the scheduler can; verifying comes with a proposer
+            raise NotImplementedError("this runner samples one token a request: it cannot verify draft tokens yet")
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -103,9 +105,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[ends[rows]])
         sampled = self.sampler(logits, samplers, output.token_bitmask)
         for r, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
-            result.sampled_token_ids[r.request_id] = token
+            result.sampled_token_ids[r.request_id] = [token]
             if logprobs is not None:
-                result.logprobs[r.request_id] = logprobs
+                result.logprobs[r.request_id] = [logprobs]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest],
                          meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
