@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from pagedllm.config import head_dim  # noqa: F401 - step_bound.py takes it from here too
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PAGEDLLM_NO_PROGRESS", "1")
 
@@ -103,10 +105,6 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 def matmul_flops_per_token(model: torch.nn.Module) -> int:
     """2 x the parameters a token multiplies through (all but the embedding lookup)."""
     return 2 * sum(w.numel() for w in _linear_weights(model))
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def attention_flops(config, context: int) -> int:

@@ -47,6 +47,12 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
 
+def head_dim(hf_config) -> int:
+    """The attention head size of a Hugging Face config: its own `head_dim` where it sets one (Qwen3,
+    Mistral), else hidden_size / heads. The one place this is worked out."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 

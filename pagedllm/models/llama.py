@@ -12,15 +12,12 @@ from torch import nn
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, paged_attention, rotary_and_write_kv
+from pagedllm.config import head_dim
 from pagedllm.layers.linear import ROWS_KERNEL_MAX, Linear, SiluAndMulLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _sliding_windows(config) -> list[int | None]:
@@ -37,7 +34,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
@@ -100,7 +97,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config, _head_dim(config), max_positions)
+        self.rotary = RotaryEmbedding(config, head_dim(config), max_positions)
         self.layers = nn.ModuleList(DecoderLayer(config, w) for w in _sliding_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

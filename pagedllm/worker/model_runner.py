@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.config import head_dim
 from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
@@ -15,8 +16,7 @@ from pagedllm.models.loader import ModelConfig
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
     hf = config.hf_config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * config.dtype.itemsize
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim(hf) * config.dtype.itemsize
     return per_token * block_size
 
 
@@ -27,8 +27,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         hf = model_config.hf_config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim)
+        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf))
         self.kv_caches = [(torch.zeros(shape, dtype=model_config.dtype, device=self.device),
                            torch.zeros(shape, dtype=model_config.dtype, device=self.device))
                           for _ in range(hf.num_hidden_layers)]
