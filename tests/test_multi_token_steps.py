@@ -8,14 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
-from test_scheduler_properties import _check_blocks
+from test_scheduler_properties import MAX_MODEL_LEN, _check_blocks, make_scheduler
 
-MAX_MODEL_LEN = 64
 VOCAB = 7
 EOS = 0
 
@@ -69,9 +68,7 @@ workload_st = st.fixed_dictionaries({
 @given(workload_st)
 def test_drafts_never_change_the_output_and_rollback_leaves_nothing_behind(w):
     bs = w["block_size"]
-    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, bs) + w["spare_blocks"], bs)
-    config = SchedulerConfig(w["max_num_seqs"], w["budget"], MAX_MODEL_LEN)
-    scheduler = Scheduler(config, kv)
+    kv, config, scheduler = make_scheduler(w)
     requests = {}
     for i, (prompt, max_tokens) in enumerate(w["requests"]):
         max_tokens = min(max_tokens, MAX_MODEL_LEN - len(prompt))

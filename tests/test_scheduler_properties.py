@@ -40,13 +40,18 @@ def _check_blocks(kv: KVCacheManager, scheduler: Scheduler) -> None:
         assert len(kv.req_blocks[request.request_id]) == cdiv(request.num_computed_tokens, kv.block_size)
 
 
+def make_scheduler(w: dict) -> tuple[KVCacheManager, SchedulerConfig, Scheduler]:
+    """A scheduler over a pool that holds one max_model_len request plus the workload's spare blocks."""
+    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, w["block_size"]) + w["spare_blocks"], w["block_size"])
+    config = SchedulerConfig(w["max_num_seqs"], w["budget"], MAX_MODEL_LEN)
+    return kv, config, Scheduler(config, kv)
+
+
 @settings(max_examples=150, deadline=None)
 @given(workload_st)
 def test_scheduler_respects_budgets_and_never_leaks(w):
     block_size = w["block_size"]
-    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, block_size) + w["spare_blocks"], block_size)
-    config = SchedulerConfig(w["max_num_seqs"], w["budget"], MAX_MODEL_LEN)
-    scheduler = Scheduler(config, kv)
+    kv, config, scheduler = make_scheduler(w)
     pending = sorted(enumerate(w["requests"]), key=lambda x: x[1][2])
     aborts = {step: f"r{i}" for i, step in w["aborts"]}
     counter = 0
