@@ -1,7 +1,7 @@
 """LLMEngine: the synchronous engine. Requests in, one step at a time, RequestOutputs out.
 
     scheduler_output = scheduler.schedule()
-    result = model_runner.execute(scheduler_output)
+    result = executor.execute_model(scheduler_output)
     updated = scheduler.update(scheduler_output, result)
 """
 from __future__ import annotations
@@ -23,10 +23,11 @@ from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.layers.compile import compile_torch_paths
-from pagedllm.models.loader import load_model, load_model_config, load_tokenizer
+from pagedllm.executor.uniproc import UniprocExecutor
+from pagedllm.models.loader import load_model_config, load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -50,11 +51,12 @@ class LLMEngine:
         self.model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.device)
         self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
         self.max_model_len = self.model_config.max_model_len
-        num_blocks = self._num_kv_blocks()
+        self.executor = UniprocExecutor(self.model_config, args.device, args.block_size)
+        num_blocks = self._num_kv_blocks()  # from the memory left before the weights load
         if args.compile:
             compile_torch_paths()
-        model = load_model(self.model_config, args.device)
-        self.model_runner = ModelRunner(self.model_config, model, num_blocks, args.block_size, args.device)
+        self.executor.load_model()
+        self.executor.initialize_cache(num_blocks)
         batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
         kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                             debug=os.environ.get("PAGEDLLM_DEBUG") == "1")
@@ -65,9 +67,14 @@ class LLMEngine:
         self.faults = FaultInjector.from_env()
         self.model_runner.fault_hook = self.faults.in_execute
 
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The in-process model runner (uniprocess executor): tests and benchmarks look inside it."""
+        return self.executor.driver_worker.model_runner
+
     def _num_kv_blocks(self) -> int:
         args = self.args
-        per_block = kv_cache_bytes_per_block(self.model_config, args.block_size)
+        per_block = self.executor.kv_cache_bytes_per_block()
         budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
         num_blocks = budget // per_block
         tokens = num_blocks * args.block_size
@@ -177,7 +184,7 @@ class LLMEngine:
         that request and the others go on. Rerunning is safe: a request's K/V slots are written with
         the same values, and nothing is sampled until a run succeeds."""
         try:
-            return self.model_runner.execute(scheduler_output), {}
+            return self.executor.execute_model(scheduler_output), {}
         except Exception as exc:  # noqa: BLE001 - pinned on requests below
             if len(scheduler_output.scheduled) == 1:
                 return ModelRunnerOutput(), {scheduler_output.scheduled[0].request_id: exc}
@@ -189,7 +196,7 @@ class LLMEngine:
         pending = dataclasses.replace(scheduler_output, scheduled=[])
         for scheduled in scheduler_output.scheduled:
             try:
-                part = self.model_runner.execute(dataclasses.replace(pending, scheduled=[scheduled]))
+                part = self.executor.execute_model(dataclasses.replace(pending, scheduled=[scheduled]))
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 failures[scheduled.request_id] = exc
                 continue

@@ -1,0 +1,30 @@
+"""Executor: what the engine asks of the workers, wherever they run.
+
+The engine sizes the KV cache from `kv_cache_bytes_per_block` and its memory budget, then has the
+workers load the model, allocate that many blocks, and execute each step. The uniprocess executor
+(uniproc.py) runs one worker in the engine's thread; a multiprocess or Ray executor (tensor
+parallelism) will start one worker per rank and gather rank 0's output.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    @abstractmethod
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV block takes on each worker (all layers, K and V)."""
+
+    @abstractmethod
+    def load_model(self) -> None:
+        ...
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        ...

@@ -1,0 +1,24 @@
+"""The uniprocess executor: one worker, called directly in the engine's thread."""
+from __future__ import annotations
+
+from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor.abstract import Executor
+from pagedllm.models.loader import ModelConfig
+from pagedllm.worker.worker import Worker
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, model_config: ModelConfig, device: str, block_size: int) -> None:
+        self.driver_worker = Worker(model_config, device, block_size)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.driver_worker.kv_cache_bytes_per_block()
+
+    def load_model(self) -> None:
+        self.driver_worker.load_model()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.driver_worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.driver_worker.execute_model(scheduler_output)
