@@ -61,6 +61,7 @@ class Request:
     last_logprobs: object | None = None
     # Speculative decoding: draft tokens proposed for the next step, verified by the runner.
     spec_token_ids: list[int] = field(default_factory=list)
+    num_reported_tokens: int = 0  # output tokens already sent out in an EngineCoreOutput
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -86,6 +87,7 @@ class Request:
                         pause_after_sample=self.pause_after_sample, first_scheduled_time=self.first_scheduled_time)
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
+        child.num_reported_tokens = self.num_reported_tokens  # the parent's tokens went out under its id
         child.append_output_token(token_id)
         return child
 

@@ -66,13 +66,12 @@ class BeamSearch:
                 error = self.engine.failed_requests.pop(beam.request_id, None)
                 if error is not None:
                     group.live.remove(beam)  # the engine has ended it already
-                    raise RuntimeError(f"beam search failed: {error}") from error
+                    raise RuntimeError(f"beam search failed: {error}")
 
     def _start(self, processed: ProcessedRequest) -> _Group:
         request_id = next(self._ids)
-        request = self.engine.make_request(request_id, processed, self.sampling)
+        request = self.engine.engine_core.add_request(self.engine.core_request(request_id, processed, self.sampling))
         request.pause_after_sample = True
-        self.scheduler.add_request(request)
         return _Group(processed, [_Beam(request_id, [], 0.0)])
 
     def _advance(self, group: _Group) -> None:

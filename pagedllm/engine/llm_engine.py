@@ -1,8 +1,7 @@
-"""LLMEngine: the synchronous engine. Requests in, one step at a time, RequestOutputs out.
+"""LLMEngine: the synchronous engine's frontend. Prompts in, one step at a time, RequestOutputs out.
 
-    scheduler_output = scheduler.schedule()
-    result = executor.execute_model(scheduler_output)
-    updated = scheduler.update(scheduler_output, result)
+It tokenizes and validates, fans n > 1 out into samples, and turns the engine core's plain
+outputs (engine/engine_core.py) into text, stop strings and RequestOutputs.
 """
 from __future__ import annotations
 
@@ -17,9 +16,10 @@ import torch
 
 from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.messages import EngineCoreRequest
+from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
-from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.layers.compile import compile_torch_paths
@@ -60,12 +60,18 @@ class LLMEngine:
         batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
         kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                             debug=os.environ.get("PAGEDLLM_DEBUG") == "1")
-        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len), kv)
+        scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len), kv)
+        self.faults = FaultInjector.from_env()
+        self.engine_core = EngineCore(scheduler, self.executor, self.faults)
+        self.model_runner.fault_hook = self.faults.in_execute
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self.failed_requests: dict[str, Exception] = {}  # requests no output carries (beams) -> why
-        self.faults = FaultInjector.from_env()
-        self.model_runner.fault_hook = self.faults.in_execute
+        self.failed_requests: dict[str, str] = {}  # requests no output carries (beams) -> why
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The core's scheduler, in this process: beam search pauses and forks its beams there."""
+        return self.engine_core.scheduler
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -112,17 +118,16 @@ class LLMEngine:
                     for i, child_id in enumerate(child_ids)]
         if params.n > 1 and processed.max_tokens > 0:
             # The prompt is computed once, by a leader; the samples fork from its blocks.
-            leader = self.make_request(request_id, processed, params)
-            leader.fork_children = children
-            self.scheduler.add_request(leader)
+            self.engine_core.add_request(self.core_request(request_id, processed, params, children))
         else:
             for child_id, child_params in children:
-                self.scheduler.add_request(self.make_request(child_id, processed, child_params))
+                self.engine_core.add_request(self.core_request(child_id, processed, child_params))
         return request_id
 
-    def make_request(self, request_id: str, processed: ProcessedRequest, params: SamplingParams) -> Request:
-        return Request(request_id, processed.prompt_token_ids, params, processed.max_tokens,
-                       self.model_config.eos_token_ids, cache_salt=processed.cache_salt)
+    def core_request(self, request_id: str, processed: ProcessedRequest, params: SamplingParams,
+                     fork_children: list[tuple[str, SamplingParams]] = ()) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id, processed.prompt_token_ids, params, processed.max_tokens,
+                                 self.model_config.eos_token_ids, processed.cache_salt, list(fork_children))
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -144,13 +149,12 @@ class LLMEngine:
         return text, token_ids
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)  # a leader, if any
-        for child_id in self.output_processor.child_ids(request_id):
-            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+        # The request itself (a leader of parallel samples, if any) and its samples.
+        self.engine_core.finish_requests([request_id, *self.output_processor.child_ids(request_id)])
         self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.engine_core.has_unfinished_requests()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults, as vLLM applies them."""
@@ -161,64 +165,24 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step. A failure in the model runner ends only the requests it can be pinned on; any
-        other exception (the scheduler's or the output processor's state) is the caller's: the
-        engine cannot go on."""
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            if self.scheduler.has_unfinished_requests():  # only paused requests hold the blocks
-                raise RuntimeError("no request can be scheduled: the KV cache is full of paused requests")
-            return []
-        result, failures = self._execute(scheduler_output)
-        failed = [self._fail(request_id, error) for request_id, error in failures.items()]
-        self.faults.after_execute()
-        updated = self.scheduler.update(scheduler_output, result)
-        outputs, stopped = self.output_processor.process(updated, result)
-        for request_id in stopped:
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        """One step of the core, its outputs turned into RequestOutputs. A request the core failed
+        ends with all of its samples (finish reason "error", the reason in RequestOutput.error)."""
+        core_outputs = self.engine_core.step()
+        failed = [self._fail(o.request_id, o.error) for o in core_outputs if o.error is not None]
+        outputs, stopped = self.output_processor.process([o for o in core_outputs if o.error is None])
+        self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs + [o for o in failed if o is not None]
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
-        """The step's forward pass and sampling; if it raises, each request again on its own, so that
-        one request's failure (a kernel error on its rows, a bad parameter that got through) ends
-        that request and the others go on. Rerunning is safe: a request's K/V slots are written with
-        the same values, and nothing is sampled until a run succeeds."""
-        try:
-            return self.executor.execute_model(scheduler_output), {}
-        except Exception as exc:  # noqa: BLE001 - pinned on requests below
-            if len(scheduler_output.scheduled) == 1:
-                return ModelRunnerOutput(), {scheduler_output.scheduled[0].request_id: exc}
-            logger.warning("a step of %d requests failed (%r): running them one at a time",
-                           len(scheduler_output.scheduled), exc)
-        merged, failures = ModelRunnerOutput(), {}
-        # Block copies and finished ids ride with the first run that succeeds (copies are idempotent
-        # until a forward pass writes into their targets).
-        pending = dataclasses.replace(scheduler_output, scheduled=[])
-        for scheduled in scheduler_output.scheduled:
-            try:
-                part = self.executor.execute_model(dataclasses.replace(pending, scheduled=[scheduled]))
-            except Exception as exc:  # noqa: BLE001 - this request's own failure
-                failures[scheduled.request_id] = exc
-                continue
-            merged.merge(part)
-            pending = dataclasses.replace(pending, finished_request_ids=set(), blocks_to_copy=[])
-        return merged, failures
-
-    def _fail(self, scheduler_id: str, error: Exception) -> RequestOutput | None:
-        """End a request (all of its parallel samples) whose step failed; its output says why."""
-        logger.error("request %s failed: %r", scheduler_id, error)
-        parent_id = self.output_processor.parent_of.get(scheduler_id, scheduler_id)
+    def _fail(self, core_id: str, error: str) -> RequestOutput | None:
+        parent_id = self.output_processor.parent_of.get(core_id, core_id)
         if parent_id not in self.output_processor.parents:  # a beam: its driver reads the error
-            self.scheduler.finish_request(scheduler_id, RequestStatus.FINISHED_ABORTED)
-            self.failed_requests[scheduler_id] = error
+            self.failed_requests[core_id] = error
             return None
-        self.scheduler.finish_request(parent_id, RequestStatus.FINISHED_ABORTED)
-        for child_id in self.output_processor.child_ids(parent_id):
-            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.fail(parent_id, f"{type(error).__name__}: {error}")
+        self.engine_core.finish_requests([parent_id, *self.output_processor.child_ids(parent_id)])
+        return self.output_processor.fail(parent_id, error)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return self.engine_core.stats()
 
 
 def physical_cores() -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.core.request import Request
-from pagedllm.core.step import ModelRunnerOutput, TokenLogprobs
+from pagedllm.core.messages import EngineCoreOutput
+from pagedllm.core.step import TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -96,26 +96,25 @@ class OutputProcessor:
             output.error = error
         return output
 
-    def process(self, updated: list[Request], result: ModelRunnerOutput) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to hand out and the scheduler ids that a stop string finished."""
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to hand out and the core's request ids that a stop string finished."""
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
-        for request in updated:
-            parent = self.parents.get(self.parent_of.get(request.request_id, ""))
+        for core in core_outputs:
+            parent = self.parents.get(self.parent_of.get(core.request_id, core.request_id))
             if parent is None:
                 continue
-            self._record_prompt_logprobs(parent, result.prompt_logprobs.get(request.request_id))
-            if parent.queue_time is None and request.first_scheduled_time is not None:
-                parent.queue_time = request.first_scheduled_time - request.arrival_time
-            sample = parent.samples.get(request.request_id)
+            self._record_prompt_logprobs(parent, core.new_prompt_logprobs)
+            if parent.queue_time is None:
+                parent.queue_time = core.queue_time
+            sample = parent.samples.get(core.request_id)
             if sample is None:
                 continue  # the prompt's leader of parallel samples: only prompt logprobs
-            new = request.output_token_ids[len(sample.token_ids):]  # the step's tokens, if any
-            if new and self._record_tokens(sample, new, result.logprobs.get(request.request_id)):
-                stopped.append(request.request_id)
-            elif request.status.finished:
-                sample.finish_reason = request.status.finish_reason
-                sample.stop_reason = request.stop_reason
+            new = core.new_token_ids
+            if new and self._record_tokens(sample, new, core.new_logprobs):
+                stopped.append(core.request_id)
+            elif core.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = core.finish_reason, core.stop_reason
             elif not new:
                 continue  # a prefill chunk: nothing to tell yet
             touched[parent.request_id] = parent
