@@ -85,11 +85,11 @@ def test_drafts_never_change_the_output_and_rollback_leaves_nothing_behind(w):
         for request in scheduler.running:  # the proposer: k drafts, the first `right` of them correct
             right = w["right"][proposals % len(w["right"])]
             proposals += 1
-            context = list(request.all_token_ids)
+            context, drafts = list(request.all_token_ids), []
             for j in range(w["k"]):
-                token = model_token(context) if j < right else model_token(context) % (VOCAB - 1) + 1
-                request.spec_token_ids.append(token)
-                context.append(token)
+                drafts.append(model_token(context) if j < right else model_token(context) % (VOCAB - 1) + 1)
+                context.append(drafts[-1])
+            request.spec_token_ids = drafts  # a proposal replaces one the budget left unscheduled
         output = scheduler.schedule()
         assert output.num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
