@@ -59,7 +59,8 @@ class Request:
     # Beam search: after each step keep the logprobs and pause instead of taking a token.
     pause_after_sample: bool = False
     last_logprobs: object | None = None
-    # Speculative decoding: draft tokens proposed for the next step, verified by the runner.
+    # Speculative decoding: draft tokens for the next step, verified by the runner. A proposer sets
+    # (replaces) them before each schedule(); the scheduler clears them once scheduled.
     spec_token_ids: list[int] = field(default_factory=list)
     num_reported_tokens: int = 0  # output tokens already sent out in an EngineCoreOutput
 
