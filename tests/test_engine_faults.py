@@ -14,7 +14,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 def llm(llama_dir):
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_model_len=128)
     llm.engine.faults.token = FAULT  # as PAGEDLLM_FAULT=token:4242 would set it
-    llm.engine.model_runner.fault_hook = llm.engine.faults.in_execute
     return llm
 
 

@@ -67,7 +67,7 @@ class EngineCore:
         that request and the others go on. Rerunning is safe: a request's K/V slots are written with
         the same values, and nothing is sampled until a run succeeds."""
         try:
-            return self.executor.execute_model(scheduler_output), {}
+            return self._run(scheduler_output), {}
         except Exception as exc:  # noqa: BLE001 - pinned on requests below
             if len(scheduler_output.scheduled) == 1:
                 return ModelRunnerOutput(), {scheduler_output.scheduled[0].request_id: exc}
@@ -79,13 +79,17 @@ class EngineCore:
         pending = dataclasses.replace(scheduler_output, scheduled=[])
         for scheduled in scheduler_output.scheduled:
             try:
-                part = self.executor.execute_model(dataclasses.replace(pending, scheduled=[scheduled]))
+                part = self._run(dataclasses.replace(pending, scheduled=[scheduled]))
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 failures[scheduled.request_id] = exc
                 continue
             merged.merge(part)
             pending = dataclasses.replace(pending, finished_request_ids=set(), blocks_to_copy=[])
         return merged, failures
+
+    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.faults.in_execute(scheduler_output)  # tests' injected faults, as if the executor raised
+        return self.executor.execute_model(scheduler_output)
 
     def _fail(self, request_id: str, error: Exception) -> EngineCoreOutput:
         logger.error("request %s failed: %r", request_id, error)

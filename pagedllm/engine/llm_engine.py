@@ -63,7 +63,6 @@ class LLMEngine:
         scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len), kv)
         self.faults = FaultInjector.from_env()
         self.engine_core = EngineCore(scheduler, self.executor, self.faults)
-        self.model_runner.fault_hook = self.faults.in_execute
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.failed_requests: dict[str, str] = {}  # requests no output carries (beams) -> why

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
@@ -32,14 +31,11 @@ class ModelRunner:
                            torch.zeros(shape, dtype=model_config.dtype, device=self.device))
                           for _ in range(hf.num_hidden_layers)]
         self.sampler = Sampler()
-        self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests' injected faults
         if self.device.type == "cpu":
             cpu_ops()  # build (or load) the kernels now, not inside the first request's time
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.fault_hook is not None:
-            self.fault_hook(output)
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self._prepare(output.scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
