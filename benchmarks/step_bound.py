@@ -63,7 +63,7 @@ def record_steps(engine) -> list[StepRecord]:
     """Wrap the engine's step so that each one's request and wall time are appended to the list
     returned (the work is counted after the run, off the timed path)."""
     steps: list[StepRecord] = []
-    schedule, step = engine.scheduler.schedule, engine.step
+    schedule, step = engine.engine_core.scheduler.schedule, engine.step
     block_size = engine.args.block_size
 
     def recording_schedule():
@@ -81,7 +81,7 @@ def record_steps(engine) -> list[StepRecord]:
             steps[-1].seconds = time.perf_counter() - start
         return outputs
 
-    engine.scheduler.schedule, engine.step = recording_schedule, timed_step
+    engine.engine_core.scheduler.schedule, engine.step = recording_schedule, timed_step
     return steps
 
 

@@ -38,8 +38,8 @@ def main() -> None:
     engine = LLM(args.model).engine
     runner = engine.model_runner
     totals: dict[str, float] = collections.defaultdict(float)
-    engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)
-    engine.scheduler.update = timed(totals, "scheduler update", engine.scheduler.update)
+    engine.engine_core.scheduler.schedule = timed(totals, "schedule", engine.engine_core.scheduler.schedule)
+    engine.engine_core.scheduler.update = timed(totals, "scheduler update", engine.engine_core.scheduler.update)
     engine.output_processor.process = timed(totals, "outputs (detokenize, stops)", engine.output_processor.process)
     runner._prepare = timed(totals, "batch tensors", runner._prepare)
     runner.model.forward = timed(totals, "forward pass", runner.model.forward)

@@ -34,9 +34,11 @@ def test_the_failing_request_alone_ends_with_an_error(llm):
     assert _all_blocks_free(llm)
 
 
-def test_a_failing_request_with_parallel_samples_ends_every_sample(llm):
+# The fault in the held prompt the samples fork from, or in the last prompt token each sample computes.
+@pytest.mark.parametrize("prompt", [[FAULT, 7, 8], [7, 8, FAULT]])
+def test_a_failing_request_with_parallel_samples_ends_every_sample(llm, prompt):
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
-    failed, fine = llm.generate([{"prompt_token_ids": [FAULT, 7, 8]}, "hello"], params, use_tqdm=False)
+    failed, fine = llm.generate([{"prompt_token_ids": prompt}, "hello"], params, use_tqdm=False)
     assert [s.finish_reason for s in failed.outputs] == ["error"] * 3 and failed.error
     assert [s.finish_reason for s in fine.outputs] == ["length"] * 3
     assert _all_blocks_free(llm)

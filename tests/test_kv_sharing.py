@@ -81,8 +81,9 @@ def test_parallel_samples_prefill_once_and_are_reproducible(llama_dir):
     prompt = _prompts()[0]
     params = SamplingParams(n=4, seed=3, temperature=1.0, max_tokens=6, ignore_eos=True)
     first = llm.generate([prompt], params, use_tqdm=False)[0]
-    # One pass over the 41-token prompt, then 5 decode steps of 4 sequences.
-    assert computed == [len(prompt)] + [4] * 5
+    # One pass over the 41-token prompt but its last token; then 6 steps of the 4 samples: the
+    # first computes that last token for each (logits to draw its first token from).
+    assert computed == [len(prompt) - 1] + [4] * 6
     samples = [o.token_ids for o in first.outputs]
     assert len(set(map(tuple, samples))) > 1 and all(len(s) == 6 for s in samples)
     again = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -128,7 +129,7 @@ def test_beam_search_matches_transformers(llama_dir, beam_width, length_penalty)
         torch.testing.assert_close(torch.tensor(scores), expected.sequences_scores.float(), atol=1e-4, rtol=1e-4)
         assert all(s.cum_logprob / 6 ** length_penalty == pytest.approx(s.score) for s in output.sequences)
     stats = llm.engine.stats()
-    assert stats.kv_blocks_free == stats.kv_blocks_total and not llm.engine.scheduler.paused
+    assert stats.kv_blocks_free == stats.kv_blocks_total and not llm.engine.engine_core.scheduler.held
 
 
 def test_cache_salt_keeps_prefixes_apart(llama_dir):

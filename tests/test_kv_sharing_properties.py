@@ -25,6 +25,7 @@ class FakeRunner:
         self.slots: dict[int, int] = {}  # slot -> token id written there
         self.bs = kv.block_size
         self.seed = seed
+        self.logprobs: dict[str, TokenLogprobs] = {}  # request id -> its last sample's
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for src, dst in output.blocks_to_copy:
@@ -40,11 +41,11 @@ class FakeRunner:
             seen = [self.slots.get(r.block_ids[p // self.bs] * self.bs + p % self.bs) for p in range(end)]
             assert seen == r.all_token_ids[:end], f"{r.request_id} reads foreign KV"
             if r.sample:
-                for i, (rid, _) in enumerate(r.fork_samples or [(r.request_id, None)]):
-                    token = (sum(r.all_token_ids) * 31 + i + self.seed) % 50 + 3
-                    result.sampled_token_ids[rid] = [token]
-                    result.logprobs[rid] = [TokenLogprobs([token, token, token + 1, token + 2],
-                                                          [-0.1, -0.1, -1.0, -2.0], [1, 1, 2, 3])]
+                token = (sum(r.all_token_ids) * 31 + len(r.request_id) + self.seed) % 50 + 3
+                result.sampled_token_ids[r.request_id] = [token]
+                result.logprobs[r.request_id] = [TokenLogprobs([token, token, token + 1, token + 2],
+                                                               [-0.1, -0.1, -1.0, -2.0], [1, 1, 2, 3])]
+                self.logprobs[r.request_id] = result.logprobs[r.request_id][0]
         return result
 
 
@@ -58,7 +59,7 @@ def _check_pool(kv: KVCacheManager, scheduler: Scheduler, runner: FakeRunner) ->
         assert kv.pool.is_free(block) == (block.ref_cnt == 0)
         if block.block_hash is not None:
             assert kv.pool.cached[block.block_hash] is block
-    for request in list(scheduler.running) + list(scheduler.paused.values()):
+    for request in list(scheduler.running) + list(scheduler.held.values()):
         # A cached block holds exactly the tokens its hash was made from.
         bs = kv.block_size
         for i, (block, block_hash) in enumerate(zip(kv.req_blocks.get(request.request_id, []), request.block_hashes)):
@@ -68,10 +69,13 @@ def _check_pool(kv: KVCacheManager, scheduler: Scheduler, runner: FakeRunner) ->
 
 
 def _check_prefix_computed_once(kv: KVCacheManager, scheduler: Scheduler, output: SchedulerOutput) -> None:
-    """No full prompt block (by content hash) is computed by two requests in the same step."""
+    """No full prompt block (by content hash) is computed by two requests in the same step (but for
+    the prompt's last token, which each parallel sample computes into its own copy of the block)."""
     written: set[int] = set()
     for s in output.scheduled:
         request = scheduler.requests[s.request_id]
+        if s.start_pos == request.num_prompt_tokens - 1:
+            continue
         num_full = request.num_prompt_tokens // kv.block_size
         end = min(s.start_pos + len(s.new_token_ids), request.num_prompt_tokens)
         for index, block_hash in enumerate(kv._block_hashes(request, num_full)):
@@ -106,7 +110,8 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
     scheduler = Scheduler(SchedulerConfig(8, w["budget"], MAX_MODEL_LEN), kv)
     runner = FakeRunner(kv, w["seed"])
     common = list(range(100, 120))
-    beams: dict[str, str] = {}  # live beam request id -> its group
+    beams: dict[str, tuple[str, int]] = {}  # live beam request id -> (its group, beam tokens so far)
+    samples: dict[str, list[Request]] = {}  # held prompt -> the parallel samples to fork from it
     pending = sorted(enumerate(w["requests"]), key=lambda x: x[1]["arrival"])
     ids = iter(range(10**6))
     for step in range(3000):
@@ -114,30 +119,39 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
             i, spec = pending.pop(0)
             prompt = common[:spec["prefix"]] + [200 + i] * spec["own"]
             params = SamplingParams(n=spec["n"], max_tokens=spec["max_tokens"], seed=i)
-            request = Request(f"r{i}", prompt, params, spec["max_tokens"])
-            if spec["beam"]:
-                request.pause_after_sample = True
-                beams[request.request_id] = f"r{i}"
-            elif spec["n"] > 1:
-                request.fork_children = [(f"{c}_r{i}", params) for c in range(spec["n"])]
-            scheduler.add_request(request)
+            if spec["beam"]:  # one held token a step
+                scheduler.add_request(Request(f"r{i}", prompt, params, 1, hold=True))
+                beams[f"r{i}"] = (f"r{i}", 1)
+            elif spec["n"] > 1 and len(prompt) > 1:  # the prompt but its last token, held for the samples
+                scheduler.add_request(Request(f"r{i}", prompt[:-1], params, 0, hold=True))
+                samples[f"r{i}"] = [Request(f"{c}_r{i}", prompt, params, spec["max_tokens"]) for c in range(spec["n"])]
+            else:
+                scheduler.add_request(Request(f"r{i}", prompt, params, spec["max_tokens"]))
         for i, spec in enumerate(w["requests"]):
             if spec["abort_at"] == step:
-                for rid in [r for r in list(scheduler.requests) if r.endswith(f"r{i}") or beams.get(r) == f"r{i}"]:
+                samples.pop(f"r{i}", None)
+                for rid in [r for r in list(scheduler.requests) if r.endswith(f"r{i}") or beams.get(r, ("",))[0] == f"r{i}"]:
                     scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        for prompt_id in [p for p in samples if p in scheduler.held]:
+            for sample in samples.pop(prompt_id):
+                scheduler.add_request(sample, fork_of=prompt_id)
+            scheduler.finish_request(prompt_id, RequestStatus.FINISHED_ABORTED)  # released
         if not scheduler.has_unfinished_requests():
-            # Every beam has paused: each group keeps two beams, forked from its first parents.
+            # Every beam is held: each group keeps two beams, forked from its first parents.
             groups: dict[str, list[str]] = {}
-            for parent_id, group in beams.items():
+            for parent_id, (group, _) in beams.items():
                 groups.setdefault(group, []).append(parent_id)
-            beams.clear()
+            parents_of, beams = beams, {}
             for group, parent_ids in groups.items():
-                parents = [scheduler.paused[p] for p in parent_ids if p in scheduler.paused]
-                pairs = [(p, t) for p in parents for t in p.last_logprobs.token_ids[1:3]][:2]
+                parents = [scheduler.held[p] for p in parent_ids if p in scheduler.held]
+                pairs = [(p, t) for p in parents for t in runner.logprobs[p.request_id].token_ids[1:3]][:2]
                 for parent, token in pairs:
-                    if parent.num_output_tokens + 1 < parent.max_tokens:
-                        child = scheduler.fork_paused(parent.request_id, f"b{next(ids)}", token)
-                        beams[child.request_id] = group
+                    depth = parents_of[parent.request_id][1]
+                    if depth + 1 < parent.sampling_params.max_tokens:
+                        child_id = f"b{next(ids)}"
+                        scheduler.add_request(Request(child_id, parent.all_token_ids[:-1] + [token],
+                                                      parent.sampling_params, 1, hold=True), fork_of=parent.request_id)
+                        beams[child_id] = (group, depth + 1)
                 for parent in parents:
                     scheduler.finish_request(parent.request_id, RequestStatus.FINISHED_ABORTED)
             if not scheduler.has_unfinished_requests() and not pending:
@@ -151,6 +165,6 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
         _check_pool(kv, scheduler, runner)
     else:
         raise AssertionError("the workload never finished")
-    assert not scheduler.paused and not kv.req_blocks
+    assert not scheduler.held and not kv.req_blocks
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)

@@ -21,8 +21,10 @@ class EngineCoreRequest:
     max_tokens: int  # resolved: never None, never past the model's context
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
-    # n > 1: the samples' (id, params), forked from this request once its prompt is computed.
-    fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    # Keep the blocks once finished, until released (finish_requests), for requests forked from it.
+    hold: bool = False
+    # A held request whose computed tokens begin this prompt: start from its blocks.
+    fork_of: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
 

@@ -15,7 +15,6 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
-    PAUSED = enum.auto()  # computed and holding its blocks; waits for a driver (beam search)
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -53,12 +52,9 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     cache_salt: str | None = None  # keeps prefix-cache sharing within those who know the salt
-    # Parallel samples: (id, params) of children forked from this request once its prompt is
-    # computed, each with a first token sampled from the same logits.
-    fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
-    # Beam search: after each step keep the logprobs and pause instead of taking a token.
-    pause_after_sample: bool = False
-    last_logprobs: object | None = None
+    # Once finished, keep the blocks (held) until the frontend releases the request: it forks
+    # other requests from them (the prompt of parallel samples, beams between steps).
+    hold: bool = False
     # Speculative decoding: draft tokens for the next step, verified by the runner. A proposer sets
     # (replaces) them before each schedule(); the scheduler clears them once scheduled.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -79,18 +75,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    def fork(self, request_id: str, sampling_params: SamplingParams, token_id: int) -> Request:
-        """A copy that goes on from this request's tokens with `token_id` appended."""
-        child = Request(request_id, self.prompt_token_ids, sampling_params, self.max_tokens, self.eos_token_ids,
-                        self.arrival_time, self.arrival_seq, list(self.output_token_ids),
-                        self.num_computed_tokens, RequestStatus.RUNNING, cache_salt=self.cache_salt,
-                        pause_after_sample=self.pause_after_sample, first_scheduled_time=self.first_scheduled_time)
-        child.all_token_ids = list(self.all_token_ids)
-        child.block_hashes = list(self.block_hashes)
-        child.num_reported_tokens = self.num_reported_tokens  # the parent's tokens went out under its id
-        child.append_output_token(token_id)
-        return child
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -6,6 +6,11 @@ prompt block another running request is computing waits for it to be cached rath
 computing it again (many requests sharing a system prompt arrive together). When the pool runs
 dry, the most recently arrived running request is preempted: its blocks are freed and it is
 recomputed later.
+
+A request may ask to be held: once finished it keeps its blocks until the frontend releases it,
+and new requests can fork from it (take references to its blocks for the tokens it computed and
+go on from there). That is all the core knows of parallel samples and beam search, which the
+frontend drives (engine/llm_engine.py, engine/beam_search.py).
 """
 from __future__ import annotations
 
@@ -40,24 +45,46 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept sorted by arrival, so the newest is last
         self.requests: dict[str, Request] = {}
-        self.paused: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # finished, keeping their blocks for forks
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork_of: str | None = None) -> None:
+        """Queue a request. `fork_of`: a held request whose computed tokens begin this one's; the
+        new request shares those blocks and computes only the rest (all of it if the parent is
+        gone or gave its blocks up meanwhile)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine core")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        parent = self.held.get(fork_of) if fork_of is not None else None
+        if parent is None or not self._fork(parent, request):
+            self.waiting.append(request)
+
+    def _fork(self, parent: Request, child: Request) -> bool:
+        computed = parent.num_computed_tokens
+        if (computed == 0 or computed >= child.num_tokens or child.cache_salt != parent.cache_salt
+                or child.all_token_ids[:computed] != parent.all_token_ids[:computed]):
+            return False
+        self.kv.fork(parent, child)
+        child.block_hashes = parent.block_hashes[:computed // self.kv.block_size]  # same tokens, same salt
+        child.num_computed_tokens = computed
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = time.monotonic()
+        bisect.insort(self.running, child, key=lambda r: r.arrival_seq)
+        return True
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
-        """End a request from outside (abort, stop string); unknown or finished ids are ignored."""
+        """End a request from outside (abort, stop string) or release a held one; unknown or
+        finished ids are ignored."""
         request = self.requests.get(request_id)
+        if request is not None and self.held.pop(request_id, None) is not None:
+            self._release(request)
+            return
         if request is None or request.status.finished:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status == RequestStatus.PAUSED:
-            del self.paused[request_id]
         else:
             self.waiting.remove(request)
         request.status = status
@@ -94,8 +121,8 @@ class Scheduler:
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, computed):
-                if not self.running and self._drop_paused_blocks():
-                    continue  # nothing runs: paused requests must make room, or no one moves
+                if not self.running and self._drop_held_blocks():
+                    continue  # nothing runs: held requests must make room, or no one moves
                 break
             request.num_computed_tokens += num_cached
             self.waiting.popleft()
@@ -112,17 +139,18 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         """Allocate for `request`, preempting the newest running requests until it fits."""
         while not self.kv.allocate_slots(request, num_new):
-            if self._drop_paused_blocks():
-                continue  # paused requests compute nothing now: they give way first
+            if self._drop_held_blocks():
+                continue  # held requests compute nothing now: they give way first
             victim = self.running.pop()
             self._preempt(victim)
             if victim is request:
                 return False
         return True
 
-    def _drop_paused_blocks(self) -> bool:
-        """Free the newest paused request's blocks (it keeps its logprobs); False if none hold any."""
-        holders = [r for r in self.paused.values() if self.kv.req_blocks.get(r.request_id)]
+    def _drop_held_blocks(self) -> bool:
+        """Free the newest held request's blocks (its forks will compute everything); False if none
+        hold any."""
+        holders = [r for r in self.held.values() if self.kv.req_blocks.get(r.request_id)]
         if not holders:
             return False
         request = max(holders, key=lambda r: r.arrival_seq)
@@ -163,7 +191,6 @@ class Scheduler:
                 num_output_tokens=request.num_output_tokens,
                 sample=start + num_new >= request.num_tokens,
                 eos_token_ids=request.eos_token_ids,
-                fork_samples=request.fork_children,
                 num_spec_tokens=len(drafts),
             ))
             request.num_computed_tokens += num_new
@@ -183,13 +210,7 @@ class Scheduler:
             if not scheduled.sample:
                 self.kv.cache_full_blocks(request)
                 continue  # a prefill chunk: nothing sampled yet
-            if request.fork_children:
-                self.kv.cache_full_blocks(request)
-                touched += self._fork_children(request, result)
-            elif request.pause_after_sample:
-                self.kv.cache_full_blocks(request)
-                self._pause(request, result)
-            elif not self._accept(request, scheduled, result.sampled_token_ids.get(request.request_id, [])):
+            if not self._accept(request, scheduled, result.sampled_token_ids.get(request.request_id, [])):
                 self.kv.cache_full_blocks(request)  # after the accepted tokens joined all_token_ids
         return touched
 
@@ -215,42 +236,16 @@ class Scheduler:
 
     def _finish_running(self, request: Request) -> None:
         self.running.remove(request)
-        self._release(request)
-
-    def _fork_children(self, leader: Request, result: ModelRunnerOutput) -> list[Request]:
-        """The prompt is computed once: each parallel sample goes on from the leader's blocks."""
-        children = [self._add_fork(leader, child_id, params, result.sampled_token_ids[child_id][0])
-                    for child_id, params in leader.fork_children]
-        leader.fork_children = []
-        leader.status = RequestStatus.FINISHED_STOPPED
-        self._finish_running(leader)
-        return children
-
-    def _add_fork(self, parent: Request, child_id: str, params, token: int) -> Request:
-        child = parent.fork(child_id, params, token)
-        self.requests[child_id] = child
-        if child.check_stop():
-            child.num_computed_tokens = 0
-            self._release(child)
-        elif parent.num_computed_tokens == 0:  # the parent's blocks were dropped: recompute
-            child.num_computed_tokens = 0
-            child.status = RequestStatus.WAITING
-            self.waiting.appendleft(child)
-        else:
-            self.kv.fork(parent, child)
-            bisect.insort(self.running, child, key=lambda r: r.arrival_seq)
-        return child
-
-    def _pause(self, request: Request, result: ModelRunnerOutput) -> None:
-        request.last_logprobs = result.logprobs.get(request.request_id, [None])[0]
-        request.status = RequestStatus.PAUSED
-        self.running.remove(request)
-        self.paused[request.request_id] = request
-
-    def fork_paused(self, parent_id: str, child_id: str, token: int) -> Request:
-        """A new running request that goes on from a paused one with `token` appended."""
-        parent = self.paused[parent_id]
-        return self._add_fork(parent, child_id, parent.sampling_params, token)
+        if not request.hold:
+            self._release(request)
+            return
+        # Held: its blocks stay for forks, covering only its own tokens (drafts accepted past a stop
+        # were computed, then dropped).
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        self.kv.trim(request)
+        self.kv.cache_full_blocks(request)
+        self.held[request.request_id] = request
+        self._finished_ids.add(request.request_id)  # it runs no more: the runner's state can go
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)

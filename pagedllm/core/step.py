@@ -18,8 +18,6 @@ class ScheduledRequest:
     num_output_tokens: int
     sample: bool  # this chunk reaches the last known token: sample the next one
     eos_token_ids: frozenset[int] = frozenset()
-    # Parallel samples forked at this step: sample once per (child id, params) from this row.
-    fork_samples: list[tuple[str, SamplingParams]] = field(default_factory=list)
     # The last `num_spec_tokens` of new_token_ids are draft tokens to verify (speculative decoding):
     # the runner answers with the drafts it accepts, in order, then one token of its own.
     num_spec_tokens: int = 0

@@ -1,10 +1,11 @@
 """Beam search over the engine's requests.
 
-Each beam is a request that pauses after every step, holding its blocks and its top-2k logprobs.
-The driver then takes the k best continuations across a prompt's beams and forks each from its
-parent beam: a fork shares all the parent's blocks (the partial last one is copied on the first
-write), and the parents are then dropped, which frees what only they held. The prompt is
-computed once.
+Each beam is a one-token engine-core request that is held when it finishes: it keeps its blocks,
+and its output brings the top-2k logprobs of the next position. The driver then takes the k best
+continuations across a prompt's beams and starts each as a new request forked from its parent
+beam (it shares all the parent's blocks; the partial last one is copied on the first write), and
+releases the parents, which frees what only they held. The prompt is computed once. The driver
+talks to the engine core only through its messages (LLMEngine.add_driven_request).
 
 Selection follows Hugging Face's beam search: candidates ranked by cumulative logprob; an EOS
 candidate ranked within the top k ends a hypothesis; hypotheses are scored at the end by
@@ -15,7 +16,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from pagedllm.core.request import RequestStatus
+import dataclasses
+
+from pagedllm.core.messages import EngineCoreOutput
+from pagedllm.core.step import TokenLogprobs
 from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -26,6 +30,7 @@ class _Beam:
     request_id: str
     tokens: list[int]  # generated so far
     cum_logprob: float
+    next_logprobs: TokenLogprobs | None = None  # of the position after `tokens`, once computed
 
 
 @dataclass
@@ -39,19 +44,21 @@ class BeamSearch:
     def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
         self.engine = engine
         self.params = params
-        self.scheduler = engine.scheduler
         self._ids = (f"beam-{i}" for i in itertools.count())
         # Greedy with the top 2k logprobs; EOS is the driver's business, not the scheduler's.
         self.sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens, logprobs=2 * params.beam_width,
                                        ignore_eos=True, detokenize=False)
+        self._live: dict[str, _Beam] = {}  # request id -> beam, while its step is to come
+        self._error: str | None = None
 
     def run(self, prompts: list[str | list[int]]) -> list[BeamSearchOutput]:
         groups = [self._start(self.engine.process_inputs(p, self.sampling)) for p in prompts]
         try:
             while any(g.live for g in groups):
-                while self.scheduler.has_unfinished_requests():
+                while self._live:
                     self.engine.step()
-                    self._raise_failures(groups)
+                    if self._error is not None:
+                        raise RuntimeError(f"beam search failed: {self._error}")
                 for group in groups:
                     if group.live:
                         self._advance(group)
@@ -60,19 +67,24 @@ class BeamSearch:
                 self._drop(group.live)
         return [self._output(g) for g in groups]
 
-    def _raise_failures(self, groups: list[_Group]) -> None:
-        for group in groups:
-            for beam in group.live:
-                error = self.engine.failed_requests.pop(beam.request_id, None)
-                if error is not None:
-                    group.live.remove(beam)  # the engine has ended it already
-                    raise RuntimeError(f"beam search failed: {error}")
-
     def _start(self, processed: ProcessedRequest) -> _Group:
-        request_id = next(self._ids)
-        request = self.engine.engine_core.add_request(self.engine.core_request(request_id, processed, self.sampling))
-        request.pause_after_sample = True
-        return _Group(processed, [_Beam(request_id, [], 0.0)])
+        beam = _Beam(next(self._ids), [], 0.0)
+        self._submit(beam, processed, None)
+        return _Group(processed, [beam])
+
+    def _submit(self, beam: _Beam, processed: ProcessedRequest, parent: str | None) -> None:
+        """Ask for the beam's next position: one held token after the prompt and the beam's tokens."""
+        prompt = dataclasses.replace(processed, prompt_token_ids=processed.prompt_token_ids + beam.tokens,
+                                     max_tokens=1)
+        self._live[beam.request_id] = beam
+        self.engine.add_driven_request(self.engine.core_request(beam.request_id, prompt, self.sampling,
+                                                                hold=True, fork_of=parent), self._on_output)
+
+    def _on_output(self, output: EngineCoreOutput) -> None:
+        if output.error is not None:
+            self._error = output.error
+        elif output.finish_reason is not None:
+            self._live.pop(output.request_id).next_logprobs = output.new_logprobs[0]
 
     def _advance(self, group: _Group) -> None:
         k = self.params.beam_width
@@ -93,15 +105,15 @@ class BeamSearch:
             chosen = []
         new_live = []
         for cum, beam, token in chosen:
-            child = self.scheduler.fork_paused(beam.request_id, next(self._ids), token)
-            new_live.append(_Beam(child.request_id, beam.tokens + [token], cum))
+            child = _Beam(next(self._ids), beam.tokens + [token], cum)
+            self._submit(child, group.processed, beam.request_id)
+            new_live.append(child)
         self._drop(group.live)
         group.live = new_live
 
     def _candidates(self, beams: list[_Beam]):
         for beam in beams:
-            logprobs = self.scheduler.paused[beam.request_id].last_logprobs
-            seen = set()
+            logprobs, seen = beam.next_logprobs, set()
             for token, value in zip(logprobs.token_ids, logprobs.logprobs):
                 if token not in seen:  # the chosen token comes first, then again in the top k
                     seen.add(token)
@@ -109,7 +121,8 @@ class BeamSearch:
 
     def _drop(self, beams: list[_Beam]) -> None:
         for beam in beams:
-            self.scheduler.finish_request(beam.request_id, RequestStatus.FINISHED_ABORTED)
+            self._live.pop(beam.request_id, None)
+        self.engine.finish_core_requests([beam.request_id for beam in beams])
 
     def _output(self, group: _Group) -> BeamSearchOutput:
         eos = self.engine.model_config.eos_token_ids

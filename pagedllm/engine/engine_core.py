@@ -27,15 +27,15 @@ class EngineCore:
         self.faults = faults or FaultInjector()
 
     # -- requests in and out ---------------------------------------------------------------------
-    def add_request(self, message: EngineCoreRequest) -> Request:
+    def add_request(self, message: EngineCoreRequest) -> None:
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           message.max_tokens, message.eos_token_ids, arrival_time=message.arrival_time,
-                          cache_salt=message.cache_salt, fork_children=list(message.fork_children))
-        self.scheduler.add_request(request)
-        return request
+                          cache_salt=message.cache_salt, hold=message.hold)
+        self.scheduler.add_request(request, message.fork_of)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """End requests from outside (abort, a stop string the frontend found); unknown ids are ignored."""
+        """End requests from outside (abort, a stop string the frontend found) or release held ones;
+        unknown ids are ignored."""
         for request_id in request_ids:
             self.scheduler.finish_request(request_id, status)
 
@@ -52,8 +52,8 @@ class EngineCore:
         caller's engine cannot go on."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if self.scheduler.has_unfinished_requests():  # only paused requests hold the blocks
-                raise RuntimeError("no request can be scheduled: the KV cache is full of paused requests")
+            if self.scheduler.has_unfinished_requests():  # held blocks give way: this is a bug
+                raise RuntimeError("no request can be scheduled though some are waiting")
             return []
         result, failures = self._execute(scheduler_output)
         failed = [self._fail(request_id, error) for request_id, error in failures.items()]

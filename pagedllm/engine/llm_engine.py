@@ -1,13 +1,19 @@
 """LLMEngine: the synchronous engine's frontend. Prompts in, one step at a time, RequestOutputs out.
 
 It tokenizes and validates, fans n > 1 out into samples, and turns the engine core's plain
-outputs (engine/engine_core.py) into text, stop strings and RequestOutputs.
+outputs (engine/engine_core.py) into text, stop strings and RequestOutputs. It reaches the core
+only through messages: requests in (add, finish), outputs out of each step.
+
+Parallel samples share their prompt's KV blocks: a held request computes the prompt but its last
+token, then each sample forks from it (core/scheduler.py) and computes that token itself, which
+gives it logits to draw its own first token from.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
 import logging
 import os
 
@@ -16,7 +22,7 @@ import torch
 
 from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.messages import EngineCoreRequest
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.engine_core import EngineCore
@@ -65,12 +71,10 @@ class LLMEngine:
         self.engine_core = EngineCore(scheduler, self.executor, self.faults)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self.failed_requests: dict[str, str] = {}  # requests no output carries (beams) -> why
-
-    @property
-    def scheduler(self) -> Scheduler:
-        """The core's scheduler, in this process: beam search pauses and forks its beams there."""
-        return self.engine_core.scheduler
+        # Held prompts of parallel samples -> the samples to fork from them once computed.
+        self._forks: dict[str, list[EngineCoreRequest]] = {}
+        # Core requests a driver runs itself (beam search): their outputs go to it, not to users.
+        self._drivers: dict[str, Callable[[EngineCoreOutput], None]] = {}
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -113,20 +117,36 @@ class LLMEngine:
         params = processed.params
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add(request_id, processed.prompt, processed.prompt_token_ids, params, child_ids)
-        children = [(child_id, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i))
-                    for i, child_id in enumerate(child_ids)]
-        if params.n > 1 and processed.max_tokens > 0:
-            # The prompt is computed once, by a leader; the samples fork from its blocks.
-            self.engine_core.add_request(self.core_request(request_id, processed, params, children))
-        else:
-            for child_id, child_params in children:
-                self.engine_core.add_request(self.core_request(child_id, processed, child_params))
+        samples = [self.core_request(child_id, processed, params if params.seed is None else
+                                     dataclasses.replace(params, seed=params.seed + i))
+                   for i, child_id in enumerate(child_ids)]
+        # The prompt computed once (prompt logprobs are each sample's own: computed whole, as asked).
+        if params.n > 1 and processed.max_tokens > 0 and len(processed.prompt_token_ids) > 1 \
+                and params.prompt_logprobs is None:
+            prompt = dataclasses.replace(processed, prompt_token_ids=processed.prompt_token_ids[:-1], max_tokens=0)
+            self.engine_core.add_request(self.core_request(request_id, prompt, SamplingParams(temperature=0.0),
+                                                           hold=True))
+            self._forks[request_id] = [dataclasses.replace(s, fork_of=request_id) for s in samples]
+            return request_id
+        for sample in samples:
+            self.engine_core.add_request(sample)
         return request_id
 
     def core_request(self, request_id: str, processed: ProcessedRequest, params: SamplingParams,
-                     fork_children: list[tuple[str, SamplingParams]] = ()) -> EngineCoreRequest:
+                     hold: bool = False, fork_of: str | None = None) -> EngineCoreRequest:
         return EngineCoreRequest(request_id, processed.prompt_token_ids, params, processed.max_tokens,
-                                 self.model_config.eos_token_ids, processed.cache_salt, list(fork_children))
+                                 self.model_config.eos_token_ids, processed.cache_salt, hold, fork_of)
+
+    def add_driven_request(self, message: EngineCoreRequest, on_output: Callable[[EngineCoreOutput], None]) -> None:
+        """A core request whose outputs go to `on_output` (a driver such as beam search), not to users."""
+        self._drivers[message.request_id] = on_output
+        self.engine_core.add_request(message)
+
+    def finish_core_requests(self, request_ids: list[str]) -> None:
+        """End core requests (a driver's, or held ones it is done with)."""
+        for request_id in request_ids:
+            self._drivers.pop(request_id, None)
+        self.engine_core.finish_requests(request_ids)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -148,7 +168,8 @@ class LLMEngine:
         return text, token_ids
 
     def abort_request(self, request_id: str) -> None:
-        # The request itself (a leader of parallel samples, if any) and its samples.
+        # The request itself (the held prompt of parallel samples, if any) and its samples.
+        self._forks.pop(request_id, None)
         self.engine_core.finish_requests([request_id, *self.output_processor.child_ids(request_id)])
         self.output_processor.abort(request_id)
 
@@ -166,17 +187,35 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step of the core, its outputs turned into RequestOutputs. A request the core failed
         ends with all of its samples (finish reason "error", the reason in RequestOutput.error)."""
-        core_outputs = self.engine_core.step()
+        core_outputs = [o for o in self.engine_core.step() if not self._to_frontend(o)]
         failed = [self._fail(o.request_id, o.error) for o in core_outputs if o.error is not None]
         outputs, stopped = self.output_processor.process([o for o in core_outputs if o.error is None])
         self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs + [o for o in failed if o is not None]
 
+    def _to_frontend(self, output: EngineCoreOutput) -> bool:
+        """Take an output meant for the frontend itself (a driver's request, a held prompt that is
+        computed: its samples fork now); False for one the output processor turns into text."""
+        driver = self._drivers.get(output.request_id)
+        if driver is not None:
+            if output.finish_reason is not None:
+                del self._drivers[output.request_id]
+            driver(output)
+            return True
+        samples = self._forks.get(output.request_id)
+        if samples is None or output.error is not None:
+            return False  # (a held prompt's failure fails its request, below)
+        if output.finish_reason is not None:
+            del self._forks[output.request_id]
+            self.output_processor.parents[output.request_id].queue_time = output.queue_time
+            for sample in samples:
+                self.engine_core.add_request(sample)
+            self.engine_core.finish_requests([output.request_id])  # released: the samples hold its blocks
+        return True
+
     def _fail(self, core_id: str, error: str) -> RequestOutput | None:
         parent_id = self.output_processor.parent_of.get(core_id, core_id)
-        if parent_id not in self.output_processor.parents:  # a beam: its driver reads the error
-            self.failed_requests[core_id] = error
-            return None
+        self._forks.pop(parent_id, None)
         self.engine_core.finish_requests([parent_id, *self.output_processor.child_ids(parent_id)])
         return self.output_processor.fail(parent_id, error)
 

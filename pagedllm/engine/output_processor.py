@@ -107,9 +107,7 @@ class OutputProcessor:
             self._record_prompt_logprobs(parent, core.new_prompt_logprobs)
             if parent.queue_time is None:
                 parent.queue_time = core.queue_time
-            sample = parent.samples.get(core.request_id)
-            if sample is None:
-                continue  # the prompt's leader of parallel samples: only prompt logprobs
+            sample = parent.samples[core.request_id]
             new = core.new_token_ids
             if new and self._record_tokens(sample, new, core.new_logprobs):
                 stopped.append(core.request_id)

@@ -1,8 +1,6 @@
 """ModelRunner: a SchedulerOutput -> batch tensors -> forward -> sampled tokens and logprobs."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from pagedllm.config import head_dim
@@ -85,15 +83,8 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, meta: AttentionMetadata,
                 result: ModelRunnerOutput) -> None:
         scheduled = output.scheduled
-        rows: list[int] = []
-        samplers: list[ScheduledRequest] = []
-        for i, r in enumerate(scheduled):
-            if r.sample:
-                # A request that forks parallel samples draws each one's first token from its row.
-                for child_id, params in r.fork_samples or [(r.request_id, r.sampling_params)]:
-                    rows.append(i)
-                    samplers.append(r if child_id == r.request_id else
-                                    dataclasses.replace(r, request_id=child_id, sampling_params=params))
+        rows = [i for i, r in enumerate(scheduled) if r.sample]
+        samplers = [scheduled[i] for i in rows]
         if not rows:
             return
         ends = meta.query_start_loc[1:].long() - 1
