@@ -101,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedllm import LLM
-    from pagedllm.engine.llm_engine import physical_cores
+    from pagedllm.engine.core_client import physical_cores
     from pagedllm.models.loader import load_model_config, load_tokenizer
     from pagedllm.models.registry import model_class
 

@@ -36,6 +36,7 @@ class EngineArgs:
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the elementwise torch paths (layers/compile.py)
+    engine_core_process: bool = False  # the engine core in a process of its own (engine/core_client.py)
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

@@ -220,6 +220,8 @@ class AsyncLLM:
             logger.exception("engine loop failed")
             self.error = exc
             self._post(self._fail_all, exc)
+        finally:
+            self.engine.shutdown()
 
     def _take_commands(self, wait: bool) -> None:
         try:

@@ -45,6 +45,9 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def shutdown(self) -> None:
+        """Nothing to stop in process (the process client's counterpart ends its process)."""
+
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """One step. A failure in the executor ends only the requests it can be pinned on (their

@@ -12,24 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-import logging
-import os
 
-import psutil
-import torch
-
-from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.config import EngineArgs
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.core_client import EngineCoreProcClient, make_engine_core
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.layers.compile import compile_torch_paths
-from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.models.loader import load_model_config, load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -45,30 +39,17 @@ class ProcessedRequest:
     params: SamplingParams
     max_tokens: int
     cache_salt: str | None = None
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
-        _set_threads()
         self.args = args
         self.model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.device)
         self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
         self.max_model_len = self.model_config.max_model_len
-        self.executor = UniprocExecutor(self.model_config, args.device, args.block_size)
-        num_blocks = self._num_kv_blocks()  # from the memory left before the weights load
-        if args.compile:
-            compile_torch_paths()
-        self.executor.load_model()
-        self.executor.initialize_cache(num_blocks)
-        batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
-        kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                            debug=os.environ.get("PAGEDLLM_DEBUG") == "1")
-        scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len), kv)
-        self.faults = FaultInjector.from_env()
-        self.engine_core = EngineCore(scheduler, self.executor, self.faults)
+        self.engine_core: EngineCore | EngineCoreProcClient = (
+            EngineCoreProcClient(args, self.model_config) if args.engine_core_process
+            else make_engine_core(args, self.model_config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Held prompts of parallel samples -> the samples to fork from them once computed.
@@ -79,21 +60,20 @@ class LLMEngine:
     @property
     def model_runner(self) -> ModelRunner:
         """The in-process model runner (uniprocess executor): tests and benchmarks look inside it."""
-        return self.executor.driver_worker.model_runner
+        return self._core_in_process().executor.driver_worker.model_runner
 
-    def _num_kv_blocks(self) -> int:
-        args = self.args
-        per_block = self.executor.kv_cache_bytes_per_block()
-        budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
-        num_blocks = budget // per_block
-        tokens = num_blocks * args.block_size
-        if tokens < self.max_model_len:
-            raise ValueError(
-                f"the KV cache budget ({budget / 2**30:.3f} GiB) holds {tokens} tokens, fewer than "
-                f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len")
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks,
-                    args.block_size, tokens, num_blocks * per_block / 2**30)
-        return num_blocks
+    @property
+    def faults(self) -> FaultInjector:
+        """The in-process core's fault injector (tests set faults on it)."""
+        return self._core_in_process().faults
+
+    def _core_in_process(self) -> EngineCore:
+        if not isinstance(self.engine_core, EngineCore):
+            raise RuntimeError("the engine core runs in a process of its own (engine_core_process)")
+        return self.engine_core
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],
@@ -222,13 +202,3 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         return self.engine_core.stats()
 
-
-def physical_cores() -> int:
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-def _set_threads() -> None:
-    """One thread per physical core: hyper-threads only contend for the same vector units."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    torch.set_num_threads(physical_cores())

@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching, help="share KV blocks of common prompt prefixes")
+    parser.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
+                        default=defaults.engine_core_process,
+                        help="run the scheduler and the model in a process of their own (default: a thread)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
 

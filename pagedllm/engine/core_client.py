@@ -1,0 +1,206 @@
+"""Where the engine core runs: in the frontend's own thread (the EngineCore itself), or in a process
+of its own behind a pipe (EngineCoreProcClient), chosen by `EngineArgs.engine_core_process`.
+
+Both answer the frontend's few calls (add_request, finish_requests, step, has_unfinished_requests,
+stats, shutdown) with the same plain messages (core/messages.py). In a process, the core steps on
+its own while it has work and sends each step's outputs back, so the frontend's detokenizing runs
+beside the next forward pass; `docs/ARCHITECTURE.md` says which the server uses and why.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+from multiprocessing.connection import Client, Connection, Listener
+
+import psutil
+import torch
+
+from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.core.request import RequestStatus
+from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.faults import FaultInjector
+from pagedllm.executor.uniproc import UniprocExecutor
+from pagedllm.layers.compile import compile_torch_paths
+from pagedllm.models.loader import ModelConfig
+
+logger = logging.getLogger("pagedllm")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
+    """Size the KV cache from the memory left before the weights load, load the model, build the core."""
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    set_threads()
+    executor = UniprocExecutor(model_config, args.device, args.block_size)
+    num_blocks = _num_kv_blocks(args, model_config, executor.kv_cache_bytes_per_block())
+    if args.compile:
+        compile_torch_paths()
+    executor.load_model()
+    executor.initialize_cache(num_blocks)
+    batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
+    kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                        debug=os.environ.get("PAGEDLLM_DEBUG") == "1")
+    scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, model_config.max_model_len), kv)
+    return EngineCore(scheduler, executor, FaultInjector.from_env())
+
+
+def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) -> int:
+    budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
+    num_blocks = budget // per_block
+    tokens = num_blocks * args.block_size
+    if tokens < model_config.max_model_len:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**30:.3f} GiB) holds {tokens} tokens, fewer than "
+            f"max_model_len={model_config.max_model_len}: raise kv_cache_memory or lower max_model_len")
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks,
+                args.block_size, tokens, num_blocks * per_block / 2**30)
+    return num_blocks
+
+
+def physical_cores() -> int:
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def set_threads() -> None:
+    """One thread per physical core: hyper-threads only contend for the same vector units."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    torch.set_num_threads(physical_cores())
+
+
+class EngineCoreDeadError(RuntimeError):
+    """The engine core's process failed or exited."""
+
+
+class EngineCoreProcClient:
+    """The engine core in a process of its own, reached through a Unix socket of pickled messages.
+    A fresh interpreter (`python -m pagedllm.engine.core_client`), not a fork: a forked copy of a
+    process with OpenMP, tokenizer and server threads is not safe; nor multiprocessing's spawn,
+    which runs the user's main script again in the child."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig) -> None:
+        authkey = secrets.token_bytes(32)
+        address = os.path.join(tempfile.mkdtemp(prefix="pagedllm-"), "core.sock")
+        with Listener(address, "AF_UNIX", authkey=authkey) as listener:
+            self._process = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_client", address],
+                                             env={**os.environ, _AUTHKEY_ENV: authkey.hex()})
+            self._conn = listener.accept()  # the child connects first thing; the socket file goes
+        os.rmdir(os.path.dirname(address))
+        self._conn.send((args, model_config))
+        self._stats: SchedulerStats = self._receive()
+        # Requests the core may still send outputs for; the core's own view can run a message
+        # behind, which only means a step's output for a request the frontend has ended (ignored).
+        self._unfinished: set[str] = set()
+
+    def add_request(self, message: EngineCoreRequest) -> None:
+        self._conn.send(("add", message))
+        self._unfinished.add(message.request_id)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self._conn.send(("finish", request_ids, status))
+        self._unfinished.difference_update(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """The outputs of the core's next step (it may already have run)."""
+        outputs, self._stats = self._receive()
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._unfinished.discard(output.request_id)
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        """As of the core's last step (or its start)."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        if self._process.poll() is None:
+            try:
+                self._conn.send(("shutdown",))
+                self._process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._process.kill()
+        self._conn.close()
+
+    def _receive(self):
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise EngineCoreDeadError(f"the engine core process exited (code {self._process.poll()})") from exc
+        if kind == "error":
+            raise EngineCoreDeadError(f"the engine core failed: {payload}")
+        return payload
+
+
+def run_engine_core(conn: Connection) -> None:
+    """The engine core process: build the core, then step while there is work, taking messages
+    between steps (waiting for them when idle), and send each step's outputs and stats."""
+    try:
+        args, model_config = conn.recv()
+        core = make_engine_core(args, model_config)
+    except BaseException as exc:  # noqa: BLE001 - the frontend raises it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    # Outputs leave through a thread of their own: were the loop to block on a full pipe while the
+    # frontend blocks sending it a long prompt, neither would move.
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_all, args=(conn, outbox), name="pagedllm-core-sender", daemon=True)
+    sender.start()
+    outbox.put(("ready", core.stats()))
+    try:
+        while True:
+            rejected: list[EngineCoreOutput] = []
+            while conn.poll(None if not core.has_unfinished_requests() and not rejected else 0):
+                message = conn.recv()
+                if message[0] == "shutdown":
+                    return
+                rejected += _apply(core, message)
+            outputs = core.step() if core.has_unfinished_requests() else []
+            outbox.put(("step", (rejected + outputs, core.stats())))
+    except (EOFError, OSError):  # the frontend has gone (it exited without shutting the core down)
+        return
+    except BaseException as exc:  # noqa: BLE001 - the core's state is in doubt: the frontend stops
+        logger.exception("engine core failed")
+        outbox.put(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        outbox.put(None)
+        sender.join()
+
+
+def _send_all(conn: Connection, outbox: queue.SimpleQueue) -> None:
+    while (item := outbox.get()) is not None:
+        try:
+            conn.send(item)
+        except OSError:  # the frontend has gone
+            return
+
+
+def _apply(core: EngineCore, message: tuple) -> list[EngineCoreOutput]:
+    """One message from the frontend; a request the core refuses ends with an error output."""
+    if message[0] == "finish":
+        core.finish_requests(message[1], message[2])
+        return []
+    try:
+        core.add_request(message[1])
+    except ValueError as exc:
+        return [EngineCoreOutput(message[1].request_id, finish_reason="error", error=str(exc))]
+    return []
+
+
+_AUTHKEY_ENV = "PAGEDLLM_CORE_AUTHKEY"
+
+if __name__ == "__main__":
+    with Client(sys.argv[1], "AF_UNIX", authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV))) as connection:
+        run_engine_core(connection)
