@@ -22,6 +22,14 @@ def test_kernels_build_wherever_they_are_expected_to():
     assert cpu_ops() is not None, f"the C++ kernels failed to build:\n{build_error()}"
 
 
+def test_checkouts_in_other_folders_build_apart(monkeypatch):
+    from pagedllm import kernels
+
+    here = kernels._build_directory("/usr/bin", "c++")
+    monkeypatch.setattr(kernels, "_DIR", "/elsewhere/pagedllm/kernels")
+    assert kernels._build_directory("/usr/bin", "c++") != here
+
+
 def test_build_key_is_stable():
     assert build_key(SOURCES, FLAGS, TOOLCHAIN) == build_key(dict(reversed(SOURCES.items())), FLAGS, TOOLCHAIN)
 
