@@ -25,7 +25,8 @@ def test_kernels_build_wherever_they_are_expected_to():
 def test_checkouts_in_other_folders_build_apart(monkeypatch):
     from pagedllm import kernels
 
-    here = kernels._build_directory("/usr/bin", "c++")
+    here, sources = kernels._build_directory("/usr/bin", "c++"), kernels._source_files()
+    monkeypatch.setattr(kernels, "_source_files", lambda: sources)  # the same files, copied elsewhere
     monkeypatch.setattr(kernels, "_DIR", "/elsewhere/pagedllm/kernels")
     assert kernels._build_directory("/usr/bin", "c++") != here
 
