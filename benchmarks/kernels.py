@@ -84,7 +84,7 @@ def main() -> None:
     plain = [Linear(i, o, bias=False).bfloat16() for o, i in shapes]
     packed = [Linear(i, o, bias=False).bfloat16() for o, i in shapes]
     for layer in packed:
-        layer.pack()
+        layer.process_weights_after_loading()
     peak = measure_bf16_dot_peak_gflops(torch.get_num_threads())
     print(f"bf16 dot-product peak, {torch.get_num_threads()} threads: "
           + (f"{peak:.0f} GFLOP/s" if peak else "not measured (no C compiler or no AVX-512 BF16)"))

@@ -1,15 +1,20 @@
 """The C++ decoder stack (kernels/decoder_stack.cpp) against the model's op-by-op path: the same
-kernels in the same order, so the same tokens and logprobs to the bit, and the same KV cache."""
+kernels in the same order, so the same tokens and logprobs to the bit, and the same KV cache; and
+the one log line of a model that runs op by op."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
-from conftest import make_model, prompts_of_mixed_lengths
+from conftest import _config, make_model, prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers import linear
-from pagedllm.models import llama
+from pagedllm.logger import LOGGER_NAME
+from pagedllm.models import decoder
+from pagedllm.models.qwen2 import Qwen2ForCausalLM
 
 # Head size 64: attention's query tiles exist for it, so the stack can take every op.
 _SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=128)
@@ -42,7 +47,7 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monke
     then decodes; Mistral's window is smaller than the prompts, Qwen2 has qkv biases, Llama's
     embeddings are tied. The stack's linear calls go 8 rows at a time, so that long batches'
     chunking is checked too (the op-by-op path takes up to 1024 rows a call)."""
-    monkeypatch.setattr(llama, "ROWS_KERNEL_MAX", 8)
+    monkeypatch.setattr(decoder, "ROWS_KERNEL_MAX", 8)
     stacked, op_by_op = (LLM(head64_models[arch], dtype="bfloat16", kv_cache_memory="16MiB", block_size=16,
                              max_num_batched_tokens=64) for _ in range(2))
     assert stacked.engine.model_runner.model._stack is not None
@@ -58,3 +63,44 @@ def test_stack_is_left_out_where_an_op_has_no_kernel(head64_models):
     """Qwen3's per-head q/k norm has no place in the stack; fp32 has no packed kernel."""
     assert LLM(head64_models["qwen3"], dtype="bfloat16", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
     assert LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
+
+
+@pytest.fixture
+def op_by_op_lines(caplog):
+    """Reads what was logged about running op by op ("pagedllm" does not propagate to the root
+    logger, where caplog listens)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(caplog.handler)
+    yield lambda: [r.getMessage() for r in caplog.records if "op by op" in r.getMessage()]
+    logger.removeHandler(caplog.handler)
+
+
+@pytest.mark.parametrize("arch, dtype, reason", [("qwen3", "bfloat16", "per-head q/k RMSNorm"),
+                                                 ("llama", "float32", "weights are torch.float32")])
+def test_a_model_the_stack_cannot_take_says_why_once(arch, dtype, reason, head64_models, op_by_op_lines):
+    LLM(head64_models[arch], dtype=dtype, kv_cache_memory="16MiB")
+    lines = op_by_op_lines()
+    assert len(lines) == 1 and (reason if cpu_ops() is not None else "C++ kernels are unavailable") in lines[0], lines
+
+
+class _PlainOnly(linear.UnquantizedLinearMethod):
+    """Plain weights even in bf16: never handed to the packed method, so no kernel_spec."""
+
+    def process_weights_after_loading(self, layer: linear.Linear) -> None:
+        pass
+
+
+@needs_stack
+@pytest.mark.parametrize("method", [None, _PlainOnly()])
+def test_a_linear_method_without_a_stack_kernel_is_named_once(method, op_by_op_lines):
+    """Two layers of four linear layers each: built with the packed method, the stack and no line;
+    with a method that has no kernel there, one line naming the first layer and the method."""
+    model = Qwen2ForCausalLM(_config("qwen2", 256, **_SHAPE), 64, linear_method=method).bfloat16()
+    linear.process_linear_weights(model)
+    model.bind_kernels()
+    lines = op_by_op_lines()
+    if method is None:
+        assert model._stack is not None and not lines, lines
+    else:
+        assert model._stack is None and len(lines) == 1, lines
+        assert "model.layers.0.self_attn.qkv_proj (QKVLinear with _PlainOnly)" in lines[0]

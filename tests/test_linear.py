@@ -1,16 +1,20 @@
 """Linear layers with bf16 weights packed for oneDNN against F.linear on the plain weights, our
 kernel that reads the packed weights (up to ROWS_KERNEL_MAX rows a call, more in chunks) against
-sums in fp32, and the gate_up layer that applies SiLU-and-mul as it stores against the two steps."""
+sums in fp32, and the gate_up layer that applies SiLU-and-mul as it stores against the two steps;
+each linear method, its checkpoint shards loaded in another order than the layer's, against
+F.linear on the whole matrix."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import silu_and_mul_reference
 from pagedllm.layers import linear
-from pagedllm.layers.linear import ROWS_KERNEL_CHUNKS, ROWS_KERNEL_MAX, Linear, SiluAndMulLinear, can_pack
+from pagedllm.layers.linear import (ROWS_KERNEL_CHUNKS, ROWS_KERNEL_MAX, Linear, LinearMethodBase, PackedBF16LinearMethod,
+                                    QKVLinear, SiluAndMulLinear, UnquantizedLinearMethod, can_pack)
 
 
 def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool, cls: type = Linear) -> Linear:
@@ -26,7 +30,7 @@ def test_packed_bf16_matches_plain(rows, out_features, in_features, bias, monkey
     monkeypatch.setattr(linear, "ROWS_KERNEL_CHUNKS", False)  # past ROWS_KERNEL_MAX: oneDNN's GEMM
     layer = _layer(in_features, out_features, torch.bfloat16, bias)
     plain_weight = layer.weight.detach().clone()
-    layer.pack()
+    layer.process_weights_after_loading()
     assert layer.weight.layout == torch._mkldnn  # packing took place
     x = torch.randn(rows, in_features).bfloat16()
     with torch.inference_mode():
@@ -49,7 +53,7 @@ def test_rows_kernel_sums_in_fp32(rows, out_features, in_features, bias, monkeyp
     far more)."""
     layer = _layer(in_features, out_features, torch.bfloat16, bias)
     weight = layer.weight.detach().float()
-    layer.pack()
+    layer.process_weights_after_loading()
     assert layer._rows is not None  # oneDNN chose the layout the kernel reads
     x = torch.randn(rows, in_features).bfloat16()
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", None)  # our kernel, not oneDNN's GEMM
@@ -62,7 +66,7 @@ def test_rows_kernel_sums_in_fp32(rows, out_features, in_features, bias, monkeyp
 
 def test_float32_weights_stay_plain():
     layer = _layer(64, 16, torch.float32, True)
-    layer.pack()
+    layer.process_weights_after_loading()
     assert layer.weight.layout == torch.strided
     x = torch.randn(5, 64)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
@@ -73,7 +77,7 @@ def test_packing_a_tied_head_leaves_the_embedding_alone():
     head = Linear(64, 50, bias=False)
     head.weight = embedding.weight
     before = embedding.weight.detach().clone()
-    head.pack()
+    head.process_weights_after_loading()
     assert torch.equal(embedding.weight, before) and embedding.weight.layout == torch.strided
     x = torch.randn(2, 64).bfloat16()
     with torch.inference_mode():
@@ -90,8 +94,8 @@ def test_silu_and_mul_linear_stores_what_silu_and_mul_makes_of_the_plain_layer(r
     fused = _layer(in_features, 2 * n, torch.bfloat16, False, SiluAndMulLinear)
     plain = _layer(in_features, 2 * n, torch.bfloat16, False)
     assert torch.equal(fused.weight, plain.weight)
-    fused.pack()
-    plain.pack()
+    fused.process_weights_after_loading()
+    plain.process_weights_after_loading()
     assert fused._interleaved and fused._rows is not None and plain._rows is not None
     x = (torch.randn(rows, in_features) * 2).bfloat16()
     with torch.inference_mode():
@@ -104,7 +108,7 @@ def test_silu_and_mul_linear_through_onednn_undoes_the_interleaving(monkeypatch)
     monkeypatch.setattr(linear, "ROWS_KERNEL_CHUNKS", False)  # past ROWS_KERNEL_MAX: oneDNN's GEMM
     layer = _layer(96, 2 * 128, torch.bfloat16, False, SiluAndMulLinear)
     plain_weight = layer.weight.detach().clone()
-    layer.pack()
+    layer.process_weights_after_loading()
     assert layer._interleaved
     x = torch.randn(ROWS_KERNEL_MAX + 5, 96).bfloat16()
     with torch.inference_mode():
@@ -116,8 +120,80 @@ def test_silu_and_mul_linear_not_interleaved_where_blocks_do_not_fit(n, dtype):
     """Half widths that are not whole 64-column blocks, and fp32 weights, stay in their order."""
     layer = _layer(64, 2 * n, dtype, False, SiluAndMulLinear)
     plain_weight = layer.weight.detach().clone()
-    layer.pack()
+    layer.process_weights_after_loading()
     assert not layer._interleaved
     x = torch.randn(3, 64).to(dtype)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), silu_and_mul_reference(F.linear(x, plain_weight)))
+
+
+class _Uint8Method(LinearMethodBase):
+    """A stand-in for a quantized format: its own uint8 parameter (w + 128), no decoder-stack kernel."""
+
+    def create_weights(self, layer: Linear, weight_loader) -> None:
+        layer.qweight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=torch.uint8),
+                                     requires_grad=False)
+        layer.qweight.weight_loader = weight_loader
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.qweight.to(x.dtype) - 128, layer.bias)
+
+
+_bf16_packs = can_pack(torch.zeros(1, dtype=torch.bfloat16))
+# (the method a layer is built with, the weights' dtype, the method that serves them once loaded)
+_METHODS = [(UnquantizedLinearMethod, torch.float32, UnquantizedLinearMethod),
+            pytest.param(UnquantizedLinearMethod, torch.bfloat16, PackedBF16LinearMethod,
+                         marks=pytest.mark.skipif(not _bf16_packs, reason="no oneDNN here"))]
+
+
+@pytest.mark.parametrize("method, dtype, serving", _METHODS)
+def test_qkv_shards_loaded_v_q_k_give_f_linear_of_q_k_v(method, dtype, serving):
+    torch.manual_seed(0)
+    weights = {name: torch.randn(rows, 96).to(dtype) for name, rows in (("q", 128), ("k", 64), ("v", 64))}
+    biases = {name: torch.randn(len(w)).to(dtype) for name, w in weights.items()}
+    layer = QKVLinear(96, 128, 64, bias=True, method=method()).to(dtype)
+    for shard in ("v", "q", "k"):
+        layer.weight.weight_loader(layer.weight, weights[shard], shard)
+        layer.bias.weight_loader(layer.bias, biases[shard], shard)
+    layer.process_weights_after_loading()
+    assert type(layer.method) is serving
+    x = torch.randn(5, 96).to(dtype)
+    expected = F.linear(x, torch.cat(list(weights.values())), torch.cat(list(biases.values())))
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), expected)  # bf16: the rows kernel sums in its own order
+
+
+@pytest.mark.parametrize("method, dtype, serving", _METHODS)
+def test_gate_up_shards_loaded_up_first_give_silu_and_mul_of_f_linear(method, dtype, serving):
+    torch.manual_seed(1)
+    gate, up = (torch.randn(128, 96).to(dtype) for _ in range(2))
+    layer = SiluAndMulLinear(96, 256, bias=False, method=method()).to(dtype)
+    layer.weight.weight_loader(layer.weight, up, 1)
+    layer.weight.weight_loader(layer.weight, gate, 0)
+    layer.process_weights_after_loading()
+    assert type(layer.method) is serving
+    assert layer._interleaved == (serving is PackedBF16LinearMethod and _rows_kernel_built())
+    x = torch.randn(5, 96).to(dtype)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), silu_and_mul_reference(F.linear(x, torch.cat([gate, up]))))
+
+
+def test_a_method_owns_parameters_of_its_own_dtype_and_shape():
+    """The layer's shard loader fills a uint8 parameter by rows; the model's dtype leaves it alone."""
+    torch.manual_seed(2)
+    shards = {name: torch.randint(0, 256, (rows, 32), dtype=torch.uint8) for name, rows in (("q", 64), ("k", 32), ("v", 32))}
+    layer = QKVLinear(32, 64, 32, bias=False, method=_Uint8Method()).to(torch.bfloat16)
+    assert layer.qweight.dtype == torch.uint8 and not hasattr(layer, "weight")
+    for shard in ("k", "v", "q"):
+        layer.qweight.weight_loader(layer.qweight, shards[shard], shard)
+    layer.process_weights_after_loading()
+    x = torch.randn(3, 32).bfloat16()
+    expected = F.linear(x, torch.cat(list(shards.values())).bfloat16() - 128)
+    torch.testing.assert_close(layer(x), expected, atol=0, rtol=0)
+    assert layer.kernel_spec() is None
+
+
+def test_a_shard_of_the_wrong_shape_is_refused():
+    layer = QKVLinear(32, 64, 32, bias=False)
+    with pytest.raises(ValueError, match=r"checkpoint shape \(64, 32\), model expects \(32, 32\)"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(64, 32), "k")

@@ -1,6 +1,6 @@
 // A Llama-family model's decoder layers and final norm as one call from Python.
 //
-// models/llama.py runs the same layers op by op; there, each of a layer's seven kernels (two
+// models/decoder.py runs the same layers op by op; there, each of a layer's seven kernels (two
 // norms, four linear layers, rotary with the cache write, attention) is reached through a few
 // Python frames, checks and tensor views: about 1 ms a step on a 16-layer model, whatever the
 // batch, so 8% of a batch-1 decode step on the 250M benchmark model. Here the same kernels run in

