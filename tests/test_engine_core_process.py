@@ -36,8 +36,10 @@ def test_same_outputs_in_a_process_of_its_own(engines, params):
     for a, b in zip(thread, process):
         assert [(o.token_ids, o.text, o.finish_reason) for o in a.outputs] == \
                [(o.token_ids, o.text, o.finish_reason) for o in b.outputs]
-    if params.logprobs:
-        assert thread[0].outputs[0].logprobs == process[0].outputs[0].logprobs
+    if params.logprobs:  # close, not equal: the steps' batches can differ (the process runs ahead)
+        for a, b in zip(thread[0].outputs[0].logprobs, process[0].outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert [p.logprob for p in a.values()] == pytest.approx([p.logprob for p in b.values()], abs=1e-4)
 
 
 def test_beam_search_in_a_process_of_its_own(engines):
