@@ -128,8 +128,10 @@ def _load() -> ModuleType:
 
 
 def _build_directory(path: str, cxx: str) -> str:
-    """<cache>/pagedllm/kernels/<key>, the key from the sources, the flags and the toolchain."""
-    key = build_key(_source_files(), [*_CFLAGS, "|", *_LDFLAGS], _toolchain(path, cxx))
+    """<cache>/pagedllm/kernels/<key>, the key from the sources, the flags, the toolchain and the
+    sources' folder: ninja's commands name the sources by path, so two checkouts sharing one
+    folder would each find the other's build out of date and rebuild it (seen with git worktrees)."""
+    key = build_key(_source_files(), [*_CFLAGS, "|", *_LDFLAGS, "|", os.path.abspath(_DIR)], _toolchain(path, cxx))
     return os.path.join(_cache_root(), key)
 
 
