@@ -66,11 +66,16 @@ def record_steps(engine) -> list[StepRecord]:
     schedule, step = engine.engine_core.scheduler.schedule, engine.step
     block_size = engine.args.block_size
 
+    def context_blocks(r) -> list[int]:
+        """The blocks holding the request's tokens up to the step's last (the scheduler's tables: the
+        step's message carries only their changes)."""
+        end = r.num_computed_tokens + r.num_new_tokens
+        return engine.scheduler.kv.block_ids(r.request_id)[:-(-end // block_size)]
+
     def recording_schedule():
         output = schedule()
         if not output.is_empty:
-            steps.append(StepRecord([(len(r.new_token_ids), r.start_pos, r.sample,
-                                      r.block_ids[:-(-(r.start_pos + len(r.new_token_ids)) // block_size)])
+            steps.append(StepRecord([(r.num_new_tokens, r.num_computed_tokens, r.sample, context_blocks(r))
                                      for r in output.scheduled]))
         return output
 

@@ -34,6 +34,24 @@ def test_the_failing_request_alone_ends_with_an_error(llm):
     assert _all_blocks_free(llm)
 
 
+def test_a_step_rerun_after_the_worker_took_its_message_changes_no_output(llm, monkeypatch):
+    """The worker takes a step's deltas in before the forward pass and appends what it samples
+    last; a step that fails after sampling is rerun request by request with the same message."""
+    prompts = [{"prompt_token_ids": p} for p in ([11, 12, 13], [21, 22, 23, 24], [31, 32])]
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    runner = llm.engine.model_runner
+    prompt_logprobs = runner._prompt_logprobs
+
+    def failing_when_batched(hidden, scheduled, *args):
+        if len(scheduled) > 1:
+            raise RuntimeError("a batch that fails after sampling")
+        return prompt_logprobs(hidden, scheduled, *args)
+
+    monkeypatch.setattr(runner, "_prompt_logprobs", failing_when_batched)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == clean
+    assert _all_blocks_free(llm)
+
+
 # The fault in the held prompt the samples fork from, or in the last prompt token each sample computes.
 @pytest.mark.parametrize("prompt", [[FAULT, 7, 8], [7, 8, FAULT]])
 def test_a_failing_request_with_parallel_samples_ends_every_sample(llm, prompt):

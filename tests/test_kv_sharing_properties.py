@@ -16,6 +16,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import InputBatch
 
 MAX_MODEL_LEN = 64
 
@@ -26,6 +27,7 @@ class FakeRunner:
         self.bs = kv.block_size
         self.seed = seed
         self.logprobs: dict[str, TokenLogprobs] = {}  # request id -> its last sample's
+        self.batch = InputBatch(kv.block_size)  # the worker's copy of the requests, from the step messages
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for src, dst in output.blocks_to_copy:
@@ -33,19 +35,21 @@ class FakeRunner:
                 if src * self.bs + offset in self.slots:
                     self.slots[dst * self.bs + offset] = self.slots[src * self.bs + offset]
         result = ModelRunnerOutput()
-        for r in output.scheduled:
-            end = r.start_pos + len(r.new_token_ids)
-            for pos, token in zip(range(r.start_pos, end), r.new_token_ids):
-                self.slots[r.block_ids[pos // self.bs] * self.bs + pos % self.bs] = token
+        for r, state in zip(output.scheduled, self.batch.update(output)):
+            end = r.num_computed_tokens + r.num_new_tokens
+            blocks = state.block_ids
+            for pos in range(r.num_computed_tokens, end):
+                self.slots[blocks[pos // self.bs] * self.bs + pos % self.bs] = state.all_token_ids[pos]
             # Attention reads positions [0, end): they must hold exactly this request's tokens.
-            seen = [self.slots.get(r.block_ids[p // self.bs] * self.bs + p % self.bs) for p in range(end)]
-            assert seen == r.all_token_ids[:end], f"{r.request_id} reads foreign KV"
+            seen = [self.slots.get(blocks[p // self.bs] * self.bs + p % self.bs) for p in range(end)]
+            assert seen == state.all_token_ids[:end], f"{r.request_id} reads foreign KV"
             if r.sample:
-                token = (sum(r.all_token_ids) * 31 + len(r.request_id) + self.seed) % 50 + 3
+                token = (sum(state.all_token_ids) * 31 + len(r.request_id) + self.seed) % 50 + 3
                 result.sampled_token_ids[r.request_id] = [token]
                 result.logprobs[r.request_id] = [TokenLogprobs([token, token, token + 1, token + 2],
                                                                [-0.1, -0.1, -1.0, -2.0], [1, 1, 2, 3])]
                 self.logprobs[r.request_id] = result.logprobs[r.request_id][0]
+        self.batch.append_sampled(result.sampled_token_ids)
         return result
 
 
@@ -69,17 +73,16 @@ def _check_pool(kv: KVCacheManager, scheduler: Scheduler, runner: FakeRunner) ->
 
 
 def _check_prefix_computed_once(kv: KVCacheManager, scheduler: Scheduler, output: SchedulerOutput) -> None:
-    """No full prompt block (by content hash) is computed by two requests in the same step (but for
-    the prompt's last token, which each parallel sample computes into its own copy of the block)."""
+    """No full prompt block (by content hash) is computed by two requests in the same step, but for
+    the block of a request's last prompt token: it computes that token whatever is cached, for its
+    logits (parallel samples each into their own copy of the held prompt's block)."""
     written: set[int] = set()
     for s in output.scheduled:
         request = scheduler.requests[s.request_id]
-        if s.start_pos == request.num_prompt_tokens - 1:
-            continue
-        num_full = request.num_prompt_tokens // kv.block_size
-        end = min(s.start_pos + len(s.new_token_ids), request.num_prompt_tokens)
+        num_full = (request.num_prompt_tokens - 1) // kv.block_size
+        end = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens)
         for index, block_hash in enumerate(kv._block_hashes(request, num_full)):
-            if s.start_pos < (index + 1) * kv.block_size and index * kv.block_size < end:
+            if s.num_computed_tokens < (index + 1) * kv.block_size and index * kv.block_size < end:
                 assert block_hash not in written, f"{s.request_id} recomputes a block another request computes now"
                 written.add(block_hash)
 

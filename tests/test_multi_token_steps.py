@@ -31,23 +31,29 @@ def model_sequence(prompt: list[int], max_tokens: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+def accept(context: list[int], drafts: list[int]) -> list[int]:
+    """The runner's side: the drafts while they are what the model would say, then one of its own."""
+    context, tokens = list(context), []
+    for draft in drafts:
+        if draft != model_token(context):
+            break
+        tokens.append(draft)
+        context.append(draft)
+    return tokens + [model_token(context)]
+
+
 def verify(output: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
-    """The runner's side: accept drafts while they are what the model would say, then one of its own."""
-    result = ModelRunnerOutput()
-    for s in output.scheduled:
-        if not s.sample:
-            continue
-        context = list(requests[s.request_id].all_token_ids)
-        drafts = s.new_token_ids[len(s.new_token_ids) - s.num_spec_tokens:]
-        tokens = []
-        for draft in drafts:
-            if draft != model_token(context):
-                break
-            tokens.append(draft)
-            context.append(draft)
-        tokens.append(model_token(context))
-        result.sampled_token_ids[s.request_id] = tokens
-    return result
+    return ModelRunnerOutput({s.request_id: accept(requests[s.request_id].all_token_ids, s.spec_token_ids)
+                              for s in output.scheduled if s.sample})
+
+
+def propose(context: list[int], k: int, right: int) -> list[int]:
+    """k drafts after `context`, the first `right` of them what the model would say."""
+    context, drafts = list(context), []
+    for j in range(k):
+        drafts.append(model_token(context) if j < right else model_token(context) % (VOCAB - 1) + 1)
+        context.append(drafts[-1])
+    return drafts
 
 
 workload_st = st.fixed_dictionaries({
@@ -82,19 +88,15 @@ def test_drafts_never_change_the_output_and_rollback_leaves_nothing_behind(w):
             scheduler.finish_request(aborts[step], RequestStatus.FINISHED_ABORTED)
         if not scheduler.has_unfinished_requests():
             break
-        for request in scheduler.running:  # the proposer: k drafts, the first `right` of them correct
-            right = w["right"][proposals % len(w["right"])]
+        for request in scheduler.running:  # a proposal replaces one the budget left unscheduled
+            request.spec_token_ids = propose(request.all_token_ids, w["k"], w["right"][proposals % len(w["right"])])
             proposals += 1
-            context, drafts = list(request.all_token_ids), []
-            for j in range(w["k"]):
-                drafts.append(model_token(context) if j < right else model_token(context) % (VOCAB - 1) + 1)
-                context.append(drafts[-1])
-            request.spec_token_ids = drafts  # a proposal replaces one the budget left unscheduled
         output = scheduler.schedule()
         assert output.num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
         for s in output.scheduled:
-            assert s.num_spec_tokens <= w["k"] and len(s.block_ids) * bs >= s.start_pos + len(s.new_token_ids)
+            assert s.num_spec_tokens <= w["k"]
+            assert len(kv.req_blocks[s.request_id]) * bs >= s.num_computed_tokens + s.num_new_tokens
         scheduler.update(output, verify(output, requests))
         _check_blocks(kv, scheduler)  # tables cover exactly the computed tokens: rejected slots are gone
         for request in scheduler.running:
@@ -122,7 +124,7 @@ def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
     scheduler.update(scheduler.schedule(), ModelRunnerOutput({"r": [4]}))
     request.spec_token_ids = [6, 5, 6]
     output = scheduler.schedule()
-    assert output.scheduled[0].new_token_ids == [4, 6, 5, 6] and output.scheduled[0].num_spec_tokens == 3
+    assert output.scheduled[0].num_new_tokens == 4 and output.scheduled[0].spec_token_ids == [6, 5, 6]
     scheduler.update(output, ModelRunnerOutput({"r": [6, 5, 6, 2]}))
     assert request.output_token_ids == [4, 6, 5] and request.status == RequestStatus.FINISHED_STOPPED
     assert kv.num_free_blocks == kv.pool.num_blocks

@@ -5,17 +5,15 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.step import ScheduledRequest
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.sampler import Sampler, apply_penalties, greedy_tokens
+from pagedllm.worker.input_batch import RequestState
 
 VOCAB = 8
 
 
-def _req(params: SamplingParams, prompt=(1,), output=(), rid="r") -> ScheduledRequest:
-    tokens = list(prompt) + list(output)
-    return ScheduledRequest(rid, [tokens[-1]], len(tokens) - 1, [0], params, tokens, len(prompt),
-                            len(output), True, frozenset({2}))
+def _req(params: SamplingParams, prompt=(1,), output=(), rid="r") -> RequestState:
+    return RequestState(rid, params, frozenset({2}), len(prompt), list(prompt) + list(output))
 
 
 def _draws(logits: list[float], params: SamplingParams, times: int = 300) -> set[int]:

@@ -71,7 +71,7 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
         _check_blocks(kv, scheduler)
         result = ModelRunnerOutput()
         for s in output.scheduled:
-            assert len(s.block_ids) * block_size >= s.start_pos + len(s.new_token_ids)
+            assert len(kv.req_blocks[s.request_id]) * block_size >= s.num_computed_tokens + s.num_new_tokens
             if s.sample:
                 counter += 1
                 result.sampled_token_ids[s.request_id] = [EOS if counter % w["eos_every"] == 0 else 5]

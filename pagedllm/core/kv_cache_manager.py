@@ -27,6 +27,10 @@ class KVCacheManager:
         self.debug = debug  # assert that no shared or cached block is ever written
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # blocks of a request already in the prefix cache
+        # Leading entries of a request's table the worker holds unchanged, where blocks were appended
+        # or copied on write since it last heard (else all of them: a table cut back is told by its
+        # length), so that each step sends it only the rest.
+        self._num_unchanged: dict[str, int] = {}
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner owes
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -111,8 +115,10 @@ class KVCacheManager:
             blocks.extend(computed)
             self._num_cached[request.request_id] = len(computed)
         if copy:
+            self._changed(request.request_id, start // bs)
             self._copy_on_write(blocks, start // bs)
         if needed > 0:
+            self._changed(request.request_id, len(blocks))
             blocks.extend(self.pool.get_new_blocks(needed, after=blocks[-1] if blocks else None))
         if self.debug:
             self._check_writable(blocks, start, num_new_tokens)
@@ -143,6 +149,20 @@ class KVCacheManager:
             self.pool.free_blocks(list(reversed(blocks[keep:])))
             del blocks[keep:]
 
+    def _changed(self, request_id: str, index: int) -> None:
+        """Entry `index` of the request's table is replaced or appended."""
+        self._num_unchanged[request_id] = min(self._num_unchanged.get(request_id, index), index)
+
+    def take_new_block_ids(self, request_id: str, whole: bool = False) -> tuple[int, list[int]]:
+        """What a worker holding the request's table needs to catch up: how many of its leading
+        entries still stand, and the block ids after them (`whole`: for a worker without the table,
+        0 and all of them). From then on the table counts as known."""
+        blocks = self.req_blocks.get(request_id, [])
+        num_kept = self._num_unchanged.pop(request_id, len(blocks))
+        if whole:
+            num_kept = 0
+        return num_kept, [b.block_id for b in blocks[num_kept:]]
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
         return copies
@@ -162,6 +182,7 @@ class KVCacheManager:
         # later requests are likeliest to hit, stays cached longest.
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
+        self._num_unchanged.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
     def num_allocated_slots(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.core.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -47,6 +47,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # finished, keeping their blocks for forks
         self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        # Requests the worker holds (sent whole once): their later steps carry only deltas.
+        self._worker_ids: set[str] = set()
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------
@@ -162,6 +165,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        self._worker_ids.discard(request.request_id)
+        self._preempted_ids.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -174,29 +179,34 @@ class Scheduler:
         return len(request.spec_token_ids) if request.num_tokens - request.num_computed_tokens == 1 else 0
 
     def _build_output(self, chosen: list[tuple[Request, int]]) -> SchedulerOutput:
-        scheduled = []
-        for request, num_new in chosen:
-            start = request.num_computed_tokens
-            known = request.all_token_ids[start:start + num_new]
-            drafts = request.spec_token_ids[:num_new - len(known)]  # the budget may cut them
-            request.spec_token_ids = []  # proposed again for the next step
-            scheduled.append(ScheduledRequest(
-                request_id=request.request_id,
-                new_token_ids=known + drafts,
-                start_pos=start,
-                block_ids=self.kv.block_ids(request.request_id),
-                sampling_params=request.sampling_params,
-                all_token_ids=request.all_token_ids,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=request.num_output_tokens,
-                sample=start + num_new >= request.num_tokens,
-                eos_token_ids=request.eos_token_ids,
-                num_spec_tokens=len(drafts),
-            ))
-            request.num_computed_tokens += num_new
-        output = SchedulerOutput(scheduled, self._finished_ids, self.kv.take_copies())
-        self._finished_ids = set()
+        if not chosen:  # no step reaches the worker: the ids it should drop wait for one that does
+            return SchedulerOutput([])
+        scheduled = [self._schedule_request(request, num_new) for request, num_new in chosen]
+        output = SchedulerOutput(scheduled, self._finished_ids, self._preempted_ids, self.kv.take_copies())
+        self._finished_ids, self._preempted_ids = set(), set()
         return output
+
+    def _schedule_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The step's message for one request: all of it if the worker does not hold it yet, else
+        what changed since its last step."""
+        start = request.num_computed_tokens
+        new = request.request_id not in self._worker_ids
+        self._worker_ids.add(request.request_id)
+        num_kept, new_block_ids = self.kv.take_new_block_ids(request.request_id, whole=new)
+        drafts = request.spec_token_ids[:max(start + num_new - request.num_tokens, 0)]  # the budget may cut them
+        request.spec_token_ids = []  # proposed again for the next step
+        request.num_computed_tokens += num_new
+        return ScheduledRequest(
+            request_id=request.request_id,
+            num_computed_tokens=start,
+            num_new_tokens=num_new,
+            num_kept_blocks=num_kept,
+            new_block_ids=new_block_ids,
+            sample=start + num_new >= request.num_tokens,
+            new_request=NewRequestData(request.prompt_token_ids, list(request.output_token_ids),
+                                       request.sampling_params, request.eos_token_ids) if new else None,
+            spec_token_ids=drafts,
+        )
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens (rolling back rejected drafts) and finish requests that hit a stop;
@@ -245,10 +255,12 @@ class Scheduler:
         self.kv.trim(request)
         self.kv.cache_full_blocks(request)
         self.held[request.request_id] = request
-        self._finished_ids.add(request.request_id)  # it runs no more: the runner's state can go
+        self._worker_ids.discard(request.request_id)
+        self._finished_ids.add(request.request_id)  # it runs no more: the worker's copy can go
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        self._worker_ids.discard(request.request_id)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
 

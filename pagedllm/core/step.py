@@ -1,4 +1,8 @@
-"""The two messages of one engine step: what the scheduler asks for, what the model runner answers."""
+"""The two messages of one engine step: what the scheduler asks for, what the model runner answers.
+
+The worker keeps its own copy of each request it runs (worker/input_batch.py), so a request's data
+(prompt, sampling parameters, block table) travels once and each later step carries only deltas.
+Plain data, no torch: the messages can cross a process boundary."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,20 +11,39 @@ from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledRequest:
-    request_id: str
-    new_token_ids: list[int]  # the tokens to compute this step
-    start_pos: int  # position of new_token_ids[0] (= tokens already in the KV cache)
-    block_ids: list[int]  # the request's whole block table
+class NewRequestData:
+    """What the worker keeps of a request, sent once: when the request is first scheduled, or when it
+    resumes after preemption (the worker dropped it then). Later steps bring only what changed."""
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (before a preemption, or a fork's); the worker appends the rest
     sampling_params: SamplingParams
-    all_token_ids: list[int]  # prompt + output so far, for penalties
-    num_prompt_tokens: int
-    num_output_tokens: int
-    sample: bool  # this chunk reaches the last known token: sample the next one
     eos_token_ids: frozenset[int] = frozenset()
-    # The last `num_spec_tokens` of new_token_ids are draft tokens to verify (speculative decoding):
-    # the runner answers with the drafts it accepts, in order, then one token of its own.
-    num_spec_tokens: int = 0
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's part of a step: the deltas to the worker's copy of it (the whole of it, with
+    `new_request`, the first time) and what to compute. Applying it twice changes nothing more than
+    applying it once: a failed step is rerun request by request with the same message."""
+    request_id: str
+    # Tokens in the KV cache before this step, as the scheduler counts them (after rolling rejected
+    # drafts back); the step computes the next `num_new_tokens` positions: the request's next known
+    # tokens, then its `spec_token_ids`.
+    num_computed_tokens: int
+    num_new_tokens: int
+    # The worker keeps the first `num_kept_blocks` entries of its block table and appends
+    # `new_block_ids` (new blocks; a block copied on write; nothing after a cut back to fewer).
+    num_kept_blocks: int
+    new_block_ids: list[int]
+    sample: bool  # this step reaches the last known token: sample the next one
+    new_request: NewRequestData | None = None
+    # Draft tokens to verify (speculative decoding), which only the scheduler knows: the runner
+    # answers with the drafts it accepts, in order, then one token of its own.
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return len(self.spec_token_ids)
 
 
 @dataclass
@@ -43,8 +66,10 @@ class TokenBitmask:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
-    # Requests that ended since the last step: the runner drops any state it keeps for them.
+    # Requests that ended since the last step: the worker drops what it holds of them.
     finished_request_ids: set[str] = field(default_factory=set)
+    # Requests preempted this step: the worker drops them too; they come back whole when they resume.
+    preempted_request_ids: set[str] = field(default_factory=set)
     # (src, dst) KV blocks to copy before the forward pass (copy-on-write of shared blocks).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Token masks for the requests sampled this step that are constrained (structured output).
@@ -52,7 +77,7 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(r.new_token_ids) for r in self.scheduled)
+        return sum(r.num_new_tokens for r in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

@@ -68,7 +68,8 @@ class EngineCore:
         """The step's forward pass and sampling; if it raises, each request again on its own, so that
         one request's failure (a kernel error on its rows, a bad parameter that got through) ends
         that request and the others go on. Rerunning is safe: a request's K/V slots are written with
-        the same values, and nothing is sampled until a run succeeds."""
+        the same values, the worker takes the same message in again to the same effect, and nothing
+        is sampled until a run succeeds."""
         try:
             return self._run(scheduler_output), {}
         except Exception as exc:  # noqa: BLE001 - pinned on requests below
@@ -91,7 +92,8 @@ class EngineCore:
         return merged, failures
 
     def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.faults.in_execute(scheduler_output)  # tests' injected faults, as if the executor raised
+        # Tests' injected faults, as if the executor raised.
+        self.faults.in_execute(scheduler_output, self.scheduler.requests)
         return self.executor.execute_model(scheduler_output)
 
     def _fail(self, request_id: str, error: Exception) -> EngineCoreOutput:

@@ -13,7 +13,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from pagedllm.core.step import SchedulerOutput
+from pagedllm.core.request import Request
+from pagedllm.core.step import ScheduledRequest, SchedulerOutput
 
 
 class InjectedFault(RuntimeError):
@@ -38,13 +39,20 @@ class FaultInjector:
             raise ValueError(f"PAGEDLLM_FAULT={spec!r}: expected token:ID, fatal:N or slow:MS")
         return cls(**{field: int(value)})
 
-    def in_execute(self, scheduler_output: SchedulerOutput) -> None:
+    def in_execute(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """`requests`: the scheduler's, where the step's tokens are (its message carries only drafts)."""
         if self.slow_ms:
             time.sleep(self.slow_ms / 1000)
-        if self.token is not None and any(self.token in r.new_token_ids for r in scheduler_output.scheduled):
+        if self.token is not None and any(self.token in _step_tokens(s, requests[s.request_id])
+                                          for s in scheduler_output.scheduled):
             raise InjectedFault(f"injected fault: token {self.token} in the batch")
 
     def after_execute(self) -> None:
         self.steps += 1
         if self.fatal_after is not None and self.steps > self.fatal_after:
             raise InjectedFault(f"injected fatal fault after {self.fatal_after} steps")
+
+
+def _step_tokens(scheduled: ScheduledRequest, request: Request) -> list[int]:
+    start = scheduled.num_computed_tokens
+    return request.all_token_ids[start:start + scheduled.num_new_tokens] + scheduled.spec_token_ids

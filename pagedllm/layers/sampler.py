@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.core.step import ScheduledRequest, TokenBitmask, TokenLogprobs
+from pagedllm.core.step import TokenBitmask, TokenLogprobs
 from pagedllm.kernels import cpu_ops
 from pagedllm.sampling_params import SamplingType
+from pagedllm.worker.input_batch import RequestState
 
 
 @dataclass
@@ -25,7 +26,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+    def __call__(self, logits: torch.Tensor, requests: list[RequestState],
                  token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         """Changes `logits` in place (fresh from the model each step: a copy would cost ~2 ms
         a step at batch 200)."""
@@ -54,13 +55,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
-def _logprobs_wanted(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor | None:
+def _logprobs_wanted(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor | None:
     if all(r.sampling_params.logprobs is None for r in requests):
         return None
     return torch.log_softmax(logits, dim=-1)
 
 
-def apply_token_bitmask(logits: torch.Tensor, requests: list[ScheduledRequest],
+def apply_token_bitmask(logits: torch.Tensor, requests: list[RequestState],
                         bitmask: TokenBitmask | None) -> torch.Tensor:
     """Tokens a request's mask row does not allow get -inf (after logprobs are taken, as in vLLM:
     logprobs describe the model, the mask only what may be sampled)."""
@@ -78,7 +79,7 @@ def apply_token_bitmask(logits: torch.Tensor, requests: list[ScheduledRequest],
     return logits
 
 
-def apply_logit_controls(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+def apply_logit_controls(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
     """allowed_token_ids, logit_bias and min_tokens (stop tokens barred until enough are out)."""
     for i, r in enumerate(requests):
         params = r.sampling_params
@@ -96,7 +97,7 @@ def apply_logit_controls(logits: torch.Tensor, requests: list[ScheduledRequest])
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens; presence and frequency over output tokens."""
     rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
     if not rows:
@@ -117,7 +118,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[ScheduledRequest]) -> t
     return logits
 
 
-def _has_penalty(r: ScheduledRequest) -> bool:
+def _has_penalty(r: RequestState) -> bool:
     p = r.sampling_params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
@@ -133,7 +134,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
-def sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+def sample_random(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
     """One draw per row by inverting its cumulative distribution: one uniform number a row (from
     the request's seed when it has one), where an exponential race would draw one per
     vocabulary entry (30 ms a step at 64 x 32000 on this CPU, against about 1 ms)."""
@@ -160,7 +161,7 @@ def seeded_uniform(seed: int, index: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) * 2.0**-53  # 53 bits: every double in [0, 1) reachable
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+def apply_top_k_top_p_min_p(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
     params = [r.sampling_params for r in requests]
     device = logits.device
     if any(p.min_p > 0 for p in params):
@@ -183,7 +184,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, requests: list[ScheduledReques
 
 
 def gather_logprobs(raw: torch.Tensor | None, tokens: list[int],
-                    requests: list[ScheduledRequest]) -> list[TokenLogprobs | None]:
+                    requests: list[RequestState]) -> list[TokenLogprobs | None]:
     if raw is None:
         return [None] * len(requests)
     return token_logprobs(raw, tokens, [r.sampling_params.logprobs for r in requests])

@@ -1,4 +1,5 @@
-"""ModelRunner: a SchedulerOutput -> batch tensors -> forward -> sampled tokens and logprobs."""
+"""ModelRunner: a SchedulerOutput -> the persistent batch's update -> batch tensors -> forward ->
+sampled tokens and logprobs."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,7 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.sampler import Sampler, token_logprobs
 from pagedllm.models.loader import ModelConfig
+from pagedllm.worker.input_batch import InputBatch, RequestState
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
@@ -22,24 +24,29 @@ class ModelRunner:
                  block_size: int, device: str) -> None:
         self.model = model
         self.device = torch.device(device)
-        self.block_size = block_size
         hf = model_config.hf_config
         shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf))
         self.kv_caches = [(torch.zeros(shape, dtype=model_config.dtype, device=self.device),
                            torch.zeros(shape, dtype=model_config.dtype, device=self.device))
                           for _ in range(hf.num_hidden_layers)]
         self.sampler = Sampler()
+        self.input_batch = InputBatch(block_size, self.device)
         if self.device.type == "cpu":
             cpu_ops()  # build (or load) the kernels now, not inside the first request's time
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        if any(r.spec_token_ids for r in output.scheduled):  # the scheduler can; verifying comes with a proposer
+            raise NotImplementedError("this runner samples one token a request: it cannot verify draft tokens yet")
+        states = self.input_batch.update(output)
         self._copy_blocks(output.blocks_to_copy)
-        input_ids, positions, meta = self._prepare(output.scheduled)
+        input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         result = ModelRunnerOutput()
-        self._sample(hidden, output, meta, result)
-        self._prompt_logprobs(hidden, output.scheduled, meta, result)
+        self._sample(hidden, output, states, meta, result)
+        self._prompt_logprobs(hidden, output.scheduled, states, meta, result)
+        # Last, once nothing can raise: a failed step appends nothing, so its rerun does not append twice.
+        self.input_batch.append_sampled(result.sampled_token_ids)
         return result
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -51,40 +58,10 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        if any(r.num_spec_tokens for r in scheduled):  # the scheduler can; verifying comes with a proposer
-            raise NotImplementedError("this runner samples one token a request: it cannot verify draft tokens yet")
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        bs = self.block_size
-        for r in scheduled:
-            tokens += r.new_token_ids
-            span = range(r.start_pos, r.start_pos + len(r.new_token_ids))
-            positions += span
-            slots += [r.block_ids[p // bs] * bs + p % bs for p in span]
-        query_lens = [len(r.new_token_ids) for r in scheduled]
-        seq_lens = [r.start_pos + n for r, n in zip(scheduled, query_lens)]
-        width = max(len(r.block_ids) for r in scheduled)
-        tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in scheduled]
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long), block_tables=tensor(tables, torch.int32),
-            query_start_loc=tensor(starts, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
-            seq_lens_list=seq_lens, query_lens_list=query_lens)
-        return tensor(tokens, torch.long), tensor(positions, torch.long), meta
-
-    def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, meta: AttentionMetadata,
-                result: ModelRunnerOutput) -> None:
-        scheduled = output.scheduled
-        rows = [i for i, r in enumerate(scheduled) if r.sample]
-        samplers = [scheduled[i] for i in rows]
+    def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, states: list[RequestState],
+                meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
+        rows = [i for i, r in enumerate(output.scheduled) if r.sample]
+        samplers = [states[i] for i in rows]
         if not rows:
             return
         ends = meta.query_start_loc[1:].long() - 1
@@ -95,17 +72,18 @@ class ModelRunner:
             if logprobs is not None:
                 result.logprobs[r.request_id] = [logprobs]
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest],
+    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], states: list[RequestState],
                          meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
         """Hidden state at prompt position p scores prompt token p + 1."""
-        for i, r in enumerate(scheduled):
-            k = r.sampling_params.prompt_logprobs
-            end = min(r.start_pos + len(r.new_token_ids), r.num_prompt_tokens - 1)
-            if k is None or r.start_pos >= end:
+        for i, (r, state) in enumerate(zip(scheduled, states)):
+            k = state.sampling_params.prompt_logprobs
+            start = r.num_computed_tokens
+            end = min(start + r.num_new_tokens, state.num_prompt_tokens - 1)
+            if k is None or start >= end:
                 continue
             first_row = meta.query_start_loc[i].item()
-            rows = hidden[first_row:first_row + end - r.start_pos]
+            rows = hidden[first_row:first_row + end - start]
             logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            targets = r.all_token_ids[r.start_pos + 1:end + 1]
+            targets = state.all_token_ids[start + 1:end + 1]
             entries: list[TokenLogprobs] = token_logprobs(logprobs, targets, [k] * len(targets))
-            result.prompt_logprobs[r.request_id] = (r.start_pos + 1, entries)
+            result.prompt_logprobs[r.request_id] = (start + 1, entries)

@@ -1,5 +1,6 @@
 """Worker: one device's share of the work. It loads its model (shard), allocates its KV cache and
-runs each step through its model runner. It knows nothing of requests beyond a step's message."""
+runs each step through its model runner. It knows of requests only what the step messages tell
+it, and keeps that (the model runner's InputBatch), so that each step need bring only what changed."""
 from __future__ import annotations
 
 import torch
