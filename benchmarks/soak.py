@@ -33,7 +33,8 @@ Checks (any failing makes the exit status 1):
   value it had before the soak (0: blocks that only hold cached prefixes count as free);
 - greedy output equals the same request sent alone: up to --replay greedy kept requests (spread
   over endpoint, streaming, n and prompt length) are resent one at a time, non-streaming, after
-  the soak; text per choice, finish reasons and completion tokens must match (streamed text is
+  the soak, each with a cache salt of its own (so that its prompt is computed alone, not read
+  from blocks that the soak's batches computed); text per choice, finish reasons and completion tokens must match (streamed text is
   the deltas joined). Where `auto` picks bf16 (a CPU with AVX512-BF16), a batch of 48 and a
   request alone round differently, and where two candidates sit within bf16's rounding the greedy
   pick can flip: a differing request is then resent once more with top-5 logprobs, and the
@@ -98,7 +99,7 @@ class Spec:
     drop_after: int | None  # streams only: chunks read before the client closes the connection
     prompt: str
 
-    def body(self, stream: bool | None = None) -> dict:
+    def body(self, stream: bool | None = None, cache_salt: str | None = None) -> dict:
         stream = self.stream if stream is None else stream
         body: dict = {"max_tokens": self.max_tokens, "n": self.n, "stream": stream, "ignore_eos": self.ignore_eos,
                       "temperature": 0.0 if self.greedy else 0.8}
@@ -108,6 +109,8 @@ class Spec:
             body["seed"] = self.seed
         if stream:
             body["stream_options"] = {"include_usage": True}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         if self.chat:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
@@ -217,11 +220,12 @@ async def streamed(client: httpx.AsyncClient, spec: Spec, body: dict, result: Re
                 return
 
 
-async def send(client: httpx.AsyncClient, spec: Spec, timeout: float, stream: bool | None = None) -> Result:
+async def send(client: httpx.AsyncClient, spec: Spec, timeout: float, stream: bool | None = None,
+               cache_salt: str | None = None) -> Result:
     """One request (streamed as its spec says, unless `stream` is given); one that takes longer than
     `timeout` s is a hang."""
     result = Result(spec)
-    body = spec.body(stream)
+    body = spec.body(stream, cache_salt)
     start = time.monotonic()
     try:
         exchange = streamed(client, spec, body, result) if body["stream"] else plain(client, spec, body, result)
@@ -295,7 +299,9 @@ async def replay(client: httpx.AsyncClient, picked: list[Result], timeout: float
     output differs, each with the gap (see `flip_gap`) at its first difference per choice."""
     answered, mismatches = 0, []
     for original in picked:
-        alone = await send(client, original.spec, timeout, stream=False)
+        # A salt of its own: no block cached by the soak or an earlier replay is hit, so that the
+        # prompt is computed here, alone (in bf16, K/V computed in another batch rounds otherwise).
+        alone = await send(client, original.spec, timeout, stream=False, cache_salt=f"replay-{original.spec.index}")
         answered += incomplete(alone) is None
         if outputs(alone) == outputs(original):
             continue
@@ -307,7 +313,7 @@ async def replay(client: httpx.AsyncClient, picked: list[Result], timeout: float
 
 
 def logprob_body(spec: Spec, k: int) -> dict:
-    body = spec.body(stream=False)
+    body = spec.body(stream=False, cache_salt=f"replay-logprobs-{spec.index}")
     body.update({"logprobs": True, "top_logprobs": k} if spec.chat else {"logprobs": k})
     return body
 
@@ -323,18 +329,28 @@ def token_steps(choice: dict, chat: bool) -> list[tuple[str, dict[str, float]]]:
 
 def flip_gap(steps: list[tuple[str, dict[str, float]]], alone: str, soak: str) -> float | None:
     """At the first token where the soak's text leaves the alone run's: how many nats below the
-    alone run's best candidate the soak's token sits (None: not among the alone run's top k)."""
+    alone run's best candidate the soak's token sits (None: not among the alone run's top k).
+
+    The soak's tokens are known only as text, so every alone step that touches the first differing
+    character may be where the soak chose otherwise, and the smallest gap among them counts: one
+    that ends right there (the soak took a longer token starting with it, "ns" for "n"), a special
+    token the text leaves out (<|im_end|>, where the soak went on), and the one that crosses it."""
     common = next((i for i, (a, b) in enumerate(zip(alone, soak)) if a != b), min(len(alone), len(soak)))
-    offset = 0
+    offset, gaps = 0, []
     for token, top in steps:
-        if not alone.startswith(token, offset):
-            continue  # a special token (<|im_end|>, say), which the text leaves out
-        if offset + len(token) > common:  # the token that crosses the first difference
+        in_text = alone.startswith(token, offset)
+        end = offset + len(token) if in_text else offset  # a special token is no text
+        if offset <= common <= end:
             rest = soak[offset:]
-            picks = [lp for candidate, lp in top.items() if candidate and rest.startswith(candidate)]
-            return max(top.values()) - max(picks) if picks else None
-        offset += len(token)
-    return None
+            crosses = end > common
+            picks = [lp for candidate, lp in top.items()
+                     if candidate and rest.startswith(candidate) and (crosses or candidate != token)]
+            if picks:
+                gaps.append(max(top.values()) - max(picks))
+            if crosses:
+                break
+        offset = end
+    return min(gaps) if gaps else None
 
 
 async def flip_gaps(client: httpx.AsyncClient, original: Result, alone: Result, timeout: float,

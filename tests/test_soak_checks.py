@@ -1,0 +1,47 @@
+"""The soak's greedy check (benchmarks/soak.py): where a difference from the alone run sits, and
+how far below the alone run's best the soak's pick was."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from soak import flip_gap  # noqa: E402
+
+
+def steps(*entries):
+    """(token, {candidate: logprob}) per step; the token is the alone run's pick."""
+    return list(entries)
+
+
+def test_gap_at_the_token_that_crosses_the_difference():
+    alone_steps = steps(("The", {"The": -0.1, "A": -2.0}), (" cat", {" cat": -0.5, " dog": -0.8, " cow": -3.0}))
+    assert flip_gap(alone_steps, "The cat", "The dog") == pytest.approx(0.3)
+    assert flip_gap(alone_steps, "The cat", "The cow") == pytest.approx(2.5)
+    assert flip_gap(alone_steps, "The cat", "The pig") is None  # not among the alone run's top k
+
+
+def test_a_longer_token_that_starts_with_the_alone_token():
+    # Alone took "n" then " to"; the soak took "ns" (a tie with "n"): the gap is at the first step.
+    alone_steps = steps(("n", {"n": -1.11, "ns": -1.11, "nings": -2.5}), (" to", {" to": -0.2, " be": -1.0}))
+    assert flip_gap(alone_steps, "n to be", "ns to play") == pytest.approx(0.0)
+    # The same token, then a difference at the next one: the next step's gap counts.
+    alone_steps = steps(("n", {"n": -1.0, "ns": -3.0}), (" to", {" to": -0.2, " for": -0.4}))
+    assert flip_gap(alone_steps, "n to be", "n for me") == pytest.approx(0.2)
+    # Neither explains it: not a near-tie.
+    assert flip_gap(alone_steps, "n to be", "nq") is None
+
+
+def test_special_tokens_left_out_of_the_text_are_skipped():
+    alone_steps = steps((".", {".": -0.1}), ("<|im_end|>", {"<|im_end|>": -0.1}), ("\n", {"\n": -0.5, "\n\n": -0.6}),
+                        ("user", {"user": -0.1}))
+    assert flip_gap(alone_steps, ".\nuser", ".\n\nI'll") == pytest.approx(0.1)
+
+
+def test_the_soak_going_on_where_the_alone_run_ended_its_turn():
+    # Alone: "." then <|im_end|> (no text) then "\n"; the soak took " I" where alone ended the turn.
+    alone_steps = steps((".", {".": -0.1}), ("<|im_end|>", {"<|im_end|>": -0.4, " I": -0.5}),
+                        ("\n", {"\n": -0.01}), ("assistant", {"assistant": -0.01}))
+    assert flip_gap(alone_steps, "watching.\nassistant", "watching. I've") is None  # "watching" not a step here
+    alone_steps = steps(("watching", {"watching": -0.2}), *alone_steps)
+    assert flip_gap(alone_steps, "watching.\nassistant", "watching. I've") == pytest.approx(0.1)
