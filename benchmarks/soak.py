@@ -32,9 +32,10 @@ Checks (any failing makes the exit status 1):
 - afterwards, within --idle-wait s, zero requests running or waiting, and KV usage back at the
   value it had before the soak (0: blocks that only hold cached prefixes count as free);
 - greedy output equals the same request sent alone: up to --replay greedy kept requests (spread
-  over endpoint, streaming, n and prompt length) are resent one at a time, non-streaming, after
-  the soak, each with a cache salt of its own (so that its prompt is computed alone, not read
-  from blocks that the soak's batches computed); text per choice, finish reasons and completion tokens must match (streamed text is
+  over endpoint, streaming, n and prompt length), and every greedy n = 2 request whose two
+  samples differ, are resent one at a time, non-streaming, after the soak, each with a cache salt
+  of its own (so that its prompt is computed alone, not read from blocks that the soak's batches
+  computed); text per choice, finish reasons and completion tokens must match (streamed text is
   the deltas joined). Where `auto` picks bf16 (a CPU with AVX512-BF16), a batch of 48 and a
   request alone round differently, and where two candidates sit within bf16's rounding the greedy
   pick can flip: a differing request is then resent once more with top-5 logprobs, and the
@@ -272,13 +273,22 @@ async def soak(client: httpx.AsyncClient, specs: list[Spec], concurrency: int, t
     return [r for r in results if r is not None]
 
 
+def greedy_kept(results: list[Result]) -> list[Result]:
+    return [r for r in results if r.spec.greedy and not r.dropped and incomplete(r) is None]
+
+
+def split_siblings(results: list[Result]) -> list[Result]:
+    """Greedy kept requests with n = 2 whose two samples differ (each is the same greedy sequence)."""
+    return [r for r in greedy_kept(results) if r.spec.n == 2 and len(set(r.texts.values())) > 1]
+
+
 def pick_replays(results: list[Result], count: int, seed: int) -> list[Result]:
-    """Up to `count` greedy kept requests, taken in turn from each (endpoint, stream, n, long) group."""
+    """Up to `count` greedy kept requests, taken in turn from each (endpoint, stream, n, long) group,
+    and every n = 2 one whose samples differ (so that the replay judges where they part)."""
     groups: dict[tuple, list[Result]] = {}
-    for r in results:
-        if r.spec.greedy and not r.dropped and incomplete(r) is None:
-            s = r.spec
-            groups.setdefault((s.chat, s.stream, s.n, s.long), []).append(r)
+    for r in greedy_kept(results):
+        s = r.spec
+        groups.setdefault((s.chat, s.stream, s.n, s.long), []).append(r)
     rng = random.Random(seed)
     for members in groups.values():
         rng.shuffle(members)
@@ -287,7 +297,8 @@ def pick_replays(results: list[Result], count: int, seed: int) -> list[Result]:
         picked += [members[round_] for _, members in sorted(groups.items()) if round_ < len(members)]
         if len(picked) >= count or all(round_ >= len(m) for m in groups.values()):
             break
-    return picked[:count]
+    picked = picked[:count]
+    return picked + [r for r in split_siblings(results) if all(r is not p for p in picked)]
 
 
 def outputs(result: Result) -> tuple:
@@ -576,6 +587,8 @@ def report(t: dict, wall: float, delta: dict[str, float], rss: dict, results: li
         ("prompt tok/s (server, finished)", f"{delta['pagedllm:prompt_tokens_total'] / wall:.1f}"),
         ("preemptions during the run", f"{delta['pagedllm:num_preemptions_total']:.0f}"),
         ("prefix cache hit rate (prompt tokens)", f"{hit_rate:.1%}"),
+        ("greedy n = 2 requests whose samples differ (all replayed)",
+         f"{len(split_siblings(results))} of {sum(r.spec.n == 2 for r in greedy_kept(results))}"),
         ("request latency median / max s", f"{statistics.median(r.seconds for r in results):.2f} / "
                                            f"{max(r.seconds for r in results):.2f}"),
         ("RSS start / mid / end / max MiB", f"{rss['start_mib']:.0f} / {rss['mid_mib']:.0f} / "
