@@ -12,6 +12,8 @@
 
 #include <torch/extension.h>
 
+#include "linear_op.h"
+
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
               double eps);
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
@@ -24,50 +26,55 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 
 namespace {
 
-// A linear layer as layers/linear.py hands it over: its packed weights (held, so that they outlive
-// any swap of the module's), where their buffer is, and how wide.
-struct PackedLinear {
-  torch::Tensor weight;
-  int64_t address, n_padded, k_padded, out_features;
-  c10::optional<torch::Tensor> bias;
-  bool silu_mul;
-  int64_t rows_per_call;  // as Linear._packed_rows: longer batches go in chunks of this many rows
+// A bf16 linear layer as layers/linear.py's PackedBF16LinearMethod hands it over: its packed
+// weights (held, so that they outlive any swap of the module's), where their buffer is, and how wide.
+class PackedLinear : public LinearOp {
+ public:
+  PackedLinear(torch::Tensor weight, int64_t address, int64_t n_padded, int64_t k_padded, int64_t out_features,
+               c10::optional<torch::Tensor> bias, bool silu_mul, int64_t rows_per_call)
+      : weight_(std::move(weight)), address_(address), n_padded_(n_padded), k_padded_(k_padded),
+        out_features_(out_features), bias_(std::move(bias)), silu_mul_(silu_mul), rows_per_call_(rows_per_call) {}
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  torch::Tensor forward(const torch::Tensor& x) const override {
     const int64_t rows = x.size(0);
-    torch::Tensor out = torch::empty({rows, silu_mul ? out_features / 2 : out_features}, x.options());
-    for (int64_t start = 0; start < rows; start += rows_per_call) {
-      const int64_t count = std::min(rows_per_call, rows - start);
-      packed_linear_rows(out.narrow(0, start, count), x.narrow(0, start, count), address, n_padded, k_padded, bias,
-                         silu_mul);
+    torch::Tensor out = torch::empty({rows, silu_mul_ ? out_features_ / 2 : out_features_}, x.options());
+    // As Linear._packed_rows: longer batches go in chunks of rows_per_call rows.
+    for (int64_t start = 0; start < rows; start += rows_per_call_) {
+      const int64_t count = std::min(rows_per_call_, rows - start);
+      packed_linear_rows(out.narrow(0, start, count), x.narrow(0, start, count), address_, n_padded_, k_padded_,
+                         bias_, silu_mul_);
     }
     return out;
   }
+
+ private:
+  torch::Tensor weight_;
+  int64_t address_, n_padded_, k_padded_, out_features_;
+  c10::optional<torch::Tensor> bias_;
+  bool silu_mul_;
+  int64_t rows_per_call_;
 };
+
+using Linear = std::shared_ptr<LinearOp>;
 
 struct Layer {
   torch::Tensor input_norm, post_attention_norm;
-  PackedLinear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;
   int64_t sliding_window;  // 0: full attention
 };
 
 }  // namespace
 
-using LinearSpec = std::tuple<torch::Tensor, int64_t, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>>;
-
 class DecoderStack {
  public:
-  DecoderStack(int64_t num_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm,
-               int64_t rows_per_linear_call)
-      : num_heads_(num_heads), head_dim_(head_dim), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)),
-        rows_per_call_(rows_per_linear_call) {}
+  DecoderStack(int64_t num_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm)
+      : num_heads_(num_heads), head_dim_(head_dim), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)) {}
 
-  // Each linear as (packed weight, its buffer's address, padded out and in features, out features,
-  // bias); gate_up's blocks interleave gate and up 64 columns at a time (SiluAndMulLinear).
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, const LinearSpec& qkv,
-                 const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down, int64_t sliding_window) {
-    layers_.push_back({std::move(input_norm), std::move(post_attention_norm), linear(qkv, false), linear(o, false),
-                       linear(gate_up, true), linear(down, false), sliding_window});
+  // Each linear layer's op; gate_up's applies SiLU-and-mul (SiluAndMulLinear).
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Linear qkv, Linear o, Linear gate_up,
+                 Linear down, int64_t sliding_window) {
+    layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
+                       std::move(gate_up), std::move(down), sliding_window});
   }
 
   // x: the step's token embeddings [tokens, hidden], taken over as the residual stream.
@@ -84,15 +91,15 @@ class DecoderStack {
       const Layer& layer = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
       rms_norm(normed, residual, i == 0 ? c10::nullopt : c10::optional<torch::Tensor>(delta), layer.input_norm, eps_);
-      const torch::Tensor qkv = layer.qkv(normed);
+      const torch::Tensor qkv = layer.qkv->forward(normed);
       rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_);
       const torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}).contiguous();
       torch::Tensor attention = torch::empty_like(q);
       paged_attention(attention, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale_,
                       layer.sliding_window, false);
-      const torch::Tensor o = layer.o(attention.view({tokens, q_size}));
+      const torch::Tensor o = layer.o->forward(attention.view({tokens, q_size}));
       rms_norm(normed, residual, o, layer.post_attention_norm, eps_);
-      delta = layer.down(layer.gate_up(normed));
+      delta = layer.down->forward(layer.gate_up->forward(normed));
     }
     torch::Tensor out = torch::empty_like(x);
     rms_norm(out, residual, layers_.empty() ? c10::nullopt : c10::optional<torch::Tensor>(delta), final_norm_, eps_);
@@ -100,21 +107,21 @@ class DecoderStack {
   }
 
  private:
-  PackedLinear linear(const LinearSpec& spec, bool silu_mul) const {
-    const auto& [weight, address, n_padded, k_padded, out_features, bias] = spec;
-    return {weight, address, n_padded, k_padded, out_features, bias, silu_mul, rows_per_call_};
-  }
-
   int64_t num_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor final_norm_;
-  int64_t rows_per_call_;
   std::vector<Layer> layers_;
 };
 
 void bind_decoder_stack(pybind11::module& m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  pybind11::class_<LinearOp, std::shared_ptr<LinearOp>>(m, "LinearOp")
+      .def("__call__", &LinearOp::forward, release());
+  pybind11::class_<PackedLinear, LinearOp, std::shared_ptr<PackedLinear>>(m, "PackedLinear")
+      .def(pybind11::init<torch::Tensor, int64_t, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>, bool,
+                          int64_t>());
   pybind11::class_<DecoderStack>(m, "DecoderStack")
-      .def(pybind11::init<int64_t, int64_t, double, double, torch::Tensor, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

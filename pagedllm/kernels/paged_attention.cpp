@@ -733,6 +733,7 @@ std::vector<std::pair<int64_t, int64_t>> work_split_trace(int64_t items, int64_t
                                                           const std::vector<int64_t>& weights);
 void argmax_rows(torch::Tensor out, torch::Tensor x);
 void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
+void bind_quant_linear(pybind11::module& m);   // quant_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as PyTorch's own operators do, so that a server's
@@ -748,7 +749,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of fp32 rows", release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
   m.def("attention_has_query_tiles", &attention_has_query_tiles, "whether bf16 attention has query tiles for (d, group)");
-  bind_decoder_stack(m);
+  bind_decoder_stack(m);  // first: it binds LinearOp, which quant_linear's class derives from
+  bind_quant_linear(m);
   m.def("work_split_trace", &work_split_trace, "for tests: (item, thread) in the order taken, thread 0 late",
         py::arg("items"), py::arg("threads"), py::arg("delay_us"), py::arg("weights") = std::vector<int64_t>(),
         release());

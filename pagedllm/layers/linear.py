@@ -28,9 +28,9 @@ from pagedllm.layers.activation import silu_and_mul
 # A shard's place in a fused layer: its first output row and its number of rows.
 ShardRows = tuple[int, int]
 WeightLoader = Callable[..., None]
-# What kernels/decoder_stack.cpp takes for one linear layer: (packed weight, its buffer's address,
-# padded out and in features, out features, bias).
-KernelSpec = tuple[torch.Tensor, int, int, int, int, torch.Tensor | None]
+# A linear layer as kernels/decoder_stack.cpp runs it: the C++ LinearOp its method builds
+# (kernels/linear_op.h), callable from Python as op(x).
+KernelSpec = object
 
 # The batch size oneDNN chooses the blocked layout for; the layout serves every batch size.
 PACK_BATCH_HINT = 128
@@ -158,11 +158,11 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
         """Where the rows kernel takes every batch size, its input needs no padding, and (on a
         SiluAndMulLinear) the halves are interleaved, as the stack applies SiLU-and-mul."""
         rows = layer._rows
+        silu_mul = isinstance(layer, SiluAndMulLinear)
         if (rows is None or not ROWS_KERNEL_CHUNKS or rows[3] != layer.in_features
-                or rows[0] is not layer._buffers.get("weight")
-                or isinstance(layer, SiluAndMulLinear) and not layer._interleaved):
+                or rows[0] is not layer._buffers.get("weight") or silu_mul and not layer._interleaved):
             return None
-        return (*rows, layer.out_features, layer._parameters["bias"])
+        return cpu_ops().PackedLinear(*rows, layer.out_features, layer._parameters["bias"], silu_mul, ROWS_KERNEL_MAX)
 
 
 class Linear(nn.Module):

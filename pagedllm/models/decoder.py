@@ -15,8 +15,7 @@ from torch import nn
 from pagedllm.config import head_dim
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, paged_attention, rotary_and_write_kv
-from pagedllm.layers.linear import (ROWS_KERNEL_MAX, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear,
-                                    default_weight_loader)
+from pagedllm.layers.linear import Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, default_weight_loader
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
 from pagedllm.models.interface import CausalLM, KVCache
@@ -190,7 +189,7 @@ class DecoderForCausalLM(CausalLM):
             return
         cfg, norm = self.decoder_config, self.model.norm
         stack = ops.DecoderStack(cfg.num_heads, cfg.head_dim, norm.eps, self.model.layers[0].self_attn.scale,
-                                 norm.weight.detach(), ROWS_KERNEL_MAX)
+                                 norm.weight.detach())
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
