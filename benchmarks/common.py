@@ -85,26 +85,65 @@ def measure_bf16_dot_peak_gflops(threads: int, repeats: int = 5) -> float | None
 
 
 def _linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The matrices a token multiplies through (plain or packed for oneDNN), the output head included."""
+    """The matrices a token multiplies through (plain, packed for oneDNN, or a quantized layer's
+    records), the output head included."""
     from pagedllm.layers.linear import Linear
 
-    return [m.weight for m in model.modules() if isinstance(m, Linear)]
+    weights = []
+    for module in model.modules():
+        if isinstance(module, Linear):
+            packed = [b for name, b in module.named_buffers(recurse=False) if name.startswith("packed_")]
+            weights += packed or [module.weight]
+    return weights
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode step reads: every matrix and norm, one row of the embedding."""
-    total = sum(w.numel() * w.element_size() for w in _linear_weights(model))
-    for name, param in model.named_parameters():
-        if name.endswith("embed_tokens.weight"):
-            total += param.shape[1] * param.element_size()
-        elif param.dim() == 1:
-            total += param.numel() * param.element_size()
+    """Bytes of weights a decode step reads: every matrix (plain, packed for oneDNN, or quantized
+    records) and norm, one row of the embedding. Works on a meta model and on a loaded one."""
+    from pagedllm.layers.linear import Linear
+    from pagedllm.layers.quantization.gguf import QuantizedEmbedding
+
+    total = sum(_nbytes(w) for w in _linear_weights(model))
+    for module in model.modules():
+        if isinstance(module, QuantizedEmbedding):
+            total += sum(_nbytes(b) for b in module.buffers()) // module.out_features
+        elif isinstance(module, torch.nn.Embedding):
+            total += module.weight.shape[1] * module.weight.element_size()
+        elif not isinstance(module, Linear):
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if p.dim() == 1)
+    for module in model.modules():
+        if isinstance(module, Linear) and module.bias is not None:
+            total += module.bias.numel() * module.bias.element_size()
     return total
+
+
+def gguf_weight_bytes_per_token(path: str) -> int:
+    """The same for a GGUF file's weights as stored: every tensor but the embedding, of which one row
+    (all of it where it is also the output head)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    total = 0
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight" and not tied:
+            total += int(tensor.n_bytes) // int(tensor.shape[-1])
+        else:
+            total += int(tensor.n_bytes)
+    return total
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    if tensor.layout == torch._mkldnn:
+        return torch.ops.mkldnn._nbytes(tensor)
+    return tensor.numel() * tensor.element_size()
 
 
 def matmul_flops_per_token(model: torch.nn.Module) -> int:
     """2 x the parameters a token multiplies through (all but the embedding lookup)."""
-    return 2 * sum(w.numel() for w in _linear_weights(model))
+    from pagedllm.layers.linear import Linear
+
+    return 2 * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear))
 
 
 def attention_flops(config, context: int) -> int:

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from common import measure_bandwidth_gbs, measure_matmul_gflops, weight_bytes_per_token
+from common import gguf_weight_bytes_per_token, measure_bandwidth_gbs, measure_matmul_gflops, weight_bytes_per_token
 
 
 def ttft_and_decode(engine, prompt: list[int], new_tokens: int) -> tuple[float, float]:
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--gguf", default=None, help="--engine llamacpp: the GGUF file of --model's weights")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
     parser.add_argument("--compile", action="store_true", help="our engine's --compile")
+    parser.add_argument("--quantization", default=None, help="our engine's --quantization (auto, gguf, none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -105,7 +106,7 @@ def main() -> None:
     from pagedllm.models.loader import load_model_config, load_tokenizer
     from pagedllm.models.registry import model_class
 
-    model_config = load_model_config(args.model, args.dtype, None, "cpu")
+    model_config = load_model_config(args.model, args.dtype, None, "cpu", args.quantization)
     dtype = model_config.dtype
     if args.engine == "vllm":
         import vllm
@@ -122,12 +123,18 @@ def main() -> None:
                               verbose=False)
         measure = functools.partial(llamacpp_ttft_and_decode, llm)
     else:
-        measure = functools.partial(ttft_and_decode, LLM(args.model, dtype=args.dtype, compile=args.compile).engine)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    with torch.device("meta"):  # the model's weights as shapes: the bytes a decode step reads
-        weight_bytes = weight_bytes_per_token(model_class(model_config.hf_config)(model_config.hf_config, 1))
-    torch.set_default_dtype(default_dtype)
+        engine = LLM(args.model, dtype=args.dtype, compile=args.compile, quantization=args.quantization).engine
+        measure = functools.partial(ttft_and_decode, engine)
+    if args.engine == "pagedllm":  # the bytes a decode step reads, as loaded (quantized or not)
+        weight_bytes = weight_bytes_per_token(engine.model_runner.model)
+    elif args.engine == "llamacpp":  # as the file stores them
+        weight_bytes = gguf_weight_bytes_per_token(args.gguf)
+    else:  # the model's weights as shapes, in the dtype
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        with torch.device("meta"):
+            weight_bytes = weight_bytes_per_token(model_class(model_config.hf_config)(model_config.hf_config, 1))
+        torch.set_default_dtype(default_dtype)
     rng = random.Random(0)
     vocab = min(model_config.vocab_size, len(load_tokenizer(model_config)))
     prompt = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731
@@ -145,7 +152,9 @@ def main() -> None:
     median = sorted(rounds, key=lambda r: r["decode_roofline_pct"])[len(rounds) // 2]
     bandwidth, roofline, decode = (median[k] for k in ("bandwidth_gbs", "roofline_tok_s", "decode_tok_s"))
     ttft_short, ttft_long = (statistics.median(measure(prompt(n), 1)[0] for _ in range(5)) for n in (32, 1024))
-    result = {"engine": args.engine, "dtype": str(dtype).removeprefix("torch."), **median, "rounds": rounds,
+    weights = ("GGUF" if args.engine == "llamacpp" else "quantized" if model_config.quantization
+               else str(dtype).removeprefix("torch."))
+    result = {"engine": args.engine, "dtype": weights, **median, "rounds": rounds,
               "matmul_bf16_gflops": gflops[torch.bfloat16], "matmul_fp32_gflops": gflops[torch.float32],
               "weight_mb_per_token": weight_bytes / 1e6, "ttft_32_s": ttft_short, "ttft_1024_s": ttft_long}
     if args.baseline == "hf":

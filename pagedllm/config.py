@@ -37,6 +37,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the elementwise torch paths (layers/compile.py)
     engine_core_process: bool = False  # the engine core in a process of its own (engine/core_client.py)
+    # None/"auto": a GGUF file's quantized tensors stay quantized; "none": dequantized at load
+    # (models/loader.py's resolve_quantization)
+    quantization: str | None = None
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
                         default=defaults.engine_core_process,
                         help="run the scheduler and the model in a process of their own (default: a thread)")
+    parser.add_argument("--quantization", "-q", default=None, choices=["auto", "gguf", "none"],
+                        help="weights' format: auto (a GGUF file's own quantized types, computed on as they are), "
+                             "gguf (the same, asked for), none (dequantized at load to --dtype)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
 

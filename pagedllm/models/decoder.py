@@ -17,6 +17,8 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, paged_attention, rotary_and_write_kv
 from pagedllm.layers.linear import Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, default_weight_loader
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.quantization.gguf import QuantizedEmbedding, TiedHead
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
 from pagedllm.models.interface import CausalLM, KVCache
 
@@ -66,13 +68,20 @@ def _sliding_windows(config) -> tuple[int | None, ...]:
     return (window,) * config.num_hidden_layers
 
 
+def linear_method(quant: QuantizationConfig | None, prefix: str, *parts: str) -> LinearMethodBase | None:
+    """The method of the layer at `prefix` made of the checkpoint's modules `parts` (None: unquantized)."""
+    return quant.linear_method([f"{prefix}.{part}".lstrip(".") for part in parts]) if quant is not None else None
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, sliding_window: int | None, method: LinearMethodBase | None) -> None:
+    def __init__(self, cfg: DecoderConfig, sliding_window: int | None, quant: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.qkv_bias, method)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, method)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.qkv_bias,
+                                  linear_method(quant, prefix, "q_proj", "k_proj", "v_proj"))
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, linear_method(quant, prefix, "o_proj"))
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -96,20 +105,22 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, method: LinearMethodBase | None) -> None:
+    def __init__(self, cfg: DecoderConfig, quant: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.gate_up_proj = SiluAndMulLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, method)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, method)
+        self.gate_up_proj = SiluAndMulLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
+                                             linear_method(quant, prefix, "gate_proj", "up_proj"))
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, sliding_window: int | None, method: LinearMethodBase | None) -> None:
+    def __init__(self, cfg: DecoderConfig, sliding_window: int | None, quant: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, sliding_window, method)
-        self.mlp = GatedMLP(cfg, method)
+        self.self_attn = Attention(cfg, sliding_window, quant, f"{prefix}.self_attn")
+        self.mlp = GatedMLP(cfg, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -128,18 +139,20 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The body: embeddings, rotary tables, decoder layers, final norm."""
 
-    def __init__(self, config, cfg: DecoderConfig, max_positions: int, method: LinearMethodBase | None) -> None:
+    def __init__(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        quantized = quant is not None and quant.quantized_embedding("model.embed_tokens")
+        self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(config, cfg.head_dim, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, window, method) for window in cfg.sliding_windows)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, window, quant, f"model.layers.{i}")
+                                    for i, window in enumerate(cfg.sliding_windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderForCausalLM(CausalLM):
-    """The shared causal LM; a family's subclass sets its options below. `linear_method` serves the
-    decoder layers' linear layers (None: unquantized); the output head stays unquantized, as a
-    tied head is the embedding matrix itself."""
+    """The shared causal LM; a family's subclass sets its options below. `quant_config` gives each
+    linear layer its method (None: all unquantized), and says whether the embedding stays
+    quantized; a tied head is the embedding matrix itself, quantized or not."""
     # q, k and v carry biases whatever the config says (Qwen2).
     always_qkv_bias: ClassVar[bool] = False
     # RMSNorm of each q and k head before rotary (Qwen3).
@@ -153,12 +166,17 @@ class DecoderForCausalLM(CausalLM):
     # kernel for every op of theirs; else None, and forward runs them op by op.
     _stack = None
 
-    def __init__(self, config, max_positions: int, linear_method: LinearMethodBase | None = None) -> None:
+    def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.decoder_config = DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm)
-        self.model = DecoderModel(config, self.decoder_config, max_positions, linear_method)
-        self.lm_head = Linear(self.decoder_config.hidden_size, self.decoder_config.vocab_size, bias=False)
+        cfg = self.decoder_config = DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm)
+        self.model = DecoderModel(config, cfg, max_positions, quant_config)
+        embedding = self.model.embed_tokens
+        if cfg.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
+            self.lm_head = TiedHead(embedding)
+        else:
+            head_method = None if cfg.tie_word_embeddings else linear_method(quant_config, "", "lm_head")
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=head_method)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -217,7 +235,8 @@ class DecoderForCausalLM(CausalLM):
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.decoder_config.tie_word_embeddings:  # tied here, once materialized (packing copies it)
+        if self.decoder_config.tie_word_embeddings and isinstance(self.lm_head, Linear):
+            # tied here, once materialized (packing copies it)
             self.lm_head.weight = self.model.embed_tokens.weight
         params = dict(self.named_parameters())
         missing = {(name, shard) for name in params for shard in self._shards_of(name)}

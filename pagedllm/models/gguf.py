@@ -176,21 +176,46 @@ def _folder(path: str) -> str:
     return os.path.dirname(path) or "."
 
 
-def iter_gguf_weights(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file, Q/K rows un-permuted."""
+def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterator[tuple[str, object]]:
+    """(Hugging Face name, tensor) for every tensor of the file, Q/K rows un-permuted: float32 tensors,
+    or with `keep_quantized`, the quantized ones as their raw blocks (a GGUFTensor)."""
     import gguf
+
+    from pagedllm.layers.quantization.formats import FORMATS
+    from pagedllm.layers.quantization.gguf import gguf_tensor
 
     reader = _reader(path)
     arch = gguf_architecture(path)
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        type_name = tensor.tensor_type.name
+        if keep_quantized and type_name in FORMATS and len(shape) == 2:
+            weight = gguf_tensor(tensor.data, type_name, shape[1])
+            if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight.raw = unpermute_qk(weight.raw, _heads(config, name))
+            yield name, weight
+            continue
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weight = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            weight = unpermute_qk(weight, heads)
+            weight = unpermute_qk(weight, _heads(config, name))
         yield name, weight
+
+
+def _heads(config, name: str) -> int:
+    return config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+
+
+def tensor_types(path: str) -> dict[str, str]:
+    """Each tensor's GGUF type (F32, Q4_K, ...) by its Hugging Face name."""
+    return {hf_name(t.name): t.tensor_type.name for t in _reader(path).tensors}
+
+
+def release_readers() -> None:
+    """Drop the parsed files and their memory maps (once the weights are loaded: the maps' pages
+    would otherwise stay in the resident set beside the packed copy)."""
+    _reader.cache_clear()
 
 
 def num_tensors(path: str) -> int:

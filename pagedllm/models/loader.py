@@ -8,13 +8,16 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from pagedllm.layers.linear import process_linear_weights
+from pagedllm.layers.linear import Linear, process_linear_weights
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models import gguf as gguf_file
 from pagedllm.models.interface import CausalLM
@@ -35,6 +38,9 @@ class ModelConfig:
     is_gguf: bool
     eos_token_ids: frozenset[int]
     generation_defaults: dict = field(default_factory=dict)
+    # "gguf": a GGUF file's quantized tensors stay quantized; None: weights in `dtype` (GGUF
+    # dequantized at load), as resolve_quantization decides.
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -83,8 +89,31 @@ def resolve_dtype(spec: str | torch.dtype, config, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
+QUANTIZATION_CHOICES = ("gguf", "none")
+
+
+def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | None:
+    """vLLM's --quantization: None (or "auto") takes a GGUF file's own types; "gguf" asks for them;
+    "none" dequantizes a GGUF file at load. Quantized weights need the C++ kernels on the CPU:
+    elsewhere a GGUF file is dequantized, and the log says so."""
+    if spec in (None, "auto"):
+        spec = "gguf" if is_gguf else "none"
+    if spec not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {spec!r}; choose from auto, {', '.join(QUANTIZATION_CHOICES)}")
+    if spec == "gguf" and not is_gguf:
+        raise ValueError("quantization 'gguf' needs a .gguf model file")
+    if spec == "none":
+        return None
+    from pagedllm.kernels import cpu_ops
+
+    if not device.startswith("cpu") or cpu_ops() is None:
+        logger.info("GGUF weights are dequantized at load: the quantized kernels need the C++ kernels on the CPU")
+        return None
+    return spec
+
+
 def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len: int | None,
-                      device: str) -> ModelConfig:
+                      device: str, quantization: str | None = None) -> ModelConfig:
     path = resolve_model_path(model)
     is_gguf = os.path.isfile(path)
     if is_gguf:
@@ -103,7 +132,7 @@ def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len
     generation = _generation_config(path, is_gguf)
     eos = _as_set(generation.pop("eos_token_id", None)) | _as_set(getattr(hf_config, "eos_token_id", None))
     return ModelConfig(path, hf_config, resolve_dtype(dtype, hf_config, device), max_model_len or limit,
-                       is_gguf, frozenset(eos), generation)
+                       is_gguf, frozenset(eos), generation, resolve_quantization(quantization, is_gguf, device))
 
 
 def _as_set(value) -> set[int]:
@@ -132,14 +161,55 @@ def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
 
 def load_model(model_config: ModelConfig, device: str) -> CausalLM:
     cls = model_class(model_config.hf_config)
+    quant_config = _quant_config(model_config)
     with torch.device("meta"):
-        model = cls(model_config.hf_config, model_config.max_model_len)
+        model = cls(model_config.hf_config, model_config.max_model_len, quant_config)
     _materialize(model, device, model_config.dtype)
     with torch.no_grad():
         model.load_weights(_progress(_weights(model_config), model_config))
     process_linear_weights(model)
+    if model_config.is_gguf:
+        gguf_file.release_readers()
     model.bind_kernels()
+    logger.info("Weights: %s", describe_weights(model))
     return model.eval()
+
+
+def _quant_config(model_config: ModelConfig) -> QuantizationConfig | None:
+    if model_config.quantization == "gguf":
+        return GGUFConfig(gguf_file.tensor_types(model_config.path))
+    return None
+
+
+def describe_weights(model: torch.nn.Module) -> str:
+    """What each kind of layer runs as, and the weights' resident size: "qkv_proj Q4_K+Q6_K x 30,
+    ...; 96.1 MiB"."""
+    kinds: dict[str, Counter] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            kind = name.rsplit(".", 1)[-1]
+            runs_as = "+".join(getattr(module, "formats", ())) or str(_weight_dtype(module)).removeprefix("torch.")
+            kinds.setdefault(kind, Counter())[runs_as] += 1
+        elif isinstance(module, torch.nn.Embedding):
+            kinds.setdefault(name.rsplit(".", 1)[-1], Counter())[str(module.weight.dtype).removeprefix("torch.")] += 1
+        elif isinstance(module, TiedHead):
+            kinds.setdefault(name.rsplit(".", 1)[-1], Counter())["tied to embed_tokens"] += 1
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    size = sum(_nbytes(t) for t in tensors.values())
+    parts = [f"{kind} {runs_as}{f' x {count}' if count > 1 else ''}"
+             for kind, counter in kinds.items() for runs_as, count in counter.items()]
+    return f"{', '.join(parts)}; {size / 2**20:.1f} MiB"
+
+
+def _weight_dtype(module: torch.nn.Module) -> torch.dtype:
+    weight = module._buffers.get("weight", module._parameters.get("weight"))
+    return weight.dtype if weight is not None else torch.float32
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    if tensor.layout == torch._mkldnn:  # oneDNN's packed copy: its own size
+        return torch.ops.mkldnn._nbytes(tensor)
+    return tensor.numel() * tensor.element_size()
 
 
 def _materialize(model: CausalLM, device: str, dtype: torch.dtype) -> None:
@@ -156,7 +226,8 @@ def _materialize(model: CausalLM, device: str, dtype: torch.dtype) -> None:
 
 def _weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if model_config.is_gguf:
-        yield from gguf_file.iter_gguf_weights(model_config.path, model_config.hf_config)
+        yield from gguf_file.iter_gguf_weights(model_config.path, model_config.hf_config,
+                                               keep_quantized=model_config.quantization == "gguf")
         return
     files = sorted(glob.glob(os.path.join(model_config.path, "*.safetensors")))
     if not files:
