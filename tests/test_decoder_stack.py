@@ -12,6 +12,7 @@ from conftest import _config, make_model, prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers import linear
+from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.logger import LOGGER_NAME
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 
@@ -89,12 +90,23 @@ class _PlainOnly(linear.UnquantizedLinearMethod):
         pass
 
 
+class _Everywhere(QuantizationConfig):
+    """One method for every linear layer."""
+
+    def __init__(self, method: linear.LinearMethodBase) -> None:
+        self.method = method
+
+    def linear_method(self, names: list[str]) -> linear.LinearMethodBase:
+        return self.method
+
+
 @needs_stack
 @pytest.mark.parametrize("method", [None, _PlainOnly()])
 def test_a_linear_method_without_a_stack_kernel_is_named_once(method, op_by_op_lines):
     """Two layers of four linear layers each: built with the packed method, the stack and no line;
     with a method that has no kernel there, one line naming the first layer and the method."""
-    model = Qwen2ForCausalLM(_config("qwen2", 256, **_SHAPE), 64, linear_method=method).bfloat16()
+    quant = _Everywhere(method) if method is not None else None
+    model = Qwen2ForCausalLM(_config("qwen2", 256, **_SHAPE), 64, quant).bfloat16()
     linear.process_linear_weights(model)
     model.bind_kernels()
     lines = op_by_op_lines()

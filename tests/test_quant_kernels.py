@@ -168,3 +168,43 @@ def test_bad_shapes_are_refused():
         layer(torch.randn(2, 32))
     with pytest.raises(RuntimeError, match="out of the table"):
         ops.quant_embedding(torch.empty(1, 64), torch.tensor([16]), pack(fields), 0)
+
+
+@needs_kernels
+@pytest.mark.skipif(ops is None or not ops.packed_linear_available(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_tiles_are_the_bf16_kernel_on_the_dequantized_weights(name, rows):
+    """bf16 activations of many rows: the weights dequantized to bf16 tiles and multiplied by the
+    packed bf16 kernel, bit for bit what the bf16 linear layer gives on those weights."""
+    from pagedllm.layers.linear import Linear
+
+    fields = fields_of(name, 70, cols_for(name, 2), seed=rows)
+    x = torch.randn(rows, fields.shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+    bias = torch.randn(70).bfloat16()
+    layer = ops.QuantLinear([(pack(fields), fields.format.format_id, 70)], fields.shape[1], bias)
+    layer.set_tile_rows(1)
+    dense = Linear(fields.shape[1], 70, bias=True).bfloat16()
+    with torch.no_grad():
+        dense.weight.copy_(dequantize(fields))
+        dense.bias.copy_(bias)
+    dense.process_weights_after_loading()
+    assert torch.equal(layer(x), dense(x))
+
+
+def tiled(segments: list[formats.Fields], k: int, silu_mul: bool = False):
+    layer = ops.QuantLinear([(pack(f), f.format.format_id, f.shape[0]) for f in segments], k, None, silu_mul)
+    layer.set_tile_rows(1)
+    return layer
+
+
+@needs_kernels
+@pytest.mark.skipif(ops is None or not ops.packed_linear_available(), reason="needs AVX512-BF16")
+def test_tiles_of_segments_and_silu_mul():
+    gate, up = fields_of("Q4_K", 80, 256, 1), fields_of("Q6_K", 80, 256, 2)
+    x = torch.randn(37, 256).bfloat16()
+    both = tiled([gate, up], 256)(x)
+    assert torch.equal(both, torch.cat([tiled([gate], 256)(x), tiled([up], 256)(x)], dim=1))
+    expected = torch.empty(37, 80).bfloat16()
+    ops.silu_and_mul(expected, both)
+    assert torch.equal(tiled([gate, up], 256, silu_mul=True)(x), expected)

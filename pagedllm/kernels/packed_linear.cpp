@@ -208,6 +208,15 @@ std::vector<std::pair<int64_t, int64_t>> work_split_trace(int64_t items, int64_t
   return trace;
 }
 
+#if defined(__AVX512BF16__)
+// For quant_linear.cpp, which dequantizes weights into tiles of this layout: 64 output columns' sums
+// for up to 4 rows, from one block of [k_pairs][64 columns][2] bf16 (read from cache: no prefetch).
+void bf16_block_rows(const uint32_t* const* x_pairs, int rows, const at::BFloat16* block, int64_t k_pairs,
+                     float* sums) {
+  kBlockFns[kNone][rows](x_pairs, block, k_pairs, sums, nullptr, 0);
+}
+#endif
+
 bool packed_linear_available() {
 #if defined(__AVX512BF16__)
   return true;

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -30,6 +31,10 @@
 #include "work_split.h"
 
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);  // fused_ops.cpp
+#if defined(__AVX512BF16__)
+void bf16_block_rows(const uint32_t* const* x_pairs, int rows, const at::BFloat16* block, int64_t k_pairs,
+                     float* sums);  // packed_linear.cpp
+#endif
 
 namespace {
 
@@ -81,11 +86,13 @@ int64_t record_values(int format) { return format >= kQ4_K ? 256 : kBlock; }
 // -- activations --------------------------------------------------------------------------------
 // One call's activations, quantized: codes, a scale per 32 values, code sums per 16.
 struct Activations {
-  torch::Tensor codes, scales, sums;
+  const int8_t* codes;
+  const float* scales;
+  const int32_t* sums;
   int64_t rows, k;
-  const int8_t* q(int64_t row) const { return codes.data_ptr<int8_t>() + row * k; }
-  const float* d(int64_t row) const { return scales.data_ptr<float>() + row * (k / kBlock); }
-  const int32_t* s(int64_t row) const { return sums.data_ptr<int32_t>() + row * (k / 16); }
+  const int8_t* q(int64_t row) const { return codes + row * k; }
+  const float* d(int64_t row) const { return scales + row * (k / kBlock); }
+  const int32_t* s(int64_t row) const { return sums + row * (k / 16); }
 };
 
 template <typename T>
@@ -135,10 +142,7 @@ void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* d, int32_t* s)
 #endif
 
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, bool portable) {
-  int8_t* q = a.codes.data_ptr<int8_t>();
-  float* d = a.scales.data_ptr<float>();
-  int32_t* s = a.sums.data_ptr<int32_t>();
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s, bool portable) {
 #pragma omp parallel for if (rows * k >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
 #if defined(__AVX512BW__)
@@ -151,20 +155,25 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, Activations& a, bool por
   }
 }
 
+// x quantized into buffers that the calling thread reuses call after call (a decode step's many
+// small calls allocate nothing): valid until its next call.
 Activations quantize_activations(const torch::Tensor& x, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "contiguous [rows, k] activations expected");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "activations of ", k, " values a row: not whole blocks of 32");
-  Activations a{torch::empty({rows, k}, x.options().dtype(torch::kInt8)),
-                torch::empty({rows, k / kBlock}, x.options().dtype(torch::kFloat)),
-                torch::empty({rows, k / 16}, x.options().dtype(torch::kInt)), rows, k};
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> sums;
+  codes.resize(std::max<size_t>(codes.size(), rows * k));
+  scales.resize(std::max<size_t>(scales.size(), rows * k / kBlock));
+  sums.resize(std::max<size_t>(sums.size(), rows * k / 16));
   if (x.scalar_type() == torch::kBFloat16)
-    quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, a, portable);
+    quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, codes.data(), scales.data(), sums.data(), portable);
   else if (x.scalar_type() == torch::kFloat)
-    quantize_rows(x.data_ptr<float>(), rows, k, a, portable);
+    quantize_rows(x.data_ptr<float>(), rows, k, codes.data(), scales.data(), sums.data(), portable);
   else
     TORCH_CHECK(false, "quantized linear layers take float32 or bfloat16 activations, not ", x.scalar_type());
-  return a;
+  return {codes.data(), scales.data(), sums.data(), rows, k};
 }
 
 // -- one group of 16 output rows, for up to kMaxRows activation rows: float sums [rows][16] ------
@@ -280,21 +289,39 @@ inline void unpack(const uint8_t* codes, const uint8_t* high, __m512i w[8]) {
 }
 
 // The integer dot products of a block's 16 rows with one activation row's 32 codes: over all 32
-// values, or (Split) over each half of 16.
+// values, or (Split) over each half of 16. Each 4-byte word of activations is broadcast straight
+// from memory (dpbusd's embedded broadcast), and the sums build in two chains that meet at the end,
+// so that one row's products do not wait on each other (a decode has no other row to overlap).
+inline __m512i word(const int8_t* x, int t) {
+  int32_t value;
+  std::memcpy(&value, x + 4 * t, 4);
+  return _mm512_set1_epi32(value);
+}
+
 template <bool Split>
 inline void dots(const __m512i w[8], const int8_t* x, __m512i& low, __m512i& high) {
-  int32_t words[8];
-  std::memcpy(words, x, 32);
-  low = _mm512_setzero_si512();
-  high = _mm512_setzero_si512();
-  for (int t = 0; t < 4; ++t) low = _mm512_dpbusd_epi32(low, w[t], _mm512_set1_epi32(words[t]));
-  __m512i& rest = Split ? high : low;
-  for (int t = 4; t < 8; ++t) rest = _mm512_dpbusd_epi32(rest, w[t], _mm512_set1_epi32(words[t]));
+  __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512(), c = _mm512_setzero_si512(),
+          d = _mm512_setzero_si512();
+  a = _mm512_dpbusd_epi32(a, w[0], word(x, 0));
+  b = _mm512_dpbusd_epi32(b, w[1], word(x, 1));
+  c = _mm512_dpbusd_epi32(c, w[4], word(x, 4));
+  d = _mm512_dpbusd_epi32(d, w[5], word(x, 5));
+  a = _mm512_dpbusd_epi32(a, w[2], word(x, 2));
+  b = _mm512_dpbusd_epi32(b, w[3], word(x, 3));
+  c = _mm512_dpbusd_epi32(c, w[6], word(x, 6));
+  d = _mm512_dpbusd_epi32(d, w[7], word(x, 7));
+  low = _mm512_add_epi32(a, b);
+  high = _mm512_add_epi32(c, d);
+  if constexpr (!Split) {
+    low = _mm512_add_epi32(low, high);
+    high = _mm512_setzero_si512();
+  }
 }
 
 inline __m512 halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+
 
 template <int F, int R>
 void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums) {
@@ -373,6 +400,85 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PAGEDLLM_QUANT_TILES 1
+// -- many rows: weights dequantized to bf16 tiles, then packed_linear's dot products ------------
+// Past a few dozen rows a layer is bound by arithmetic, where bf16 dot products on dequantized
+// weights (packed_linear.cpp's kernel, 91-99% of the bf16 peak) run faster than the int8 path with
+// its per-block scaling, and keep the activations unquantized. A tile is 64 output rows (4
+// groups) over all of k, laid out as packed_linear reads a block: [k pairs][64 columns][2].
+
+// Per lane, bf16(lo) in the low half of a 32-bit word and bf16(hi) in the high half.
+inline __m512i pair_words(__m512 lo, __m512 hi) {
+  const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+  const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+  return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+}
+
+// Byte i of each lane's word, as floats.
+inline __m512 code_floats(__m512i w, int i) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8 * i), _mm512_set1_epi32(0xFF)));
+}
+
+// One group's 16 rows into columns col..col + 15 of a tile: each weight s u + m, as formats.dequantize
+// computes it (exact in float32 but for one rounding, then rounded to bf16).
+template <int F>
+void dequantize_group_bf16(const uint8_t* group, int64_t records, uint32_t* tile, int64_t col) {
+  using Tr = Traits<F>;
+  __m512i w[8];
+  for (int64_t rec = 0; rec < records; ++rec) {
+    const uint8_t* p = group + rec * Tr::record_bytes;
+    for (int j = 0; j < Tr::blocks; ++j) {
+      unpack<Tr::bits>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, w);
+      __m512 scale[2], minimum[2];
+      if constexpr (!Tr::k_quant) {
+        scale[0] = scale[1] = halves(p + Tr::scales_at);
+        minimum[0] = minimum[1] = Tr::has_min ? halves(p + Tr::scales_at + 2 * kGroup)
+                                              : _mm512_mul_ps(scale[0], _mm512_set1_ps(-static_cast<float>(Tr::offset)));
+      } else if constexpr (F == kQ6_K) {
+        const __m512 d = halves(p + Tr::d_at);
+        const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + 2 * j * kGroup);
+        for (int h = 0; h < 2; ++h) {
+          scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc + h))));
+          minimum[h] = _mm512_mul_ps(scale[h], _mm512_set1_ps(-32.f));
+        }
+      } else {
+        const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + j * kGroup);
+        const auto* mn = reinterpret_cast<const __m128i*>(p + Tr::sub_min_at + j * kGroup);
+        scale[0] = scale[1] = _mm512_mul_ps(halves(p + Tr::d_at), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sc))));
+        const __m512 dmin = halves(p + Tr::d_at + 2 * kGroup);
+        minimum[0] = minimum[1] = _mm512_sub_ps(_mm512_setzero_ps(),
+                                                _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(mn)))));
+      }
+      uint32_t* pairs = tile + (rec * Tr::blocks + j) * (kBlock / 2) * 64 + col;
+      for (int t = 0; t < 8; ++t) {
+        const __m512 s = scale[t / 4], m = minimum[t / 4];
+        const __m512i even = pair_words(_mm512_fmadd_ps(code_floats(w[t], 0), s, m), _mm512_fmadd_ps(code_floats(w[t], 1), s, m));
+        const __m512i odd = pair_words(_mm512_fmadd_ps(code_floats(w[t], 2), s, m), _mm512_fmadd_ps(code_floats(w[t], 3), s, m));
+        _mm512_storeu_si512(pairs + (2 * t) * 64, even);
+        _mm512_storeu_si512(pairs + (2 * t + 1) * 64, odd);
+      }
+    }
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, uint32_t*, int64_t);
+TileFn tile_fn(int format) {
+  switch (format) {
+    case kQ4_0: return dequantize_group_bf16<kQ4_0>;
+    case kQ4_1: return dequantize_group_bf16<kQ4_1>;
+    case kQ5_0: return dequantize_group_bf16<kQ5_0>;
+    case kQ5_1: return dequantize_group_bf16<kQ5_1>;
+    case kQ8_0: return dequantize_group_bf16<kQ8_0>;
+    case kQ4_K: return dequantize_group_bf16<kQ4_K>;
+    case kQ5_K: return dequantize_group_bf16<kQ5_K>;
+    case kQ6_K: return dequantize_group_bf16<kQ6_K>;
+    default: TORCH_CHECK(false, "unknown quantized format ", format);
+  }
+  return nullptr;
+}
+#endif
+
 using GroupFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, int, float*);
 
 template <int F>
@@ -407,40 +513,133 @@ GroupFn group_fn(int format, bool portable) {
   return nullptr;
 }
 
+// Sums [rows][sums_stride] (+ bias) rounded once into the output's dtype.
 template <typename T>
-void store(T* out, int64_t stride, const float* sums, int rows, int64_t cols, const T* bias) {
+void store(T* out, int64_t stride, const float* sums, int64_t sums_stride, int rows, int64_t cols, const T* bias) {
   for (int r = 0; r < rows; ++r)
     for (int64_t j = 0; j < cols; ++j) {
-      const float v = sums[r * kGroup + j] + (bias != nullptr ? static_cast<float>(bias[j]) : 0.f);
+      const float v = sums[r * sums_stride + j] + (bias != nullptr ? static_cast<float>(bias[j]) : 0.f);
       out[r * stride + j] = static_cast<T>(v);
     }
 }
 
-// out[:, col:col + n] = x W^T (+ bias) for one packed matrix of n rows.
+// One packed matrix of n rows, whose results go to the output's columns col..col + n.
+struct Job {
+  const uint8_t* weights;
+  int64_t records, record_bytes, groups, n, col;
+  GroupFn fn;
+#if PAGEDLLM_QUANT_TILES
+  TileFn tile;
+#endif
+  int64_t tile_rows;  // bf16 activations of this many rows or more take the tile path
+};
+
+// Where a flat index over every job's units (groups, or tiles of 4 groups) falls: (job, unit in it).
+std::pair<size_t, int64_t> locate(const std::vector<int64_t>& first_unit, int64_t unit) {
+  const size_t job = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+  return {job, unit - first_unit[job]};
+}
+
+// Work items (unit, chunk of rows): with units enough for every thread a chunk is all the rows, so
+// that a unit's weights are read from memory (and, for tiles, dequantized) once.
+struct Chunks {
+  int64_t count, rows;
+  Chunks(int64_t rows_total, int64_t units) {
+    const int64_t passes = (rows_total + kMaxRows - 1) / kMaxRows;
+    count = std::min(passes, std::max<int64_t>(1, (4 * omp_get_max_threads() + units - 1) / units));
+    rows = (passes + count - 1) / count * kMaxRows;
+  }
+};
+
+// out[:, job.col:job.col + job.n] = x W^T (+ bias) for every job, in one parallel region.
 template <typename T>
-void matmul(torch::Tensor& out, const Activations& a, const torch::Tensor& packed, int format, int64_t n, int64_t col,
-            const T* bias, bool portable) {
-  const int64_t groups = packed.size(0), records = packed.size(1), rb = packed.size(2), rows = a.rows;
-  const int64_t stride = out.size(1);
-  const uint8_t* weights = packed.data_ptr<uint8_t>();
-  T* y = out.data_ptr<T>() + col;
-  const GroupFn fn = group_fn(format, portable);
-  // Items: (group, chunk of rows). With groups enough for every thread a chunk is all the rows, so
-  // a group's records are read from memory once and stay in cache across the passes.
-  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
-  const int64_t chunks = std::min(passes, std::max<int64_t>(1, (4 * omp_get_max_threads() + groups - 1) / groups));
-  const int64_t chunk_rows = (passes + chunks - 1) / chunks * kMaxRows;
-  WorkSplit split(groups * chunks, omp_get_max_threads());
+void matmul(torch::Tensor& out, const Activations& a, const std::vector<Job>& jobs, const T* bias) {
+  const int64_t rows = a.rows, stride = out.size(1);
+  T* y = out.data_ptr<T>();
+  int64_t groups = 0;
+  std::vector<int64_t> first_group;  // of each job, counting all jobs' groups in order
+  for (const Job& job : jobs) {
+    first_group.push_back(groups);
+    groups += job.groups;
+  }
+  const Chunks chunks(rows, groups);
+  WorkSplit split(groups * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
   for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
     alignas(64) float sums[kMaxRows * kGroup];
-    const int64_t g = item / chunks, first = item % chunks * chunk_rows, last = std::min(rows, first + chunk_rows);
-    const int64_t cols = std::min<int64_t>(kGroup, n - g * kGroup);
+    const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
+    const auto [j, g] = locate(first_group, item / chunks.count);
+    const Job& job = jobs[j];
+    const int64_t cols = std::min<int64_t>(kGroup, job.n - g * kGroup), col = job.col + g * kGroup;
     for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
       const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
-      fn(weights + g * records * rb, records, a, r0, count, sums);
-      store(y + r0 * stride + g * kGroup, stride, sums, count, cols, bias == nullptr ? nullptr : bias + g * kGroup);
+      job.fn(job.weights + g * job.records * job.record_bytes, job.records, a, r0, count, sums);
+      store(y + r0 * stride + col, stride, sums, kGroup, count, cols, bias == nullptr ? nullptr : bias + col);
     }
+  }
+}
+
+#if PAGEDLLM_QUANT_TILES
+constexpr int64_t kTileGroups = 4;  // a tile: 64 output rows, packed_linear's block width
+
+// out = x W^T (+ bias) for bf16 x of many rows: each thread dequantizes a tile of 64 output rows
+// into its own buffer (kept in L2 while it serves every pass of 4 rows), then runs the bf16 dot
+// products over it.
+void matmul_tiles(torch::Tensor& out, const torch::Tensor& x, const std::vector<Job>& jobs,
+                  const at::BFloat16* bias) {
+  const int64_t rows = x.size(0), k_pairs = x.size(1) / 2, stride = out.size(1);
+  int64_t units = 0;
+  std::vector<int64_t> first_unit;
+  for (const Job& job : jobs) {
+    first_unit.push_back(units);
+    units += (job.groups + kTileGroups - 1) / kTileGroups;
+  }
+  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  const Chunks chunks(rows, units);
+  WorkSplit split(units * chunks.count, omp_get_max_threads());
+#pragma omp parallel num_threads(split.threads())
+  {
+    thread_local std::vector<uint32_t> tile;
+    tile.resize(std::max<size_t>(tile.size(), k_pairs * kTileGroups * kGroup));
+    const auto* block = reinterpret_cast<const at::BFloat16*>(tile.data());
+    int64_t loaded = -1;  // the unit in this thread's tile
+    alignas(64) float sums[kMaxRows * kTileGroups * kGroup];
+    const uint32_t* x_pairs[kMaxRows];
+    for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
+      const int64_t unit = item / chunks.count;
+      const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
+      const auto [j, u] = locate(first_unit, unit);
+      const Job& job = jobs[j];
+      if (loaded != unit) {
+        for (int64_t g = u * kTileGroups; g < std::min(job.groups, (u + 1) * kTileGroups); ++g)
+          job.tile(job.weights + g * job.records * job.record_bytes, job.records, tile.data(),
+                   (g - u * kTileGroups) * kGroup);
+        loaded = unit;
+      }
+      const int64_t col = job.col + u * kTileGroups * kGroup;
+      const int64_t cols = std::min<int64_t>(kTileGroups * kGroup, job.n - u * kTileGroups * kGroup);
+      for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
+        const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
+        for (int r = 0; r < count; ++r) x_pairs[r] = xs + (r0 + r) * k_pairs;
+        bf16_block_rows(x_pairs, count, block, k_pairs, sums);
+        store(y + r0 * stride + col, stride, sums, kTileGroups * kGroup, count, cols,
+              bias == nullptr ? nullptr : bias + col);
+      }
+    }
+  }
+}
+#endif
+
+// Rows from which bf16 activations take the tile path: where it measured faster than the int8 path
+// (benchmarks/quant_kernels.py, 5632 x 1024 layers): 6-bit codes from 64 rows, 5-bit from 256;
+// never for 4 and 8 bits, whose int8 path kept ahead of the bf16 kernel itself up to 512 rows.
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+int64_t tile_rows(int format) {
+  switch (format) {
+    case kQ6_K: return 64;
+    case kQ5_0: case kQ5_1: case kQ5_K: return 256;
+    default: return kNever;
   }
 }
 
@@ -448,7 +647,7 @@ void matmul(torch::Tensor& out, const Activations& a, const torch::Tensor& packe
 // types), side by side in the output's columns.
 class QuantLinear : public LinearOp {
  public:
-  using Segment = std::tuple<torch::Tensor, int64_t, int64_t>;  // packed records, format, rows
+  using Segment = std::tuple<torch::Tensor, int64_t, int64_t>;  // packed records, format, rows (held)
 
   QuantLinear(std::vector<Segment> segments, int64_t in_features, c10::optional<torch::Tensor> bias, bool silu_mul,
               bool portable)
@@ -463,6 +662,12 @@ class QuantLinear : public LinearOp {
       TORCH_CHECK(packed.size(1) * record_values(static_cast<int>(format)) == in_features_, "packed rows of ",
                   packed.size(1) * record_values(static_cast<int>(format)), " values, the layer takes ", in_features_);
       TORCH_CHECK(packed.size(0) == (n + kGroup - 1) / kGroup, "packed groups do not cover ", n, " rows");
+      jobs_.push_back({packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2), packed.size(0), n, out_features_,
+                       group_fn(static_cast<int>(format), portable_),
+#if PAGEDLLM_QUANT_TILES
+                       tile_fn(static_cast<int>(format)),
+#endif
+                       tile_rows(static_cast<int>(format))});
       out_features_ += n;
     }
     TORCH_CHECK(!silu_mul_ || out_features_ % 2 == 0, "silu_mul needs gate and up halves");
@@ -471,31 +676,53 @@ class QuantLinear : public LinearOp {
   torch::Tensor forward(const torch::Tensor& x) const override {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features_, "[rows, ", in_features_, "] activations expected");
     const torch::Tensor input = x.contiguous();
-    const Activations a = quantize_activations(input, portable_);
-    torch::Tensor out = torch::empty({x.size(0), out_features_}, x.options());
-    int64_t col = 0;
-    for (const auto& [packed, format, n] : segments_) {
+    const int64_t rows = x.size(0);
+    torch::Tensor out = torch::empty({rows, out_features_}, x.options());
+    std::vector<Job> int8_jobs, tile_jobs;
+    for (const Job& job : jobs_) (takes_tiles(job, input) ? tile_jobs : int8_jobs).push_back(job);
+    if (!int8_jobs.empty()) {
+      const Activations a = quantize_activations(input, portable_);
       if (x.scalar_type() == torch::kBFloat16)
-        matmul<at::BFloat16>(out, a, packed, static_cast<int>(format), n, col, bias_data<at::BFloat16>(col), portable_);
+        matmul<at::BFloat16>(out, a, int8_jobs, bias_data<at::BFloat16>());
       else
-        matmul<float>(out, a, packed, static_cast<int>(format), n, col, bias_data<float>(col), portable_);
-      col += n;
+        matmul<float>(out, a, int8_jobs, bias_data<float>());
     }
+#if PAGEDLLM_QUANT_TILES
+    if (!tile_jobs.empty()) matmul_tiles(out, input, tile_jobs, bias_data<at::BFloat16>());
+#endif
+    return finish(out);
+  }
+
+  // The rows from which bf16 activations take the tile path, for every segment (tests check both).
+  void set_tile_rows(int64_t rows) {
+    for (Job& job : jobs_) job.tile_rows = rows;
+  }
+
+ private:
+  bool takes_tiles(const Job& job, const torch::Tensor& x) const {
+#if PAGEDLLM_QUANT_TILES
+    return !portable_ && x.scalar_type() == torch::kBFloat16 && x.size(0) >= job.tile_rows;
+#else
+    return false;
+#endif
+  }
+
+  torch::Tensor finish(const torch::Tensor& out) const {
     if (!silu_mul_) return out;
-    torch::Tensor result = torch::empty({x.size(0), out_features_ / 2}, x.options());
+    torch::Tensor result = torch::empty({out.size(0), out_features_ / 2}, out.options());
     silu_and_mul(result, out);
     return result;
   }
 
- private:
   template <typename T>
-  const T* bias_data(int64_t col) const {
+  const T* bias_data() const {
     if (!bias_.has_value()) return nullptr;
     TORCH_CHECK(bias_->scalar_type() == c10::CppTypeToScalarType<T>::value, "bias and activations differ in dtype");
-    return bias_->data_ptr<T>() + col;
+    return bias_->data_ptr<T>();
   }
 
   std::vector<Segment> segments_;
+  std::vector<Job> jobs_;
   int64_t in_features_, out_features_;
   c10::optional<torch::Tensor> bias_;
   bool silu_mul_, portable_;
@@ -572,8 +799,12 @@ void quant_embedding(torch::Tensor out, torch::Tensor ids, torch::Tensor packed,
 
 // For the tests: the activations as the kernels quantize them.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_for_test(torch::Tensor x, bool portable) {
-  Activations a = quantize_activations(x.contiguous(), portable);
-  return {a.codes, a.scales, a.sums};
+  const Activations a = quantize_activations(x.contiguous(), portable);
+  auto copy = [](const auto* data, int64_t rows, int64_t cols, torch::ScalarType type) {
+    return torch::from_blob(const_cast<void*>(static_cast<const void*>(data)), {rows, cols}, type).clone();
+  };
+  return {copy(a.codes, a.rows, a.k, torch::kInt8), copy(a.scales, a.rows, a.k / kBlock, torch::kFloat),
+          copy(a.sums, a.rows, a.k / 16, torch::kInt)};
 }
 
 bool quant_linear_has_vnni() {
@@ -588,7 +819,8 @@ void bind_quant_linear(pybind11::module& m) {
   pybind11::class_<QuantLinear, LinearOp, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(pybind11::init<std::vector<QuantLinear::Segment>, int64_t, c10::optional<torch::Tensor>, bool, bool>(),
            pybind11::arg("segments"), pybind11::arg("in_features"), pybind11::arg("bias"),
-           pybind11::arg("silu_mul") = false, pybind11::arg("portable") = false);
+           pybind11::arg("silu_mul") = false, pybind11::arg("portable") = false)
+      .def("set_tile_rows", &QuantLinear::set_tile_rows);
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("quant_embedding", &quant_embedding, "rows of a packed quantized matrix, dequantized", release());
   m.def("quantize_activations", &quantize_activations_for_test, "activations as the quantized kernels quantize them",
