@@ -21,7 +21,7 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
 }
-_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 _Q = gguf.GGMLQuantizationType
 
 
@@ -44,7 +44,7 @@ def _check_quantizable(qt: gguf.GGMLQuantizationType) -> None:
 
 
 # K-quant block layouts (256 values a block): byte offset and scale of each fp16 super-scale.
-_K_SCALES = {_Q.Q4_K: ((0, 2e-4), (2, 1e-4)), _Q.Q6_K: ((208, 5e-5),)}
+_K_SCALES = {_Q.Q4_K: ((0, 2e-4), (2, 1e-4)), _Q.Q5_K: ((0, 1e-4), (2, 5e-5)), _Q.Q6_K: ((208, 5e-5),)}
 
 
 def _random_k_blocks(w: np.ndarray, qt: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -106,13 +106,18 @@ def _write_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, vocab_size: int) -> None
     gguf.SpecialVocab(tok_dir, load_merges=True, n_vocab=n).add_to_gguf(w, quiet=True)
 
 
-def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: str | None = None) -> None:
-    """Convert `hf_dir` (config.json + *.safetensors) to a GGUF file at `out_path`."""
-    if qtype not in _QTYPES:
-        raise ValueError(f"qtype must be one of {_QTYPES}, got {qtype!r}")
+def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: str | None = None,
+               overrides: dict[str, str] | None = None) -> None:
+    """Convert `hf_dir` (config.json + *.safetensors) to a GGUF file at `out_path`, its matrices in
+    `qtype` but those whose GGUF name contains a key of `overrides` (as a Q4_K_M file mixes Q4_K
+    with Q6_K for attn_v and ffn_down: {"attn_v": "Q6_K", "ffn_down": "Q6_K"})."""
+    overrides = overrides or {}
+    for name in {qtype, *overrides.values()}:
+        if name not in _QTYPES:
+            raise ValueError(f"qtype must be one of {_QTYPES}, got {name!r}")
+        if _Q[name] not in (_Q.F32, _Q.F16) and _Q[name] not in _K_SCALES:
+            _check_quantizable(_Q[name])
     qt = _Q[qtype]
-    if qt not in (_Q.F32, _Q.F16) and qt not in _K_SCALES:
-        _check_quantizable(qt)
     src = Path(hf_dir)
     cfg = json.loads((src / "config.json").read_text())
     hf_arch = cfg["architectures"][0]
@@ -145,7 +150,7 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         w.add_value_length(head_dim)
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
-    file_types = {"Q4_K": "MOSTLY_Q4_K_M", "Q6_K": "MOSTLY_Q6_K"}
+    file_types = {"Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qt == _Q.F32 else gguf.LlamaFileType[file_types.get(qtype, f"MOSTLY_{qtype}")])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tokenizer_dir is not None:
@@ -168,7 +173,8 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
             data = _permute(data, n_head)
         elif arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_k." in name:
             data = _permute(data, n_kv)
-        data, dtype = _encode(data, qt)
+        tensor_qt = next((_Q[t] for part, t in overrides.items() if part in name), qt)
+        data, dtype = _encode(data, tensor_qt)
         w.add_tensor(name, data, raw_dtype=dtype)
 
     w.write_header_to_file()

@@ -261,13 +261,14 @@ def test_tiny_models_bf16_match_transformers_bf16(arch, tmp_path, tokenizer_dir)
 
 
 def test_default_model_bf16_matches_transformers_bf16():
-    """The default model (SmolLM2-135M, a Q4_1 GGUF) at the default dtype, which is bf16 where the
-    CPU computes it natively. Transformers dequantizes the same file; its bf16 load equals its
-    fp32 load rounded to bf16, which is how the references are built (one load, not three)."""
+    """The default model (SmolLM2-135M, a Q4_1 GGUF) dequantized at load (--quantization none) at the
+    default dtype, which is bf16 where the CPU computes it natively. Transformers dequantizes the
+    same file; its bf16 load equals its fp32 load rounded to bf16, which is how the references are
+    built (one load, not three)."""
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(kv_cache_memory="256MiB", max_model_len=2048)
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
     if llm.engine.model_config.dtype != torch.bfloat16:
         pytest.skip("dtype auto is fp32 on this CPU: test_model_correctness holds that path")
     hf32 = AutoModelForCausalLM.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF,

@@ -22,7 +22,8 @@ def _gguf(tmp_path, hf_dir: str, qtype: str, tokenizer_dir: str) -> str:
 
 
 def _assert_same_greedy(path: str, oracle) -> None:
-    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", block_size=4)
+    """The file dequantized at load (--quantization none): exactly transformers' dequantized model."""
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", block_size=4, quantization="none")
     prompts = prompts_of_mixed_lengths(oracle.config.vocab_size, seed=4)[1:]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):

@@ -35,12 +35,13 @@ def test_greedy_and_logprobs_match_transformers(arch, tiny_models):
 
 
 def test_default_model_matches_transformers_gguf_loader():
-    """The real SmolLM2 weights: our GGUF dequant + Q/K un-permute vs transformers' own GGUF loader."""
+    """The real SmolLM2 weights dequantized at load (--quantization none): our GGUF dequant + Q/K
+    un-permute vs transformers' own GGUF loader."""
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF, dtype=torch.float32).eval()
-    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
     tokenizer = llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):",
              "Once upon a time, in a land far away, there lived a dragon who " * 4]
