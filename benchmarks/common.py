@@ -88,10 +88,11 @@ def _linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The matrices a token multiplies through (plain, packed for oneDNN, or a quantized layer's
     records), the output head included."""
     from pagedllm.layers.linear import Linear
+    from pagedllm.layers.quantization.gguf import QuantizedEmbedding
 
     weights = []
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and not isinstance(module, QuantizedEmbedding):
             packed = [b for name, b in module.named_buffers(recurse=False) if name.startswith("packed_")]
             weights += packed or [module.weight]
     return weights
@@ -101,12 +102,14 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads: every matrix (plain, packed for oneDNN, or quantized
     records) and norm, one row of the embedding. Works on a meta model and on a loaded one."""
     from pagedllm.layers.linear import Linear
-    from pagedllm.layers.quantization.gguf import QuantizedEmbedding
+    from pagedllm.layers.quantization.gguf import QuantizedEmbedding, TiedHead
 
     total = sum(_nbytes(w) for w in _linear_weights(model))
+    tied = any(isinstance(m, TiedHead) for m in model.modules())
     for module in model.modules():
-        if isinstance(module, QuantizedEmbedding):
-            total += sum(_nbytes(b) for b in module.buffers()) // module.out_features
+        if isinstance(module, QuantizedEmbedding):  # the whole table where it is the head, else a row
+            packed = sum(_nbytes(b) for name, b in module.named_buffers() if name.startswith("packed_"))
+            total += packed if tied else packed // module.out_features
         elif isinstance(module, torch.nn.Embedding):
             total += module.weight.shape[1] * module.weight.element_size()
         elif not isinstance(module, Linear):

@@ -187,15 +187,9 @@ inline int code_at(const uint8_t* codes, const uint8_t* high, int lane, int v) {
     const int h = v / 16, step = v % 16 / 4, i = v % 4;
     const uint8_t byte = codes[64 * step + 4 * lane + i];
     int u = h ? byte >> 4 : byte & 0x0F;
-    if constexpr (Tr::bits >= 5) {
-      uint64_t mask;
-      std::memcpy(&mask, high + 8 * (4 * h + step), 8);
-      u |= static_cast<int>((mask >> (4 * lane + i)) & 1) << 4;
-      if constexpr (Tr::bits == 6) {
-        std::memcpy(&mask, high + 64 + 8 * (4 * h + step), 8);
-        u |= static_cast<int>((mask >> (4 * lane + i)) & 1) << 5;
-      }
-    }
+    const int t = v / 4, at = 4 * lane + i;  // the step, and the byte of a high-bits plane
+    if constexpr (Tr::bits == 5) u |= ((high[at] >> t) & 1) << 4;
+    if constexpr (Tr::bits == 6) u |= ((high[64 * (t / 4) + at] >> (2 * (t % 4))) & 3) << 4;
     return u;
   }
 }
@@ -269,20 +263,22 @@ inline void unpack(const uint8_t* codes, const uint8_t* high, __m512i w[8]) {
       w[s] = _mm512_and_si512(q, low4);
       w[4 + s] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
     }
-    if constexpr (Bits >= 5) {
-      const __m512i sixteen = _mm512_set1_epi8(16);
+    // The high bits, shifted to bit 4 (and 5) of their bytes and or-ed in: in 16-bit lanes, as
+    // AVX-512 has no byte shifts; what crosses from the neighbouring byte is masked off.
+    if constexpr (Bits == 5) {
+      const __m512i plane = _mm512_loadu_si512(high), bit = _mm512_set1_epi8(0x10);
       for (int t = 0; t < 8; ++t) {
-        uint64_t mask;
-        std::memcpy(&mask, high + 8 * t, 8);
-        w[t] = _mm512_mask_add_epi8(w[t], mask, w[t], sixteen);
+        const __m512i at4 = t <= 4 ? _mm512_slli_epi16(plane, 4 - t) : _mm512_srli_epi16(plane, t - 4);
+        w[t] = _mm512_ternarylogic_epi32(w[t], at4, bit, 0xF8);  // w | (at4 & bit)
       }
     }
     if constexpr (Bits == 6) {
-      const __m512i thirty_two = _mm512_set1_epi8(32);
-      for (int t = 0; t < 8; ++t) {
-        uint64_t mask;
-        std::memcpy(&mask, high + 64 + 8 * t, 8);
-        w[t] = _mm512_mask_add_epi8(w[t], mask, w[t], thirty_two);
+      const __m512i bits = _mm512_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i plane = _mm512_loadu_si512(high + 64 * h);
+        const __m512i at4[4] = {_mm512_slli_epi16(plane, 4), _mm512_slli_epi16(plane, 2), plane,
+                                _mm512_srli_epi16(plane, 2)};
+        for (int q = 0; q < 4; ++q) w[4 * h + q] = _mm512_ternarylogic_epi32(w[4 * h + q], at4[q], bits, 0xF8);
       }
     }
   }

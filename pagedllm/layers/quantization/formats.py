@@ -22,8 +22,9 @@ reduction across lanes. A record per (16 rows, block of 32) for the types of 32;
     codes  4-5-6 bits: 256 bytes a 32-block, [step s 0..3][lane 0..15][4 bytes], byte i holding
            u[4s + i] in its low and u[16 + 4s + i] in its high nibble;
            8 bits: 512 bytes, [step t 0..7][lane][4 bytes] = u[4t + i];
-    high   5 bits: 64 bytes a 32-block, [half h][step s] 64-bit masks, bit 4 lane + i = bit 4 of
-           u[16h + 4s + i]; 6 bits: 128 bytes, two such planes (bits 4 and 5);
+    high   5 bits: 64 bytes a 32-block, byte 4 lane + i holding bit 4 of u[4t + i] as its bit t (t 0..7);
+           6 bits: 128 bytes, two such planes: plane t // 4 holds bits 4-5 of u[4t + i] as its bits
+           2 (t % 4) and 2 (t % 4) + 1;
     scales Q4_0..Q8_0: d (and m) as 16 float16; Q4_K/Q5_K: sc and mn as [8][16] uint8, then d and
            dmin as 16 float16 each; Q6_K: sc as [16][16] int8, then d as 16 float16.
 
@@ -217,15 +218,14 @@ def pack(fields: Fields) -> torch.Tensor:
     codes = _pad_rows(fields.codes, padded).reshape(-1, GROUP, cols // BLOCK, BLOCK)  # [g, lane, block, 32]
     parts = [_pack_codes(codes, fmt.bits)]
     if fmt.bits in (5, 6):
-        parts += [_pack_high(codes, plane) for plane in range(fmt.bits - 4)]
-        if fmt.bits == 6:  # the two planes of a block side by side
-            parts = [parts[0], np.stack(parts[1:], axis=2).reshape(*parts[0].shape[:2], -1)]
+        parts.append(_pack_high(codes, fmt.bits))
     per_record = fmt.record_values // BLOCK
     parts = [p.reshape(p.shape[0], -1, per_record * p.shape[2]) for p in parts]
     parts += _pack_scales(fields, padded)
     record = np.concatenate(parts, axis=2)
     assert record.shape[2] == fmt.record_bytes, (record.shape, fmt.record_bytes)
-    return torch.from_numpy(np.ascontiguousarray(record))
+    # Copied into torch's allocation, 64-byte aligned (numpy's is 16): whole cache lines a load.
+    return torch.empty(record.shape, dtype=torch.uint8).copy_(torch.from_numpy(np.ascontiguousarray(record)))
 
 
 def _pad_rows(values: np.ndarray, rows: int) -> np.ndarray:
@@ -245,13 +245,17 @@ def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return steps.transpose(0, 2, 3, 1, 4).reshape(g, blocks, -1)
 
 
-def _pack_high(codes: np.ndarray, plane: int) -> np.ndarray:
-    """Bit 4 + plane of each code as 64-bit masks: [g, block, 64 bytes], [half][step] masks of
-    bit 4 lane + i."""
+def _pack_high(codes: np.ndarray, bits: int) -> np.ndarray:
+    """The bits of each code past its low 4: [g, block, 64 or 128] bytes, byte 4 lane + i of a plane
+    holding, for each step t, the high bits of u[lane][4t + i]: 5 bits: bit t; 6 bits: plane t // 4,
+    bits 2 (t % 4) and 2 (t % 4) + 1."""
     g, _, blocks, _ = codes.shape
-    bits = ((codes >> (4 + plane)) & 1).reshape(g, GROUP, blocks, 2, 4, 4)  # [g, lane, block, h, s, i]
-    bits = bits.transpose(0, 2, 3, 4, 1, 5).reshape(g, blocks, 8, 64)  # [g, block, h s, lane i]
-    return np.packbits(bits, axis=-1, bitorder="little").reshape(g, blocks, 64)
+    per_byte = 8 if bits == 5 else 4  # steps a byte serves
+    high = ((codes >> 4) & (1 if bits == 5 else 3)).reshape(g, GROUP, blocks, 8 // per_byte, per_byte, 4)
+    width = 8 // per_byte  # bits a step takes
+    shifts = (np.arange(per_byte, dtype=np.uint8) * width)[:, None]
+    planes = (high.astype(np.uint16) << shifts).sum(axis=4).astype(np.uint8)  # [g, lane, block, plane, i]
+    return planes.transpose(0, 2, 3, 1, 4).reshape(g, blocks, -1)
 
 
 def _by_lane(values: np.ndarray, rows: int, per_record: int) -> np.ndarray:
