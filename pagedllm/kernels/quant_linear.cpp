@@ -202,7 +202,7 @@ inline float half_at(const uint8_t* p, int lane) {
 
 template <int F>
 void group_portable(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows,
-                    float* sums) {
+                    float* sums, bool /*stream*/) {
   using Tr = Traits<F>;
   for (int r = 0; r < rows; ++r) {
     const int8_t* xq = a.q(row0 + r);
@@ -319,8 +319,16 @@ inline __m512 halves(const uint8_t* p) {
 }
 
 
+// A lone pass over a group (a decode's rows: one pass of up to 4) reads each record once a call, from
+// memory; the hardware prefetchers stop at each 4 KiB page, so it asks for its stream 4 KiB ahead,
+// non-temporal (the records are not read again this step). The 250M model's Q4_K_M layers at batch
+// 1 in turn, alternated in one process: 27.5 GB/s against 25.6 without (4 KiB T0: 28.1 but one slow
+// round of six; 8 KiB: 27.4 and 26.8; 16 KiB: 25.0).
+constexpr int64_t kStreamAhead = 4096;
+
 template <int F, int R>
-void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums) {
+void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums,
+                bool stream) {
   using Tr = Traits<F>;
   __m512 total[R];
   const int8_t* xq[R];
@@ -335,6 +343,8 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
   __m512i w[8];
   for (int64_t rec = 0; rec < records; ++rec) {
     const uint8_t* p = group + rec * Tr::record_bytes;
+    if (stream)
+      for (int64_t line = 0; line < Tr::record_bytes; line += 64) _mm_prefetch(p + kStreamAhead + line, _MM_HINT_NTA);
     if constexpr (!Tr::k_quant) {
       unpack<Tr::bits>(p, p + Tr::high_at, w);
       const __m512 scale = halves(p + Tr::scales_at);
@@ -475,19 +485,20 @@ TileFn tile_fn(int format) {
 }
 #endif
 
-using GroupFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, int, float*);
+using GroupFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, int, float*, bool);
 
 template <int F>
-void group_rows(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows, float* sums) {
+void group_rows(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows, float* sums,
+                bool stream) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   switch (rows) {
-    case 1: return group_vnni<F, 1>(group, records, a, row0, sums);
-    case 2: return group_vnni<F, 2>(group, records, a, row0, sums);
-    case 3: return group_vnni<F, 3>(group, records, a, row0, sums);
-    default: return group_vnni<F, 4>(group, records, a, row0, sums);
+    case 1: return group_vnni<F, 1>(group, records, a, row0, sums, stream);
+    case 2: return group_vnni<F, 2>(group, records, a, row0, sums, stream);
+    case 3: return group_vnni<F, 3>(group, records, a, row0, sums, stream);
+    default: return group_vnni<F, 4>(group, records, a, row0, sums, stream);
   }
 #else
-  group_portable<F>(group, records, a, row0, rows, sums);
+  group_portable<F>(group, records, a, row0, rows, sums, stream);
 #endif
 }
 
@@ -569,7 +580,8 @@ void matmul(torch::Tensor& out, const Activations& a, const std::vector<Job>& jo
     const int64_t cols = std::min<int64_t>(kGroup, job.n - g * kGroup), col = job.col + g * kGroup;
     for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
       const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
-      job.fn(job.weights + g * job.records * job.record_bytes, job.records, a, r0, count, sums);
+      job.fn(job.weights + g * job.records * job.record_bytes, job.records, a, r0, count, sums,
+             last - first <= kMaxRows);
       store(y + r0 * stride + col, stride, sums, kGroup, count, cols, bias == nullptr ? nullptr : bias + col);
     }
   }
