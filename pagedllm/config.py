@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# --quantization: a GGUF file's own types (auto, gguf), dequantized (none), or a Hugging Face
+# checkpoint quantized as it loads (models/loader.py's resolve_quantization)
+QUANTIZATION_CHOICES = ("auto", "gguf", "none", "int8", "int4", "int4_g32")
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the server's default request body limit
 
 
@@ -37,9 +40,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the elementwise torch paths (layers/compile.py)
     engine_core_process: bool = False  # the engine core in a process of its own (engine/core_client.py)
-    # None/"auto": a GGUF file's quantized tensors stay quantized; "none": dequantized at load
-    # (models/loader.py's resolve_quantization)
-    quantization: str | None = None
+    quantization: str | None = None  # one of QUANTIZATION_CHOICES; None: auto
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 
-from pagedllm.config import MAX_BODY_BYTES, EngineArgs
+from pagedllm.config import MAX_BODY_BYTES, QUANTIZATION_CHOICES, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +28,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
                         default=defaults.engine_core_process,
                         help="run the scheduler and the model in a process of their own (default: a thread)")
-    parser.add_argument("--quantization", "-q", default=None, choices=["auto", "gguf", "none"],
+    parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
                         help="weights' format: auto (a GGUF file's own quantized types, computed on as they are), "
-                             "gguf (the same, asked for), none (dequantized at load to --dtype)")
+                             "gguf (the same, asked for), none (dequantized at load to --dtype); for a Hugging Face "
+                             "checkpoint, int8 (per channel), int4 (groups of 128) or int4_g32 (groups of 32)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
 

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
+from pagedllm.layers.quantization.online import SCHEMES, OnlineQuantConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models import gguf as gguf_file
 from pagedllm.models.interface import CausalLM
@@ -89,24 +91,28 @@ def resolve_dtype(spec: str | torch.dtype, config, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
-QUANTIZATION_CHOICES = ("gguf", "none")
-
-
 def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | None:
     """vLLM's --quantization: None (or "auto") takes a GGUF file's own types; "gguf" asks for them;
-    "none" dequantizes a GGUF file at load. Quantized weights need the C++ kernels on the CPU:
-    elsewhere a GGUF file is dequantized, and the log says so."""
+    "none" dequantizes a GGUF file at load; int8, int4 and int4_g32 quantize a Hugging Face
+    checkpoint's linear layers as it loads (layers/quantization/online.py). Quantized weights need
+    the C++ kernels on the CPU: elsewhere a GGUF file is dequantized (the log says so) and online
+    quantization is refused."""
     if spec in (None, "auto"):
         spec = "gguf" if is_gguf else "none"
     if spec not in QUANTIZATION_CHOICES:
-        raise ValueError(f"unknown quantization {spec!r}; choose from auto, {', '.join(QUANTIZATION_CHOICES)}")
+        raise ValueError(f"unknown quantization {spec!r}; choose from {', '.join(QUANTIZATION_CHOICES)}")
     if spec == "gguf" and not is_gguf:
         raise ValueError("quantization 'gguf' needs a .gguf model file")
+    if spec in SCHEMES and is_gguf:
+        raise ValueError(f"quantization {spec!r} quantizes a Hugging Face checkpoint; a GGUF file keeps its own "
+                         "types (or --quantization none to dequantize it)")
     if spec == "none":
         return None
     from pagedllm.kernels import cpu_ops
 
     if not device.startswith("cpu") or cpu_ops() is None:
+        if spec in SCHEMES:
+            raise ValueError(f"quantization {spec!r} needs the C++ kernels on the CPU, which are unavailable here")
         logger.info("GGUF weights are dequantized at load: the quantized kernels need the C++ kernels on the CPU")
         return None
     return spec
@@ -178,6 +184,8 @@ def load_model(model_config: ModelConfig, device: str) -> CausalLM:
 def _quant_config(model_config: ModelConfig) -> QuantizationConfig | None:
     if model_config.quantization == "gguf":
         return GGUFConfig(gguf_file.tensor_types(model_config.path))
+    if model_config.quantization in SCHEMES:
+        return OnlineQuantConfig(model_config.quantization)
     return None
 
 

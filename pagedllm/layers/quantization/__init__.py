@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from pagedllm.layers.linear import LinearMethodBase
+import torch
+
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers.linear import KernelSpec, Linear, LinearMethodBase, SiluAndMulLinear
+from pagedllm.layers.quantization.formats import Format
 
 
 class QuantizationConfig(ABC):
@@ -21,3 +25,30 @@ class QuantizationConfig(ABC):
     def quantized_embedding(self, name: str) -> bool:
         """Whether the token embedding (checkpoint module `name`) is kept quantized."""
         return False
+
+
+class PackedQuantMethod(LinearMethodBase):
+    """What the quantized methods share once their weights are packed: the kernels' QuantLinear
+    computes the layer (SiLU-and-mul included on a SiluAndMulLinear) and is what the C++ decoder
+    stack runs. A method packs its weights in process_weights_after_loading, then calls install."""
+
+    @staticmethod
+    def install(layer: Linear, segments: list[tuple[torch.Tensor, Format, int]], labels: tuple[str, ...]) -> None:
+        """segments: (packed records, their format, output rows) side by side along the output;
+        labels: what the start-up log says the layer runs as. Sets a buffer `packed_<i>` per
+        segment, `formats` and `_op`."""
+        for i, (packed, _, _) in enumerate(segments):
+            layer.register_buffer(f"packed_{i}", packed, persistent=False)
+        layer.formats = labels
+        layer._op = cpu_ops().QuantLinear([(packed, fmt.format_id, rows) for packed, fmt, rows in segments],
+                                          layer.in_features, layer._parameters["bias"],
+                                          isinstance(layer, SiluAndMulLinear))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer._op(x)
+
+    def apply_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer._op(x)  # built with silu_mul on a SiluAndMulLinear
+
+    def kernel_spec(self, layer: Linear) -> KernelSpec | None:
+        return layer._op

@@ -278,6 +278,36 @@ def _pack_scales(fields: Fields, rows: int) -> list[np.ndarray]:
     return parts + [_by_lane(v, rows, 1) for v in (fields.scale, fields.minimum) if v is not None]
 
 
+# -- online quantization of float weights -----------------------------------------------------------
+def quantize_int8_rows(w: torch.Tensor) -> Fields:
+    """Symmetric int8 with one scale per output row (per channel), as Q8_0 records whose blocks of
+    a row share that scale: q = round(w / d), d = max |w_row| / 127 (as float16)."""
+    w = w.float()
+    d = (w.abs().amax(dim=1) / 127).to(torch.float16)
+    inverse = torch.where(d > 0, 1 / d.float(), torch.zeros(()))
+    q = torch.round(w * inverse[:, None]).clamp(-127, 127)
+    blocks = w.shape[1] // BLOCK
+    return Fields(FORMATS["Q8_0"], (q + 128).to(torch.uint8).numpy(), d[:, None].expand(-1, blocks).contiguous().numpy())
+
+
+def quantize_int4_groups(w: torch.Tensor, group: int) -> Fields:
+    """Asymmetric 4-bit per group of `group` values along a row (32 or a multiple: its blocks share
+    the group's scale and minimum), as Q4_1 records: w ~ d u + m, u in 0..15, with d = (max - min) /
+    15 and m = min rounded to float16 first, so that the codes fit the stored scales."""
+    if group % BLOCK or w.shape[1] % group:
+        raise ValueError(f"a group of {group} values does not divide rows of {w.shape[1]} into blocks of {BLOCK}")
+    rows, cols = w.shape
+    groups = w.float().reshape(rows, cols // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = ((high - low) / 15).to(torch.float16)
+    m = low.to(torch.float16)
+    inverse = torch.where(d > 0, 1 / d.float(), torch.zeros(()))
+    u = torch.round((groups - m.float()[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.uint8)
+    per_block = group // BLOCK
+    return Fields(FORMATS["Q4_1"], u.reshape(rows, cols).numpy(),
+                  d.repeat_interleave(per_block, dim=1).numpy(), m.repeat_interleave(per_block, dim=1).numpy())
+
+
 # -- activations ------------------------------------------------------------------------------------
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, cols] -> (int8 codes [rows, cols], float32 scales [rows, cols / 32]): per 32 values,

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.linear import KernelSpec, Linear, LinearMethodBase, SiluAndMulLinear, WeightLoader
-from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.linear import Linear, LinearMethodBase, WeightLoader
+from pagedllm.layers.quantization import PackedQuantMethod, QuantizationConfig
 from pagedllm.layers.quantization.formats import FORMATS, decode, pack
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -74,11 +74,10 @@ def _stash(layer: Linear, param: nn.Parameter, loaded: GGUFTensor, shard_id: str
     layer._gguf_shards[start] = loaded
 
 
-class GGUFLinearMethod(LinearMethodBase):
-    """Weights in the file's blocks, packed for kernels/quant_linear.cpp (int8 activations, VNNI).
-
-    Per layer it sets `_gguf_shards` (first row -> raw shard, while loading), then `_op` (the
-    kernels' QuantLinear) and a buffer `packed_<i>` per segment; `formats` names their types."""
+class GGUFLinearMethod(PackedQuantMethod):
+    """Weights in the file's blocks, packed for kernels/quant_linear.cpp. While loading, a layer
+    keeps each shard's raw blocks in `_gguf_shards` (first row -> shard); then one segment per run
+    of shards of one type."""
 
     def create_weights(self, layer: Linear, weight_loader: WeightLoader) -> None:
         # The blocks' size is the file's business: a placeholder takes each shard as it loads.
@@ -87,30 +86,17 @@ class GGUFLinearMethod(LinearMethodBase):
         layer._gguf_shards = {}
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        shards = sorted(layer._gguf_shards.items())
-        covered = sum(shard.rows for _, shard in shards)
+        shards = [shard for _, shard in sorted(layer._gguf_shards.items())]
+        covered = sum(shard.rows for shard in shards)
         if covered != layer.out_features:
             raise ValueError(f"quantized layer of {layer.out_features} rows got {covered} rows of weights")
         segments = []
-        for run in _runs([shard for _, shard in shards]):
+        for run in _runs(shards):
             fmt = FORMATS[run[0].type_name]
             raw = run[0].raw if len(run) == 1 else torch.cat([s.raw for s in run])
-            packed = pack(decode(raw.numpy(), fmt))
-            layer.register_buffer(f"packed_{len(segments)}", packed, persistent=False)
-            segments.append((packed, fmt.format_id, raw.shape[0]))
-        layer.formats = tuple(run[0].type_name for run in _runs([s for _, s in shards]))
+            segments.append((pack(decode(raw.numpy(), fmt)), fmt, raw.shape[0]))
         del layer._gguf_shards, layer.weight
-        layer._op = cpu_ops().QuantLinear(segments, layer.in_features, layer._parameters["bias"],
-                                          isinstance(layer, SiluAndMulLinear))
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return layer._op(x)
-
-    def apply_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return layer._op(x)  # built with silu_mul on a SiluAndMulLinear
-
-    def kernel_spec(self, layer: Linear) -> KernelSpec | None:
-        return layer._op
+        self.install(layer, segments, tuple(fmt.name for _, fmt, _ in segments))
 
 
 def _runs(shards: list[GGUFTensor]) -> list[list[GGUFTensor]]:
@@ -136,8 +122,7 @@ class QuantizedEmbedding(Linear):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(ids.numel(), self.embedding_dim, dtype=self.activation_dtype.dtype, device=ids.device)
-        packed = self.packed_0
-        cpu_ops().quant_embedding(out, ids.reshape(-1).long(), packed, FORMATS[self.formats[0]].format_id)
+        cpu_ops().quant_embedding(out, ids.reshape(-1).long(), self.packed_0, FORMATS[self.formats[0]].format_id)
         return out.view(*ids.shape, self.embedding_dim)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
