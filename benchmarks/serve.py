@@ -4,7 +4,8 @@
         --output-len 128 --request-rate inf
 
 With --launch, it starts `pagedllm serve` itself (default model) on a free port and stops it
-after. Definitions follow vLLM's benchmark: TTFT is the time to the first streamed token; TPOT
+after, and reports the server's resident memory (its RSS once ready, and the most it reached
+during the run, sampled every 0.2 s). Definitions follow vLLM's benchmark: TTFT is the time to the first streamed token; TPOT
 is (latency - TTFT) / (output tokens - 1) per request; ITL is every gap between streamed chunks.
 It also polls GET /health every 50 ms during the run and reports that latency, the measure of
 whether the HTTP side stays responsive under load.
@@ -126,6 +127,32 @@ def launch(extra: list[str]) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not start")
 
 
+class RssPeak:
+    """The resident memory of a process: at start, and the most seen, sampled on a thread."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        import threading
+
+        import psutil
+
+        self.process, self.interval = psutil.Process(pid), interval
+        self.ready = self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except Exception:  # noqa: BLE001 - the server has exited
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=None)
@@ -138,16 +165,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    process = None
+    process, sampler = None, None
     base_url = args.base_url
     if args.launch is not None:
         process, base_url = launch(args.launch)
+        sampler = RssPeak(process.pid)
     try:
         result = asyncio.run(run(args, base_url))
     finally:
         if process is not None:
+            sampler.stop()
             process.terminate()
             process.wait(timeout=60)
+    if sampler is not None:
+        result["rss_ready_mib"], result["rss_peak_mib"] = sampler.ready / 2**20, sampler.peak / 2**20
+        print(f"server RSS: {result['rss_ready_mib']:.0f} MiB once ready, {result['rss_peak_mib']:.0f} MiB at most")
     print("| requests | rate | req/s | output tok/s | TTFT mean/median/p99 ms | TPOT median ms | "
           "ITL median ms | E2E median s | /health median/max ms | client CPU s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
