@@ -7,7 +7,9 @@
 // every lane and adds into that lane, so 16 rows' integer dot products build up side by side, with
 // no reduction across lanes; each block's sums then take their scales in float. Every weight is
 // read once a call and unpacked once for up to 4 rows of activations; where a layer is many rows,
-// a group's records (a few KiB) stay in L1 across the row passes.
+// a group's records (a few KiB) stay in L1 across the row passes. For bf16 activations of many rows
+// of 5- and 6-bit codes, whose unpacking costs more, tiles of 64 rows are dequantized to bf16 and
+// multiplied by packed_linear.cpp's bf16 kernel instead (matmul_tiles).
 //
 // The portable path computes the same sums in plain C++, for CPUs without AVX512-VNNI (and for the
 // tests, which run both). Both are held to formats.reference_linear: the int sums are exact, only
@@ -18,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <torch/extension.h>
@@ -66,19 +69,27 @@ struct Traits {
   static constexpr int64_t record_values = kBlock * blocks;
 };
 
-int64_t record_bytes(int format) {
+// fn(std::integral_constant<int, F>) for the format F given at run time: where a format number
+// meets the templates.
+template <typename Fn>
+auto by_format(int format, Fn&& fn) {
+  using C = std::integral_constant<int, kQ4_0>;
   switch (format) {
-    case kQ4_0: return Traits<kQ4_0>::record_bytes;
-    case kQ4_1: return Traits<kQ4_1>::record_bytes;
-    case kQ5_0: return Traits<kQ5_0>::record_bytes;
-    case kQ5_1: return Traits<kQ5_1>::record_bytes;
-    case kQ8_0: return Traits<kQ8_0>::record_bytes;
-    case kQ4_K: return Traits<kQ4_K>::record_bytes;
-    case kQ5_K: return Traits<kQ5_K>::record_bytes;
-    case kQ6_K: return Traits<kQ6_K>::record_bytes;
+    case kQ4_0: return fn(C{});
+    case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
+    case kQ8_0: return fn(std::integral_constant<int, kQ8_0>{});
+    case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
+    case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
     default: TORCH_CHECK(false, "unknown quantized format ", format);
   }
-  return 0;
+  return fn(C{});
+}
+
+int64_t record_bytes(int format) {
+  return by_format(format, [](auto f) { return Traits<decltype(f)::value>::record_bytes; });
 }
 
 int64_t record_values(int format) { return format >= kQ4_K ? 256 : kBlock; }
@@ -470,18 +481,7 @@ void dequantize_group_bf16(const uint8_t* group, int64_t records, uint32_t* tile
 
 using TileFn = void (*)(const uint8_t*, int64_t, uint32_t*, int64_t);
 TileFn tile_fn(int format) {
-  switch (format) {
-    case kQ4_0: return dequantize_group_bf16<kQ4_0>;
-    case kQ4_1: return dequantize_group_bf16<kQ4_1>;
-    case kQ5_0: return dequantize_group_bf16<kQ5_0>;
-    case kQ5_1: return dequantize_group_bf16<kQ5_1>;
-    case kQ8_0: return dequantize_group_bf16<kQ8_0>;
-    case kQ4_K: return dequantize_group_bf16<kQ4_K>;
-    case kQ5_K: return dequantize_group_bf16<kQ5_K>;
-    case kQ6_K: return dequantize_group_bf16<kQ6_K>;
-    default: TORCH_CHECK(false, "unknown quantized format ", format);
-  }
-  return nullptr;
+  return by_format(format, [](auto f) -> TileFn { return dequantize_group_bf16<decltype(f)::value>; });
 }
 #endif
 
@@ -502,22 +502,10 @@ void group_rows(const uint8_t* group, int64_t records, const Activations& a, int
 #endif
 }
 
-template <int F>
-constexpr GroupFn kFns[2] = {group_rows<F>, group_portable<F>};
-
 GroupFn group_fn(int format, bool portable) {
-  switch (format) {
-    case kQ4_0: return kFns<kQ4_0>[portable];
-    case kQ4_1: return kFns<kQ4_1>[portable];
-    case kQ5_0: return kFns<kQ5_0>[portable];
-    case kQ5_1: return kFns<kQ5_1>[portable];
-    case kQ8_0: return kFns<kQ8_0>[portable];
-    case kQ4_K: return kFns<kQ4_K>[portable];
-    case kQ5_K: return kFns<kQ5_K>[portable];
-    case kQ6_K: return kFns<kQ6_K>[portable];
-    default: TORCH_CHECK(false, "unknown quantized format ", format);
-  }
-  return nullptr;
+  return by_format(format, [portable](auto f) -> GroupFn {
+    return portable ? group_portable<decltype(f)::value> : group_rows<decltype(f)::value>;
+  });
 }
 
 // Sums [rows][sums_stride] (+ bias) rounded once into the output's dtype.
@@ -764,18 +752,7 @@ void dequantize_row(const uint8_t* group, int64_t records, int lane, float* out)
 
 using RowFn = void (*)(const uint8_t*, int64_t, int, float*);
 RowFn row_fn(int format) {
-  switch (format) {
-    case kQ4_0: return dequantize_row<kQ4_0>;
-    case kQ4_1: return dequantize_row<kQ4_1>;
-    case kQ5_0: return dequantize_row<kQ5_0>;
-    case kQ5_1: return dequantize_row<kQ5_1>;
-    case kQ8_0: return dequantize_row<kQ8_0>;
-    case kQ4_K: return dequantize_row<kQ4_K>;
-    case kQ5_K: return dequantize_row<kQ5_K>;
-    case kQ6_K: return dequantize_row<kQ6_K>;
-    default: TORCH_CHECK(false, "unknown quantized format ", format);
-  }
-  return nullptr;
+  return by_format(format, [](auto f) -> RowFn { return dequantize_row<decltype(f)::value>; });
 }
 
 }  // namespace

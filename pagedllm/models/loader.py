@@ -1,6 +1,7 @@
 """Find a model (HF folder, GGUF file, or the default), read its config, tokenizer and weights."""
 from __future__ import annotations
 
+import ctypes
 import glob
 import importlib.util
 import json
@@ -176,9 +177,20 @@ def load_model(model_config: ModelConfig, device: str) -> CausalLM:
     process_linear_weights(model)
     if model_config.is_gguf:
         gguf_file.release_readers()
+    _release_heap()
     model.bind_kernels()
     logger.info("Weights: %s", describe_weights(model))
     return model.eval()
+
+
+def _release_heap() -> None:
+    """Hand the heap freed by loading back to the OS: packing quantized weights allocates and frees
+    about the model's size in temporaries, which glibc keeps (the 250M Q4_K_M model: 184 MiB more
+    resident without this). Elsewhere than glibc, nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _quant_config(model_config: ModelConfig) -> QuantizationConfig | None:
