@@ -208,3 +208,24 @@ def test_tiles_of_segments_and_silu_mul():
     expected = torch.empty(37, 80).bfloat16()
     ops.silu_and_mul(expected, both)
     assert torch.equal(tiled([gate, up], 256, silu_mul=True)(x), expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, tile_rows", [(1, None), (5, None), (70, None), (70, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_mul_as_the_results_are_stored(dtype, rows, tile_rows, bias):
+    """gate and up in one segment (one type, split in two at construction) or two: SiLU-and-mul
+    applied as the sums are stored, bit for bit what silu_and_mul gives on the unfused output."""
+    for segments in ([fields_of("Q4_0", 96, 64, 3)], [fields_of("Q4_K", 48, 256, 4), fields_of("Q6_K", 48, 256, 5)]):
+        k = segments[0].shape[1]
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        b = torch.randn(96).to(dtype) if bias else None
+        packed = [(pack(f), f.format.format_id, f.shape[0]) for f in segments]
+        fused, plain = (ops.QuantLinear(packed, k, b, silu) for silu in (True, False))
+        if tile_rows is not None:
+            fused.set_tile_rows(tile_rows)
+            plain.set_tile_rows(tile_rows)
+        expected = torch.empty(rows, 48, dtype=dtype)
+        ops.silu_and_mul(expected, plain(x))
+        assert torch.equal(fused(x), expected)

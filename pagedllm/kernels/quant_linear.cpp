@@ -35,6 +35,9 @@
 
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);  // fused_ops.cpp
 #if defined(__AVX512BF16__)
+void silu_mul_sums_bf16(at::BFloat16* out, const float* g, const float* u, int64_t n);  // fused_ops.cpp
+#endif
+#if defined(__AVX512BF16__)
 void bf16_block_rows(const uint32_t* const* x_pairs, int rows, const at::BFloat16* block, int64_t k_pairs,
                      float* sums);  // packed_linear.cpp
 #endif
@@ -518,6 +521,33 @@ void store(T* out, int64_t stride, const float* sums, int64_t sums_stride, int r
     }
 }
 
+// A gated MLP's output from the sums of its gate and up rows (+ their biases): each rounded to the
+// output's dtype, then silu(gate) * up as silu_and_mul computes it on such an output, bit for bit,
+// without the [rows, 2n] product ever being written.
+template <typename T>
+void store_silu_mul(T* out, int64_t stride, float* gate, float* up, int64_t sums_stride, int rows, int64_t cols,
+                    const T* gate_bias, const T* up_bias) {
+  for (int r = 0; r < rows; ++r) {
+    float* g = gate + r * sums_stride;
+    float* u = up + r * sums_stride;
+    for (int64_t j = 0; gate_bias != nullptr && j < cols; ++j) {
+      g[j] += static_cast<float>(gate_bias[j]);
+      u[j] += static_cast<float>(up_bias[j]);
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      silu_mul_sums_bf16(out + r * stride, g, u, cols);
+      continue;
+    }
+#endif
+    for (int64_t j = 0; j < cols; ++j) {
+      const float gf = static_cast<float>(static_cast<T>(g[j]));
+      const T act = static_cast<T>(gf / (1.f + std::exp(-gf)));
+      out[r * stride + j] = static_cast<T>(static_cast<float>(act) * static_cast<float>(static_cast<T>(u[j])));
+    }
+  }
+}
+
 // One packed matrix of n rows, whose results go to the output's columns col..col + n.
 struct Job {
   const uint8_t* weights;
@@ -575,6 +605,31 @@ void matmul(torch::Tensor& out, const Activations& a, const std::vector<Job>& jo
   }
 }
 
+// out [rows, n] = silu(x Wg^T) * (x Wu^T) for a gate and an up job of n rows each: each item
+// computes a group's gate and up sums and stores their product.
+template <typename T>
+void matmul_silu_mul(torch::Tensor& out, const Activations& a, const Job& gate, const Job& up, const T* bias) {
+  const int64_t rows = a.rows, stride = out.size(1);
+  T* y = out.data_ptr<T>();
+  const Chunks chunks(rows, gate.groups);
+  WorkSplit split(gate.groups * chunks.count, omp_get_max_threads());
+#pragma omp parallel num_threads(split.threads())
+  for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
+    alignas(64) float sums[2][kMaxRows * kGroup];
+    const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
+    const int64_t g = item / chunks.count, col = g * kGroup, cols = std::min<int64_t>(kGroup, gate.n - col);
+    for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
+      const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
+      int h = 0;
+      for (const Job* job : {&gate, &up})
+        job->fn(job->weights + g * job->records * job->record_bytes, job->records, a, r0, count, sums[h++],
+                last - first <= kMaxRows);
+      store_silu_mul(y + r0 * stride + col, stride, sums[0], sums[1], kGroup, count, cols,
+                     bias == nullptr ? nullptr : bias + col, bias == nullptr ? nullptr : bias + gate.n + col);
+    }
+  }
+}
+
 #if PAGEDLLM_QUANT_TILES
 constexpr int64_t kTileGroups = 4;  // a tile: 64 output rows, packed_linear's block width
 
@@ -627,6 +682,51 @@ void matmul_tiles(torch::Tensor& out, const torch::Tensor& x, const std::vector<
 }
 #endif
 
+#if PAGEDLLM_QUANT_TILES
+// matmul_silu_mul's tile path: a thread dequantizes a unit's gate and up tiles side by side.
+void matmul_tiles_silu_mul(torch::Tensor& out, const torch::Tensor& x, const Job& gate, const Job& up,
+                           const at::BFloat16* bias) {
+  const int64_t rows = x.size(0), k_pairs = x.size(1) / 2, stride = out.size(1);
+  const int64_t units = (gate.groups + kTileGroups - 1) / kTileGroups, tile_words = k_pairs * kTileGroups * kGroup;
+  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  const Chunks chunks(rows, units);
+  WorkSplit split(units * chunks.count, omp_get_max_threads());
+#pragma omp parallel num_threads(split.threads())
+  {
+    thread_local std::vector<uint32_t> tiles;
+    tiles.resize(std::max<size_t>(tiles.size(), 2 * tile_words));
+    int64_t loaded = -1;
+    alignas(64) float sums[2][kMaxRows * kTileGroups * kGroup];
+    const uint32_t* x_pairs[kMaxRows];
+    for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
+      const int64_t u = item / chunks.count;
+      const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
+      if (loaded != u) {
+        int h = 0;
+        for (const Job* job : {&gate, &up}) {
+          for (int64_t g = u * kTileGroups; g < std::min(job->groups, (u + 1) * kTileGroups); ++g)
+            job->tile(job->weights + g * job->records * job->record_bytes, job->records, tiles.data() + h * tile_words,
+                      (g - u * kTileGroups) * kGroup);
+          ++h;
+        }
+        loaded = u;
+      }
+      const int64_t col = u * kTileGroups * kGroup, cols = std::min<int64_t>(kTileGroups * kGroup, gate.n - col);
+      for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
+        const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
+        for (int r = 0; r < count; ++r) x_pairs[r] = xs + (r0 + r) * k_pairs;
+        for (int h = 0; h < 2; ++h)
+          bf16_block_rows(x_pairs, count, reinterpret_cast<const at::BFloat16*>(tiles.data() + h * tile_words),
+                          k_pairs, sums[h]);
+        store_silu_mul(y + r0 * stride + col, stride, sums[0], sums[1], kTileGroups * kGroup, count, cols,
+                       bias == nullptr ? nullptr : bias + col, bias == nullptr ? nullptr : bias + gate.n + col);
+      }
+    }
+  }
+}
+#endif
+
 // Rows from which bf16 activations take the tile path: where it measured faster than the int8 path
 // (benchmarks/quant_kernels.py, 5632 x 1024 layers): 6-bit codes from 64 rows, 5-bit from 256;
 // never for 4 and 8 bits, whose int8 path kept ahead of the bf16 kernel itself up to 512 rows.
@@ -667,12 +767,24 @@ class QuantLinear : public LinearOp {
       out_features_ += n;
     }
     TORCH_CHECK(!silu_mul_ || out_features_ % 2 == 0, "silu_mul needs gate and up halves");
+    const int64_t half = out_features_ / 2;
+    if (silu_mul_ && jobs_.size() == 1 && half % kGroup == 0) {  // gate and up of one type: two jobs
+      Job up = jobs_[0];
+      up.weights += half / kGroup * up.records * up.record_bytes;
+      up.groups = jobs_[0].groups = half / kGroup;
+      up.n = jobs_[0].n = half;
+      up.col = half;
+      jobs_.push_back(up);
+    }
+    // SiLU-and-mul as the results are stored: a gate job and an up job of whole groups each.
+    fused_silu_ = silu_mul_ && jobs_.size() == 2 && jobs_[0].n == half && half % kGroup == 0;
   }
 
   torch::Tensor forward(const torch::Tensor& x) const override {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features_, "[rows, ", in_features_, "] activations expected");
     const torch::Tensor input = x.contiguous();
     const int64_t rows = x.size(0);
+    if (fused_silu_ && takes_tiles(jobs_[0], input) == takes_tiles(jobs_[1], input)) return silu_forward(input);
     torch::Tensor out = torch::empty({rows, out_features_}, x.options());
     std::vector<Job> int8_jobs, tile_jobs;
     for (const Job& job : jobs_) (takes_tiles(job, input) ? tile_jobs : int8_jobs).push_back(job);
@@ -695,6 +807,22 @@ class QuantLinear : public LinearOp {
   }
 
  private:
+  torch::Tensor silu_forward(const torch::Tensor& x) const {
+    torch::Tensor out = torch::empty({x.size(0), out_features_ / 2}, x.options());
+#if PAGEDLLM_QUANT_TILES
+    if (takes_tiles(jobs_[0], x)) {
+      matmul_tiles_silu_mul(out, x, jobs_[0], jobs_[1], bias_data<at::BFloat16>());
+      return out;
+    }
+#endif
+    const Activations a = quantize_activations(x, portable_);
+    if (x.scalar_type() == torch::kBFloat16)
+      matmul_silu_mul<at::BFloat16>(out, a, jobs_[0], jobs_[1], bias_data<at::BFloat16>());
+    else
+      matmul_silu_mul<float>(out, a, jobs_[0], jobs_[1], bias_data<float>());
+    return out;
+  }
+
   bool takes_tiles(const Job& job, const torch::Tensor& x) const {
 #if PAGEDLLM_QUANT_TILES
     return !portable_ && x.scalar_type() == torch::kBFloat16 && x.size(0) >= job.tile_rows;
@@ -721,7 +849,7 @@ class QuantLinear : public LinearOp {
   std::vector<Job> jobs_;
   int64_t in_features_, out_features_;
   c10::optional<torch::Tensor> bias_;
-  bool silu_mul_, portable_;
+  bool silu_mul_, portable_, fused_silu_;
 };
 
 // -- embedding rows ---------------------------------------------------------------------------
