@@ -4,7 +4,7 @@
 
 Attention: 64 decoding sequences x 16 heads (4 KV heads) x 200, 600 and 1000 tokens of context,
 head size 64, bf16, block size 16, blocks scattered: ms per layer call, best of 5, and the K/V
-bytes read per second. Linear: the 250M model's four layer shapes, four of each (88 MB of bf16
+bytes read per second; then the same with an fp8 (e4m3) cache, the bf16 cache's time over its. Linear: the 250M model's four layer shapes, four of each (88 MB of bf16
 weights), in turn so that they come from memory; GFLOP/s for 1 to 2048 input rows of our Linear
 as the model runs it (packed for oneDNN; our kernel over the same packed weights, at most
 ROWS_KERNEL_MAX rows a call), of oneDNN's GEMM on the packed weights at every row count, and of
@@ -64,9 +64,25 @@ def main() -> None:
         q, k, v, meta = attention_case(64, context)
         out = torch.empty_like(q)
         seconds = best_seconds(lambda: ops.paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc,
-                                                           meta.seq_lens, 0.125, 0, True))
+                                                           meta.seq_lens, 0.125, 0, True, 1.0, 1.0))
         kv_bytes = 2 * 64 * context * k.shape[2] * k.shape[3] * k.element_size()
         print(f"| {context} tokens of context | {seconds * 1000:.2f} | {kv_bytes / seconds / 1e9:.1f} |")
+    print()
+    print("| paged attention, 64 decodes x 16 heads | bf16 cache ms | fp8 cache ms | bf16 / fp8 |")
+    print("|---|---|---|---|")
+    for context in (200, 600, 1000, 2000):
+        q, k, v, meta = attention_case(64, context)
+        k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        out = torch.empty_like(q)
+        times = {}
+        for _ in range(3):  # alternated: the machine's bandwidth drifts
+            for name, (kc, vc) in (("bf16", (k, v)), ("fp8", (k8, v8))):
+                seconds = best_seconds(lambda: ops.paged_attention(out, q, kc, vc, meta.block_tables,
+                                                                   meta.query_start_loc, meta.seq_lens, 0.125, 0,
+                                                                   True, 1.0, 1.0))
+                times[name] = min(times.get(name, seconds), seconds)
+        print(f"| {context} tokens of context | {times['bf16'] * 1000:.2f} | {times['fp8'] * 1000:.2f} | "
+              f"{times['bf16'] / times['fp8']:.2f} |")
     print()
     print("| paged attention, whole prompts x 16 heads | ms a layer | GFLOP/s (causal: QK and PV of each pair) |")
     print("|---|---|---|")
@@ -74,7 +90,7 @@ def main() -> None:
         q, k, v, meta = attention_case(seqs, length, prompts=True)
         out = torch.empty_like(q)
         seconds = best_seconds(lambda: ops.paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc,
-                                                           meta.seq_lens, 0.125, 0, True), inner=3)
+                                                           meta.seq_lens, 0.125, 0, True, 1.0, 1.0), inner=3)
         flops = 4 * seqs * q.shape[1] * q.shape[2] * length * (length + 1) // 2
         print(f"| {seqs} x {length} tokens | {seconds * 1000:.2f} | {flops / seconds / 1e9:.0f} |")
     print()

@@ -9,6 +9,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # --quantization: a GGUF file's own types (auto, gguf), dequantized (none), or a Hugging Face
 # checkpoint quantized as it loads (models/loader.py's resolve_quantization)
 QUANTIZATION_CHOICES = ("auto", "gguf", "none", "int8", "int4", "int4_g32")
+# --kv-cache-dtype, as vLLM spells it: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the server's default request body limit
 
 
@@ -41,6 +43,7 @@ class EngineArgs:
     compile: bool = False  # torch.compile the elementwise torch paths (layers/compile.py)
     engine_core_process: bool = False  # the engine core in a process of its own (engine/core_client.py)
     quantization: str | None = None  # one of QUANTIZATION_CHOICES; None: auto
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPE_CHOICES
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

@@ -62,8 +62,8 @@ def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) 
         raise ValueError(
             f"the KV cache budget ({budget / 2**30:.3f} GiB) holds {tokens} tokens, fewer than "
             f"max_model_len={model_config.max_model_len}: raise kv_cache_memory or lower max_model_len")
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB", num_blocks,
-                args.block_size, tokens, num_blocks * per_block / 2**30)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB of %s", num_blocks,
+                args.block_size, tokens, num_blocks * per_block / 2**30, str(model_config.cache_dtype).split(".")[-1])
     return num_blocks
 
 

@@ -45,7 +45,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.device,
-                                              args.quantization)
+                                              args.quantization, args.kv_cache_dtype)
         self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
         self.max_model_len = self.model_config.max_model_len
         self.engine_core: EngineCore | EngineCoreProcClient = (

@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 
-from pagedllm.config import MAX_BODY_BYTES, QUANTIZATION_CHOICES, EngineArgs
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES, MAX_BODY_BYTES, QUANTIZATION_CHOICES, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="weights' format: auto (a GGUF file's own quantized types, computed on as they are), "
                              "gguf (the same, asked for), none (dequantized at load to --dtype); for a Hugging Face "
                              "checkpoint, int8 (per channel), int4 (groups of 128) or int4_g32 (groups of 32)")
+    parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=list(KV_CACHE_DTYPE_CHOICES),
+                        help="what the KV cache holds: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3, scale 1), "
+                             "fp8_e5m2: one byte a value, twice the tokens in the same memory, half the bytes "
+                             "decode attention reads")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
 

@@ -17,10 +17,10 @@
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
               double eps);
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads);
+                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, double k_scale, double v_scale);
 bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                     int64_t sliding_window, bool skip_fresh);
+                     int64_t sliding_window, bool skip_fresh, double k_scale, double v_scale);
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 
@@ -61,6 +61,7 @@ struct Layer {
   torch::Tensor input_norm, post_attention_norm;
   Linear qkv, o, gate_up, down;
   int64_t sliding_window;  // 0: full attention
+  double k_scale, v_scale;  // of an fp8 KV cache's values
 };
 
 }  // namespace
@@ -72,9 +73,9 @@ class DecoderStack {
 
   // Each linear layer's op; gate_up's applies SiLU-and-mul (SiluAndMulLinear).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Linear qkv, Linear o, Linear gate_up,
-                 Linear down, int64_t sliding_window) {
+                 Linear down, int64_t sliding_window, double k_scale, double v_scale) {
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down), sliding_window});
+                       std::move(gate_up), std::move(down), sliding_window, k_scale, v_scale});
   }
 
   // x: the step's token embeddings [tokens, hidden], taken over as the residual stream.
@@ -92,11 +93,11 @@ class DecoderStack {
       const auto& [k_cache, v_cache] = kv_caches[i];
       rms_norm(normed, residual, i == 0 ? c10::nullopt : c10::optional<torch::Tensor>(delta), layer.input_norm, eps_);
       const torch::Tensor qkv = layer.qkv->forward(normed);
-      rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_);
+      rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, layer.k_scale, layer.v_scale);
       const torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}).contiguous();
       torch::Tensor attention = torch::empty_like(q);
       paged_attention(attention, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale_,
-                      layer.sliding_window, false);
+                      layer.sliding_window, false, layer.k_scale, layer.v_scale);
       const torch::Tensor o = layer.o->forward(attention.view({tokens, q_size}));
       rms_norm(normed, residual, o, layer.post_attention_norm, eps_);
       delta = layer.down->forward(layer.gate_up->forward(normed));

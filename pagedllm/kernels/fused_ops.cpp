@@ -11,6 +11,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "kv_quant.h"
 #endif
 #if defined(__AVX512BF16__)
 #include <sleef.h>  // ships with PyTorch, whose own vectorized exp this is
@@ -212,16 +214,44 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
                                                                     gate_up.data_ptr<scalar>(), rows, n))
 }
 
+// n values of a K or V row into the cache: copied, or as fp8 bytes of value / scale.
+template <KvKind K, typename scalar>
+inline void store_row(void* dst, const scalar* src, int64_t n, float scale) {
+  if constexpr (K == KvKind::kSame) {
+    std::memcpy(dst, src, n * sizeof(scalar));
+  } else {
+    uint8_t* out = static_cast<uint8_t*>(dst);
+    const float inv = 1.f / scale;
+    for (int64_t i = 0; i < n; ++i) out[i] = to_fp8<K>(static_cast<float>(src[i]), inv);
+  }
+}
+
+template <KvKind K, typename scalar>
+void store_kv(const scalar* x, int64_t stride, int64_t q_size, int64_t kv_size, const int64_t* slot, int64_t tokens,
+              torch::Tensor& k_cache, torch::Tensor& v_cache, float k_scale, float v_scale) {
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t row_bytes = kv_size * static_cast<int64_t>(k_cache.element_size());
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      store_row<K>(kc + slot[t] * row_bytes, x + t * stride + q_size, kv_size, k_scale);
+      store_row<K>(vc + slot[t] * row_bytes, x + t * stride + q_size + kv_size, kv_size, v_scale);
+    }
+  });
+}
+
 // qkv: [tokens, (num_heads + 2 kv_heads) * d] rows, q then k then v heads. Rotates the q and k
 // heads in place, then copies each token's k and v into its slot of the caches ([blocks,
 // block_size, kv_heads, d]): one call for what were two rotary calls and two index copies.
+// fp8 caches take the bytes of value / scale.
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads) {
+                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, double k_scale, double v_scale) {
   const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), d = k_cache.size(3);
   const int64_t q_size = num_heads * d, kv_size = kv_heads * d;
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == q_size + 2 * kv_size, "qkv rows expected");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
-              v_cache.scalar_type() == qkv.scalar_type(), "contiguous caches of the qkv dtype expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches expected");
+  const KvKind kind = kv_kind(k_cache, qkv.scalar_type());
+  TORCH_CHECK(kv_kind(v_cache, qkv.scalar_type()) == kind, "K and V caches of one dtype expected");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == tokens,
               "one int64 slot per token expected");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(), "fp32 tables");
@@ -230,14 +260,12 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
     scalar* x = qkv.data_ptr<scalar>();
     const int64_t stride = qkv.stride(0);
     rotary_rows<scalar>(x, stride, num_heads + kv_heads, d, cos.data_ptr<float>(), sin.data_ptr<float>(), tokens);
-    scalar* kc = k_cache.data_ptr<scalar>();
-    scalar* vc = v_cache.data_ptr<scalar>();
-    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        std::memcpy(kc + slot[t] * kv_size, x + t * stride + q_size, kv_size * sizeof(scalar));
-        std::memcpy(vc + slot[t] * kv_size, x + t * stride + q_size + kv_size, kv_size * sizeof(scalar));
-      }
-    });
+    const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+    switch (kind) {
+      case KvKind::kE4M3: store_kv<KvKind::kE4M3>(x, stride, q_size, kv_size, slot, tokens, k_cache, v_cache, ks, vs); break;
+      case KvKind::kE5M2: store_kv<KvKind::kE5M2>(x, stride, q_size, kv_size, slot, tokens, k_cache, v_cache, ks, vs); break;
+      default: store_kv<KvKind::kSame>(x, stride, q_size, kv_size, slot, tokens, k_cache, v_cache, ks, vs);
+    }
   })
 }
 

@@ -16,6 +16,7 @@
 
 #include <omp.h>
 
+#include "kv_quant.h"
 #include "work_split.h"
 
 namespace {
@@ -34,14 +35,25 @@ inline float widen(T x) {
   }
 }
 
+// A cached K or V element as a float: widened, or an fp8 byte times its scale.
+template <KvKind K, typename C>
+inline float kv_value(C x, float scale) {
+  if constexpr (K == KvKind::kSame) {
+    return widen(x);
+  } else {
+    return from_fp8<K>(x, scale);
+  }
+}
+
 constexpr int64_t kMaxHeadDim = 512;
 
 // Per-thread buffers a walk may use: scores of one block per head, the row offsets of a whole
-// context, and fp32 output rows of a query tile.
+// context, fp32 output rows of a query tile, and bf16 rows widened from an fp8 cache.
 struct Scratch {
   float* scores;
   int64_t* rows;
   float* acc;
+  at::BFloat16* widened;
 };
 
 // exp(x) for x <= 0 as plain arithmetic, so that loops of it vectorize (std::exp does not here):
@@ -69,10 +81,11 @@ inline float fast_exp(float x) {
 // One query token against its context for the G query heads that share one KV head: each K and
 // V row is read once for all G. With D > 0 the head size is known at compile time, so queries
 // and accumulators stay in registers (or L1) across the whole walk.
-template <typename T, int64_t D, int64_t G>
-void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos,
-            int64_t first, int64_t block_size, int64_t token_stride, int64_t d_runtime, float scale,
-            Scratch& scratch) {
+template <typename T, KvKind K, int64_t D, int64_t G>
+void attend(T* out, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>* v_cache, const int32_t* blocks,
+            int64_t pos, int64_t first, int64_t block_size, int64_t token_stride, int64_t d_runtime, float scale,
+            KvScales kv, Scratch& scratch) {
+  using C = CacheT<K, T>;
   float* scores = scratch.scores;
   const int64_t d = D > 0 ? D : d_runtime;
   constexpr int64_t kD = D > 0 ? D : kMaxHeadDim;
@@ -90,11 +103,11 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
     const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos), n = hi - lo + 1;
     const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size + lo - start;
     for (int64_t j = 0; j < n; ++j) {
-      const T* __restrict k = k_cache + (base + j) * token_stride;
+      const C* __restrict k = k_cache + (base + j) * token_stride;
       for (int64_t g = 0; g < G; ++g) {
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < d; ++i) sum += qf[g][i] * widen(k[i]);
+        for (int64_t i = 0; i < d; ++i) sum += qf[g][i] * kv_value<K>(k[i], kv.k);
         scores[g * block_size + j] = sum;
       }
     }
@@ -112,11 +125,11 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
       running_max[g] = block_max;
     }
     for (int64_t j = 0; j < n; ++j) {
-      const T* __restrict v = v_cache + (base + j) * token_stride;
+      const C* __restrict v = v_cache + (base + j) * token_stride;
       for (int64_t g = 0; g < G; ++g) {
         const float p = scores[g * block_size + j];
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc[g][i] += p * widen(v[i]);
+        for (int64_t i = 0; i < d; ++i) acc[g][i] += p * kv_value<K>(v[i], kv.v);
       }
     }
   }
@@ -276,8 +289,9 @@ inline int64_t context_rows(int64_t* rows, const int32_t* blocks, int64_t first,
 }
 
 // Prefetch the first `row_bytes` of the K and V rows rows[begin..end).
-inline void prefetch_rows(const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* rows,
-                          int64_t begin, int64_t end, int64_t row_bytes) {
+template <typename C>
+inline void prefetch_rows(const C* k_cache, const C* v_cache, const int64_t* rows, int64_t begin, int64_t end,
+                          int64_t row_bytes) {
   for (int64_t j = begin; j < end; ++j) {
     for (int64_t b = 0; b < row_bytes; b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j]) + b, _MM_HINT_T0);
@@ -286,17 +300,40 @@ inline void prefetch_rows(const at::BFloat16* k_cache, const at::BFloat16* v_cac
   }
 }
 
+// fp8 rows rows[0..n) of an fp8 cache, `width` values each, widened to bf16 rows j * width of dst.
+template <KvKind K>
+inline void widen_rows(at::BFloat16* dst, const uint8_t* cache, const int64_t* rows, int64_t n, int64_t width,
+                       float scale) {
+  for (int64_t j = 0; j < n; ++j) fp8_to_bf16<K>(dst + j * width, cache + rows[j], width, scale);
+}
+
 // One query token against its context for the query heads of `kv_count` KV heads: the tile loop
 // is outside the head loop, so that the K/V rows of all those heads (adjacent in the cache) are
-// read together, as a stream, rather than one head's slice of each row at a time.
-template <int64_t D, int64_t G>
-void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-               const int32_t* blocks, int64_t pos, int64_t first, int64_t kv_count, int64_t block_size,
-               int64_t token_stride, float scale, Scratch& scratch) {
+// read together, as a stream, rather than one head's slice of each row at a time. From an fp8
+// cache, each tile's rows are widened to bf16 first (K, then V, in scratch.widened).
+template <int64_t D, int64_t G, KvKind K>
+void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFloat16>* k_cache,
+               const CacheT<K, at::BFloat16>* v_cache, const int32_t* blocks, int64_t pos, int64_t first,
+               int64_t kv_count, int64_t block_size, int64_t token_stride, float scale, KvScales kv,
+               Scratch& scratch) {
   const int64_t n = context_rows(scratch.rows, blocks, first, pos, block_size, token_stride);
+  const int64_t width = kv_count * D, row_bytes = width * static_cast<int64_t>(sizeof(*k_cache));
   Bf16Walk<D, G> walks[kMaxWalkHeads];
   for (int64_t h = 0; h < kv_count; ++h) walks[h].start(q + h * G * D);
+  int64_t widened_rows[kTile];
+  for (int64_t j = 0; j < kTile; ++j) widened_rows[j] = j * width;
   for (int64_t t = 0; t < n; t += kTile) {
+    const int64_t count = std::min(kTile, n - t);
+    const at::BFloat16 *keys, *values;
+    const int64_t* rows;
+    if constexpr (K == KvKind::kSame) {
+      keys = k_cache, values = v_cache, rows = scratch.rows + t;
+    } else {
+      at::BFloat16* widened_v = scratch.widened + kTile * width;
+      widen_rows<K>(scratch.widened, k_cache, scratch.rows + t, count, width, kv.k);
+      widen_rows<K>(widened_v, v_cache, scratch.rows + t, count, width, kv.v);
+      keys = scratch.widened, values = widened_v, rows = widened_rows;
+    }
     // The next tile's K/V rows are requested while this one is computed: a share before each
     // head, then all of them once more at the end, which catches the requests that did not take
     // (a core keeps a few dozen misses in flight). Measured on 64 decodes x 1000 tokens from
@@ -307,10 +344,10 @@ void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_c
     const int64_t share = (next_n + kv_count - 1) / kv_count;
     for (int64_t h = 0; h < kv_count; ++h) {
       prefetch_rows(k_cache, v_cache, scratch.rows + next, std::min(next_n, h * share),
-                    std::min(next_n, (h + 1) * share), kv_count * D * 2);
-      walks[h].tile(k_cache + h * D, v_cache + h * D, scratch.rows + t, std::min(kTile, n - t), scale);
+                    std::min(next_n, (h + 1) * share), row_bytes);
+      walks[h].tile(keys + h * D, values + h * D, rows, count, scale);
     }
-    prefetch_rows(k_cache, v_cache, scratch.rows + next, 0, next_n, kv_count * D * 2);
+    prefetch_rows(k_cache, v_cache, scratch.rows + next, 0, next_n, row_bytes);
   }
   for (int64_t h = 0; h < kv_count; ++h) walks[h].finish(out + h * G * D);
 }
@@ -467,10 +504,11 @@ struct QueryTile {
 };
 
 // One query tile of `tokens` x G rows against keys from the earliest any row sees to the last.
-template <int64_t D, int64_t G>
-void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_cache,
-                      const at::BFloat16* v_cache, const int32_t* blocks, const QueryTile& tile, int64_t num_heads,
-                      int64_t block_size, int64_t token_stride, float scale, Scratch& scratch) {
+template <int64_t D, int64_t G, KvKind K>
+void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFloat16>* k_cache,
+                      const CacheT<K, at::BFloat16>* v_cache, const int32_t* blocks, const QueryTile& tile,
+                      int64_t num_heads, int64_t block_size, int64_t token_stride, float scale, KvScales kv,
+                      Scratch& scratch) {
   const int64_t m = tile.tokens * G;
   const int64_t last = tile.pos0 + tile.tokens - 1;
   const int64_t first = tile.window > 0 ? std::max<int64_t>(0, tile.pos0 - tile.window + 1) : 0;
@@ -488,12 +526,24 @@ void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat
   // rows x 64 keys per load of q, as the linear kernel takes its blocks: loads, not dot products,
   // bound these loops. A row block computes only the quarters some row of it sees (Q of them).
   PackedTile<D> packed[kQuarters];
+  int64_t widened_rows[kTile];  // an fp8 cache's quarter is widened to bf16 rows first
+  for (int64_t j = 0; j < kTile; ++j) widened_rows[j] = j * D;
   for (int64_t t = 0; t < n; t += kQuarters * kTile) {
     prefetch_rows(k_cache, v_cache, scratch.rows, std::min(n, t + 2 * kQuarters * kTile),
-                  std::min(n, t + 3 * kQuarters * kTile), D * 2);
+                  std::min(n, t + 3 * kQuarters * kTile), D * static_cast<int64_t>(sizeof(*k_cache)));
     const int64_t nk = std::min(kQuarters * kTile, n - t), key0 = first + t;
-    for (int64_t h = 0; h < kQuarters; ++h)
-      packed[h].pack(k_cache, v_cache, scratch.rows + t + h * kTile, std::clamp<int64_t>(nk - h * kTile, 0, kTile));
+    for (int64_t h = 0; h < kQuarters; ++h) {
+      const int64_t count = std::clamp<int64_t>(nk - h * kTile, 0, kTile);
+      const int64_t* rows = scratch.rows + t + h * kTile;
+      if constexpr (K == KvKind::kSame) {
+        packed[h].pack(k_cache, v_cache, rows, count);
+      } else {
+        at::BFloat16* widened_v = scratch.widened + kTile * D;
+        widen_rows<K>(scratch.widened, k_cache, rows, count, D, kv.k);
+        widen_rows<K>(widened_v, v_cache, rows, count, D, kv.v);
+        packed[h].pack(scratch.widened, widened_v, widened_rows, count);
+      }
+    }
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       KeyStep<D> step{packed, acc, running_max, denom, scale, r0};
       int64_t quarters = 0;
@@ -530,21 +580,21 @@ void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat
 }
 #endif
 
-template <typename T>
-using AttendFn = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                          int64_t, float, Scratch&);
+template <typename T, KvKind K>
+using AttendFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, float, KvScales, Scratch&);
 
 // The compiled variant for this head size and group size; `served`: query heads per call.
-template <typename T>
-AttendFn<T> pick(int64_t d, int64_t group, int64_t& served) {
+template <typename T, KvKind K>
+AttendFn<T, K> pick(int64_t d, int64_t group, int64_t& served) {
   served = group;
 #define PICK_G(FN, DD)                              \
   switch (group) {                                  \
-    case 1: return FN<T, DD, 1>;                    \
-    case 2: return FN<T, DD, 2>;                    \
-    case 3: return FN<T, DD, 3>;                    \
-    case 4: return FN<T, DD, 4>;                    \
-    case 8: return FN<T, DD, 8>;                    \
+    case 1: return FN<T, K, DD, 1>;                 \
+    case 2: return FN<T, K, DD, 2>;                 \
+    case 3: return FN<T, K, DD, 3>;                 \
+    case 4: return FN<T, K, DD, 4>;                 \
+    case 8: return FN<T, K, DD, 8>;                 \
     default: break;                                 \
   }
   if (d == 64) { PICK_G(attend, 64) }
@@ -552,36 +602,36 @@ AttendFn<T> pick(int64_t d, int64_t group, int64_t& served) {
   else { PICK_G(attend, 0) }
 #undef PICK_G
   served = 1;  // an unusual group size: one head at a time
-  return d == 64 ? attend<T, 64, 1> : d == 128 ? attend<T, 128, 1> : attend<T, 0, 1>;
+  return d == 64 ? attend<T, K, 64, 1> : d == 128 ? attend<T, K, 128, 1> : attend<T, K, 0, 1>;
 }
 
-template <typename T>
-using TileFn = void (*)(T*, const T*, const T*, const T*, const int32_t*, const QueryTile&, int64_t, int64_t, int64_t,
-                        float, Scratch&);
-template <typename T>
-using WalkFn = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        float, Scratch&);
+template <typename T, KvKind K>
+using TileFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, const QueryTile&,
+                        int64_t, int64_t, int64_t, float, KvScales, Scratch&);
+template <typename T, KvKind K>
+using WalkFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, float, KvScales, Scratch&);
 
 // The AVX-512 BF16 query-tile and walk variants; both null where there are none (other dtypes,
 // head sizes or groups, or a build without AVX512-BF16).
-template <typename T>
+template <typename T, KvKind K>
 struct Bf16Variants {
-  TileFn<T> tile = nullptr;
-  WalkFn<T> walk = nullptr;
+  TileFn<T, K> tile = nullptr;
+  WalkFn<T, K> walk = nullptr;
 };
 
-#define BF16_G(DD)                                                      \
-  switch (group) {                                                      \
-    case 1: return {attend_tile_bf16<DD, 1>, walk_bf16<DD, 1>};         \
-    case 2: return {attend_tile_bf16<DD, 2>, walk_bf16<DD, 2>};         \
-    case 3: return {attend_tile_bf16<DD, 3>, walk_bf16<DD, 3>};         \
-    case 4: return {attend_tile_bf16<DD, 4>, walk_bf16<DD, 4>};         \
-    case 8: return {attend_tile_bf16<DD, 8>, walk_bf16<DD, 8>};         \
-    default: return {};                                                 \
+#define BF16_G(DD)                                                            \
+  switch (group) {                                                            \
+    case 1: return {attend_tile_bf16<DD, 1, K>, walk_bf16<DD, 1, K>};         \
+    case 2: return {attend_tile_bf16<DD, 2, K>, walk_bf16<DD, 2, K>};         \
+    case 3: return {attend_tile_bf16<DD, 3, K>, walk_bf16<DD, 3, K>};         \
+    case 4: return {attend_tile_bf16<DD, 4, K>, walk_bf16<DD, 4, K>};         \
+    case 8: return {attend_tile_bf16<DD, 8, K>, walk_bf16<DD, 8, K>};         \
+    default: return {};                                                       \
   }
 
-template <typename T>
-Bf16Variants<T> pick_bf16(int64_t d, int64_t group) {
+template <typename T, KvKind K>
+Bf16Variants<T, K> pick_bf16(int64_t d, int64_t group) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (d == 64) { BF16_G(64) }
@@ -600,10 +650,11 @@ struct Unit {
   int64_t cost;    // rough: keys read x query rows served
 };
 
-template <typename T>
+template <typename T, KvKind K>
 bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-         double scale, int64_t sliding_window, bool skip_fresh) {
+         double scale, int64_t sliding_window, bool skip_fresh, KvScales kv) {
+  using C = CacheT<K, T>;
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -614,10 +665,10 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(d <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   int64_t served = 1;
-  const AttendFn<T> attend_fn = pick<T>(d, group, served);
-  const Bf16Variants<T> bf16 = pick_bf16<T>(d, group);
-  const TileFn<T> tile_fn = bf16.tile;
-  const WalkFn<T> walk_fn = bf16.walk;
+  const AttendFn<T, K> attend_fn = pick<T, K>(d, group, served);
+  const Bf16Variants<T, K> bf16 = pick_bf16<T, K>(d, group);
+  const TileFn<T, K> tile_fn = bf16.tile;
+  const WalkFn<T, K> walk_fn = bf16.walk;
   const int64_t tile_tokens = kMaxTileRows / group;
   const int64_t threads = at::get_num_threads();
   // A walk serves every KV head of its token when there are enough tokens to keep the threads
@@ -652,8 +703,8 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const bool left_fresh = tile_fn == nullptr && skip_fresh;
   if (units.empty()) return left_fresh;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = static_cast<const C*>(k_cache.data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.data_ptr());
   T* op = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
@@ -668,7 +719,8 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   {
     std::vector<float> scores(served * block_size), acc(kMaxTileRows * d);
     std::vector<int64_t> rows(longest);
-    Scratch scratch{scores.data(), rows.data(), acc.data()};
+    std::vector<at::BFloat16> widened(K == KvKind::kSame ? 0 : 2 * kTile * std::max(num_kv_heads * d, d));
+    Scratch scratch{scores.data(), rows.data(), acc.data(), widened.data()};
     for (int64_t u = split.take(omp_get_thread_num()); u >= 0; u = split.take(omp_get_thread_num())) {
       const Unit& unit = units[u];
       const QueryTile& tile = unit.tile;
@@ -676,7 +728,7 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const int64_t kv_head = tile.h0 / group;
       if (tile.tokens > 0) {
         tile_fn(op, qp, kp + kv_head * d, vp + kv_head * d, table, tile, num_heads, block_size, token_stride,
-                static_cast<float>(scale), scratch);
+                static_cast<float>(scale), kv, scratch);
         continue;
       }
       const int64_t pos = tile.pos0;
@@ -684,11 +736,11 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const int64_t offset = (tile.token0 * num_heads + tile.h0) * d;
       if (walk_fn != nullptr) {
         walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
-                block_size, token_stride, static_cast<float>(scale), scratch);
+                block_size, token_stride, static_cast<float>(scale), kv, scratch);
         continue;
       }
       attend_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, block_size,
-                token_stride, d, static_cast<float>(scale), scratch);
+                token_stride, d, static_cast<float>(scale), kv, scratch);
     }
   }
   return left_fresh;
@@ -697,35 +749,50 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 }  // namespace
 
 // Returns whether prompts computed whole in this step were left to the caller (skip_fresh and no
-// query-tile kernel for this dtype and shape).
+// query-tile kernel for this dtype and shape). The caches hold q's dtype, or fp8 (fp32 and bf16
+// queries) whose values are scaled by k_scale and v_scale.
 bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                     int64_t sliding_window, bool skip_fresh) {
+                     int64_t sliding_window, bool skip_fresh, double k_scale, double v_scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs expected");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
               query_start_loc.scalar_type() == torch::kInt32, "int32 metadata expected");
+  const KvKind kind = kv_kind(k_cache, q.scalar_type());
+  TORCH_CHECK(kv_kind(v_cache, q.scalar_type()) == kind, "K and V caches of one dtype expected");
+  const KvScales kv{static_cast<float>(k_scale), static_cast<float>(v_scale)};
+#define RUN(T, K) return run<T, K>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, \
+                                   sliding_window, skip_fresh, kv)
   switch (q.scalar_type()) {
-    case torch::kFloat: return run<float>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh);
-    case torch::kBFloat16: return run<at::BFloat16>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh);
-    case torch::kHalf: return run<at::Half>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, skip_fresh);
+    case torch::kFloat:
+      if (kind == KvKind::kE4M3) RUN(float, KvKind::kE4M3);
+      if (kind == KvKind::kE5M2) RUN(float, KvKind::kE5M2);
+      RUN(float, KvKind::kSame);
+    case torch::kBFloat16:
+      if (kind == KvKind::kE4M3) RUN(at::BFloat16, KvKind::kE4M3);
+      if (kind == KvKind::kE5M2) RUN(at::BFloat16, KvKind::kE5M2);
+      RUN(at::BFloat16, KvKind::kSame);
+    case torch::kHalf:
+      TORCH_CHECK(kind == KvKind::kSame, "fp8 KV caches serve fp32 and bf16 queries");
+      RUN(at::Half, KvKind::kSame);
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
+#undef RUN
   return false;
 }
 
 // Whether bf16 attention has its query-tile kernel for this head size and group (then prompts
 // are never left to the caller).
 bool attention_has_query_tiles(int64_t head_dim, int64_t group) {
-  return pick_bf16<at::BFloat16>(head_dim, group).tile != nullptr;
+  return pick_bf16<at::BFloat16, KvKind::kSame>(head_dim, group).tile != nullptr;
 }
 
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
               double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads);
+                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, double k_scale, double v_scale);
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 bool packed_linear_available();

@@ -1,5 +1,6 @@
 """Paged attention: rotate this step's q and k, write its K/V into their slots, then attend
-through the block tables."""
+through the block tables. The cache holds the model's dtype, or fp8 (--kv-cache-dtype): bytes
+of value / scale, with a K and a V scale per layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,19 @@ class AttentionMetadata:
     query_lens_list: list[int]
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """A layer's fp8 cache scales: a cached K value is its fp8 value x k (V: x v)."""
+    k: float = 1.0
+    v: float = 1.0
+
+
 def rotary_and_write_kv(qkv: torch.Tensor, rope: RopeTables, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        slot_mapping: torch.Tensor, num_heads: int,
+                        scales: KVScales = KVScales()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv: [num_tokens, (num_heads + 2 kv_heads) * head_dim], q then k then v. Applies rotary to
     q and k, writes k and v into their cache slots; returns q, k, v as [num_tokens, heads, head_dim]
     (views into qkv where the C++ kernel rotated them in place)."""
@@ -33,34 +45,51 @@ def rotary_and_write_kv(qkv: torch.Tensor, rope: RopeTables, k_cache: torch.Tens
     k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
     ops = fused_ops_for(qkv)
     if ops is not None and qkv.stride(1) == 1:
-        ops.rotary_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, slot_mapping, num_heads)
+        ops.rotary_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, slot_mapping, num_heads, scales.k, scales.v)
         return q, k, v
     q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    write_kv(k_cache, v_cache, k, v, slot_mapping, scales)
     return q, k, v
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+             slot_mapping: torch.Tensor, scales: KVScales = KVScales()) -> None:
+    for cache, x, scale in ((k_cache, k, scales.k), (v_cache, v, scales.v)):
+        rows = cache.view(-1, *cache.shape[2:])
+        if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernels: copy the bytes
+            rows, x = rows.view(torch.uint8), to_fp8(x, cache.dtype, scale).view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, x)
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x / scale in an fp8 dtype, saturated to its largest finite value, rounded to nearest even
+    (the C++ kernels write the same bytes)."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
+def from_cache(cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached values in `dtype`: fp8 bytes times the scale, rounded once to dtype, as the C++
+    kernels widen them."""
+    return (cache.float() * scale).to(dtype) if cache.dtype in FP8_DTYPES else cache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None) -> torch.Tensor:
+                    sliding_window: int | None, scales: KVScales = KVScales()) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> same shape; k, v: this step's keys and values.
 
     The kernel reads the paged cache for every token. Where it has no query-tile variant (only
     bf16 with AVX512-BF16 has one), prompts computed whole in this step (no cached context, no
-    window) take PyTorch's fused causal attention on their own K/V instead."""
+    window) take PyTorch's fused causal attention on their own K/V instead, but from an fp8 cache."""
     ops = cpu_ops() if q.device.type == "cpu" else None
     if ops is None:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales)
     out = torch.empty_like(q)
+    # An fp8 cache is read for every token, fresh prompts too: all paths attend to the same values.
+    skip_fresh = not sliding_window and k_cache.dtype not in FP8_DTYPES
     left_fresh = ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, scale, sliding_window or 0, not sliding_window)
+                                     meta.seq_lens, scale, sliding_window or 0, skip_fresh, scales.k, scales.v)
     if left_fresh:
         start = 0
         for seq_len, q_len in zip(meta.seq_lens_list, meta.query_lens_list):
@@ -85,7 +114,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float,
-                              sliding_window: int | None) -> torch.Tensor:
+                              sliding_window: int | None, scales: KVScales = KVScales()) -> torch.Tensor:
     """Pure-torch attention, one sequence at a time: the oracle for the kernel and its fallback."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
@@ -93,8 +122,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     start = 0
     for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.query_lens_list)):
         blocks = meta.block_tables[b, : -(-seq_len // block_size)].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = from_cache(k_cache[blocks], q.dtype, scales.k).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = from_cache(v_cache[blocks], q.dtype, scales.v).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos

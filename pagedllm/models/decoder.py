@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.config import head_dim
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.attention import AttentionMetadata, paged_attention, rotary_and_write_kv
+from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
 from pagedllm.layers.linear import Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, default_weight_loader
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
@@ -88,13 +88,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
         self.scale = self.head_dim ** -0.5
+        # Of an fp8 KV cache: 1.0, as vLLM takes them where the checkpoint gives none.
+        self.kv_scales = KVScales()
 
     def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         if self.qk_norm:
             self._norm_qk(qkv)
-        q, k, v = rotary_and_write_kv(qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        q, k, v = rotary_and_write_kv(qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
+                                      self.kv_scales)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                              self.kv_scales)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
@@ -213,7 +217,7 @@ class DecoderForCausalLM(CausalLM):
             stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                             *(linear.kernel_spec() for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                                   mlp.down_proj)),
-                            attn.sliding_window or 0)
+                            attn.sliding_window or 0, attn.kv_scales.k, attn.kv_scales.v)
         self._stack = stack
 
     def _stack_blocker(self, ops: ModuleType | None) -> str | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from pagedllm.config import QUANTIZATION_CHOICES
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
@@ -44,6 +44,12 @@ class ModelConfig:
     # "gguf": a GGUF file's quantized tensors stay quantized; None: weights in `dtype` (GGUF
     # dequantized at load), as resolve_quantization decides.
     quantization: str | None = None
+    kv_cache_dtype: torch.dtype | None = None  # None: `dtype` (resolve_kv_cache_dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the KV cache holds: the model's dtype, or an fp8 type (--kv-cache-dtype)."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -92,6 +98,15 @@ def resolve_dtype(spec: str | torch.dtype, config, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
+def resolve_kv_cache_dtype(spec: str | None) -> torch.dtype | None:
+    """vLLM's --kv-cache-dtype: auto (None: the model's dtype), fp8 (e4m3, as vLLM takes it),
+    fp8_e4m3 or fp8_e5m2."""
+    names = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    if (spec or "auto") not in names:
+        raise ValueError(f"unknown kv_cache_dtype {spec!r}; choose from {', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    return names[spec or "auto"]
+
+
 def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | None:
     """vLLM's --quantization: None (or "auto") takes a GGUF file's own types; "gguf" asks for them;
     "none" dequantizes a GGUF file at load; int8, int4 and int4_g32 quantize a Hugging Face
@@ -120,7 +135,7 @@ def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | 
 
 
 def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len: int | None,
-                      device: str, quantization: str | None = None) -> ModelConfig:
+                      device: str, quantization: str | None = None, kv_cache_dtype: str | None = None) -> ModelConfig:
     path = resolve_model_path(model)
     is_gguf = os.path.isfile(path)
     if is_gguf:
@@ -139,7 +154,8 @@ def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len
     generation = _generation_config(path, is_gguf)
     eos = _as_set(generation.pop("eos_token_id", None)) | _as_set(getattr(hf_config, "eos_token_id", None))
     return ModelConfig(path, hf_config, resolve_dtype(dtype, hf_config, device), max_model_len or limit,
-                       is_gguf, frozenset(eos), generation, resolve_quantization(quantization, is_gguf, device))
+                       is_gguf, frozenset(eos), generation, resolve_quantization(quantization, is_gguf, device),
+                       resolve_kv_cache_dtype(kv_cache_dtype))
 
 
 def _as_set(value) -> set[int]:

@@ -15,7 +15,7 @@ from pagedllm.worker.input_batch import InputBatch, RequestState
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
     hf = config.hf_config
-    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim(hf) * config.dtype.itemsize
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim(hf) * config.cache_dtype.itemsize
     return per_token * block_size
 
 
@@ -26,8 +26,8 @@ class ModelRunner:
         self.device = torch.device(device)
         hf = model_config.hf_config
         shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf))
-        self.kv_caches = [(torch.zeros(shape, dtype=model_config.dtype, device=self.device),
-                           torch.zeros(shape, dtype=model_config.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device))
                           for _ in range(hf.num_hidden_layers)]
         self.sampler = Sampler()
         self.input_batch = InputBatch(block_size, self.device)

@@ -1,0 +1,93 @@
+// The KV cache's 8-bit float formats (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): one byte per value,
+// value = fp8 x the layer's scale. Written as K/V enter the cache (fused_ops.cpp), read by the
+// attention kernels (paged_attention.cpp), which widen a tile of rows to bf16 and run their bf16
+// arithmetic on it.
+#pragma once
+
+#include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+enum class KvKind { kSame = 0, kE4M3 = 1, kE5M2 = 2 };
+
+// A cache element: the values' own type T, or a byte of fp8.
+template <KvKind K, typename T>
+using CacheT = std::conditional_t<K == KvKind::kSame, T, uint8_t>;
+
+// The layer's scales: a cached K value is its byte's fp8 value x k (V: x v). Unused for kSame.
+struct KvScales {
+  float k = 1.f, v = 1.f;
+};
+
+// Which format a cache tensor holds, given the dtype of the queries (or K/V) it serves.
+inline KvKind kv_kind(const torch::Tensor& cache, c10::ScalarType compute) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat8_e4m3fn: return KvKind::kE4M3;
+    case torch::kFloat8_e5m2: return KvKind::kE5M2;
+    default:
+      TORCH_CHECK(cache.scalar_type() == compute, "KV cache of ", cache.scalar_type(), " for ", compute,
+                  " values: expected the same dtype or fp8 (e4m3fn, e5m2)");
+      return KvKind::kSame;
+  }
+}
+
+// value / scale as the format's byte: saturated to its largest finite value, rounded to nearest
+// even (c10's conversions, which torch's .to() uses: the pure-torch path writes the same bytes).
+template <KvKind K>
+inline uint8_t to_fp8(float value, float inv_scale) {
+  const float x = value * inv_scale;
+  if constexpr (K == KvKind::kE4M3) {
+    return c10::Float8_e4m3fn(std::clamp(x, -448.f, 448.f)).x;
+  } else {
+    return c10::Float8_e5m2(std::clamp(x, -57344.f, 57344.f)).x;
+  }
+}
+
+// Both formats are a prefix of an fp16's bits: e5m2 is an fp16's high byte; e4m3's exponent and
+// mantissa, set 3 bits into an fp16's, give its value / 2^8 (normals and subnormals alike: the
+// biases differ by 8). So the byte widens as an fp16, and 2^8 joins the scale.
+template <KvKind K>
+inline uint16_t fp8_as_half_bits(uint8_t b) {
+  if constexpr (K == KvKind::kE4M3) return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+  return static_cast<uint16_t>(b << 8);
+}
+
+template <KvKind K>
+constexpr float fp8_half_factor() {
+  return K == KvKind::kE4M3 ? 256.f : 1.f;
+}
+
+template <KvKind K>
+inline float from_fp8(uint8_t b, float scale) {
+  return static_cast<float>(c10::Half(fp8_as_half_bits<K>(b), c10::Half::from_bits())) * (fp8_half_factor<K>() * scale);
+}
+
+#if defined(__AVX512BF16__)
+// n values (a multiple of 32) of fp8 bytes -> bf16 = value x scale. Where value x scale fits bf16
+// (a power-of-two scale: always), the bf16 kernels then compute exactly what they compute on a
+// bf16 cache holding those values.
+template <KvKind K>
+inline void fp8_to_bf16(at::BFloat16* dst, const uint8_t* src, int64_t n, float scale) {
+  const __m512 s = _mm512_set1_ps(fp8_half_factor<K>() * scale);
+  for (int64_t i = 0; i < n; i += 32) {
+    __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    if constexpr (K == KvKind::kE4M3) {
+      h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi16(0x80)), 8),
+                          _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi16(0x7F)), 7));
+    } else {
+      h = _mm512_slli_epi16(h, 8);
+    }
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), s);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), s);
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+#endif

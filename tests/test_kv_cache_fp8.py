@@ -1,0 +1,168 @@
+"""fp8 KV caches (--kv-cache-dtype fp8, fp8_e4m3, fp8_e5m2): the bytes written, the attention
+kernels reading them, and the engine running on them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import make_model, prompts_of_mixed_lengths
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers.attention import (KVScales, from_cache, paged_attention_reference, rotary_and_write_kv,
+                                       to_fp8, write_kv)
+from pagedllm.layers.rotary import RopeTables
+from test_paged_attention_kernel import _case
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
+
+
+def _kernel(q, k_cache, v_cache, meta, window, scales: KVScales) -> torch.Tensor:
+    """The C++ kernel over every token (no prompt left to the caller)."""
+    out = torch.empty_like(q)
+    cpu_ops().paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                              q.shape[-1] ** -0.5, window or 0, False, scales.k, scales.v)
+    return out
+
+
+def _fp8_case(kind, dtype, scales: KVScales, **shape):
+    # Decodes enough for walks over all KV heads at once, a whole prompt, a chunk on cached context.
+    seq_lens = [1, 37, 200, 64, 9] + [150 + i for i in range(8)]
+    query_lens = [1, 1, 200, 20, 9] + [1] * 8
+    q, k, v, meta = _case(seq_lens, query_lens, block_size=16, dtype=dtype, **shape)
+    # Values past e4m3's range at scale 1 (saturated), and small ones (its subnormals).
+    return q, to_fp8(k * 60, kind, scales.k), to_fp8(v * 0.02, kind, scales.v), meta
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", FP8)
+@pytest.mark.parametrize("scales", [KVScales(), KVScales(0.25, 2.0)])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 8, 2), (128, 4, 4), (64, 3, 3)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_bf16_kernels_on_fp8_equal_them_on_the_widened_cache(kind, scales, head_dim, heads, kv_heads, window):
+    """The AVX-512 walks and query tiles widen fp8 rows to bf16 (value x scale, exact for a power
+    of two) and then compute as on a bf16 cache: the results are bit for bit those on a bf16 cache
+    holding the widened values."""
+    q, k8, v8, meta = _fp8_case(kind, torch.bfloat16, scales, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
+    got = _kernel(q, k8, v8, meta, window, scales)
+    widened = _kernel(q, from_cache(k8, torch.bfloat16, scales.k), from_cache(v8, torch.bfloat16, scales.v), meta,
+                      window, KVScales())
+    assert torch.equal(got, widened)
+    want = paged_attention_reference(q.float(), k8, v8, meta, head_dim ** -0.5, window, scales)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", FP8)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(32, 4, 2), (64, 5, 1), (128, 9, 3)])
+def test_portable_kernel_on_fp8_matches_the_reference(kind, dtype, tol, head_dim, heads, kv_heads):
+    """fp32 queries, and head sizes or groups the AVX-512 path does not take, read fp8 by the
+    portable walk."""
+    scales = KVScales(0.5, 0.3)
+    q, k8, v8, meta = _fp8_case(kind, dtype, scales, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
+    got = _kernel(q, k8, v8, meta, None, scales)
+    want = paged_attention_reference(q.float(), k8, v8, meta, head_dim ** -0.5, None, scales)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", FP8)
+def test_reference_reads_the_values_written(kind):
+    """The pure-torch path (other devices) writes value / scale saturated to the format's range
+    and reads it back times the scale."""
+    k = torch.tensor([[[1.0, -3.0, 1e6, -1e6]]])
+    v = torch.tensor([[[0.5, 2.0, 1e-9, 7.0]]])
+    k_cache = torch.zeros(2, 2, 1, 4, dtype=kind)
+    v_cache = torch.zeros_like(k_cache)
+    write_kv(k_cache, v_cache, k, v, torch.tensor([3]), KVScales(0.5, 2.0))
+    limit = torch.finfo(kind).max
+    assert from_cache(k_cache, torch.float32, 0.5)[1, 1, 0].tolist() == [1.0, -3.0, limit * 0.5, -limit * 0.5]
+    assert from_cache(v_cache, torch.float32, 2.0)[1, 1, 0].tolist() == [0.5, 2.0, 0.0, 7.0]
+    assert not from_cache(k_cache, torch.float32, 1.0)[0].any()  # no other slot written
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cache_write_gives_the_bytes_torch_writes(kind, dtype):
+    """The C++ write (rotary, then K/V as fp8 of value / scale) and the pure-torch write of the
+    same rotated K/V leave the same bytes, saturated values included."""
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, d = 9, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g) * 300
+    qkv[:, -1] = 1e6  # a V value past either format's range at scale 3
+    qkv = qkv.to(dtype)
+    angles = torch.rand(tokens, d // 2, generator=g) * 50
+    rope = RopeTables(torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
+    scales = KVScales(0.5, 3.0)
+    caches = [torch.zeros(4, 4, kv_heads, d, dtype=kind) for _ in range(4)]
+    slots = torch.tensor([15, 3, 4, 9, 0, 12, 1, 2, 7])
+    _, k, v = rotary_and_write_kv(qkv, rope, caches[0], caches[1], slots, heads, scales)
+    write_kv(caches[2], caches[3], k, v, slots, scales)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    assert caches[1].float().abs().max() == torch.finfo(kind).max  # saturated, not inf or NaN
+    assert caches[0].float().isfinite().all() and caches[1].float().isfinite().all()
+
+
+@pytest.fixture(scope="module")
+def head64_llama(tmp_path_factory, tokenizer_dir) -> str:
+    """Head size 64, so that bf16 takes the AVX-512 walks and query tiles (and the C++ stack)."""
+    return make_model("llama", tmp_path_factory.mktemp("llama64"), tokenizer_dir, hidden_size=256,
+                      intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05)
+
+
+def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[next(iter(entry.values())).logprob for entry in o.prompt_logprobs[1:]] for o in outputs]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_on_fp8_holds_more_tokens_and_stays_close(head64_llama, dtype):
+    """The same memory holds twice the tokens (four times, against fp32); teacher-forced, the
+    prompt's logprobs stay near those of the model's own dtype (prefill chunks of 48 tokens, so
+    that later chunks read the fp8 cache)."""
+    prompts = prompts_of_mixed_lengths(49152, seed=4)
+    results = {}
+    for cache in ("auto", "fp8", "fp8_e5m2"):
+        llm = LLM(head64_llama, dtype=dtype, kv_cache_memory="8MiB", kv_cache_dtype=cache, max_num_batched_tokens=48,
+                  enable_prefix_caching=False)
+        results[cache] = (llm.engine.model_runner.kv_caches[0][0].shape[0], _prompt_logprobs(llm, prompts))
+        llm.engine.shutdown()
+    blocks, want = results["auto"]
+    # Measured (bf16): e4m3 mean 0.028, max 0.094 nats; e5m2 (2 mantissa bits) 0.057, 0.26; the
+    # bf16 model against fp32: 0.0065, 0.025 (the prompts' mean logprob is -11).
+    for cache, mean_bound, max_bound in (("fp8", 0.05, 0.2), ("fp8_e5m2", 0.1, 0.4)):
+        fp8_blocks, got = results[cache]
+        assert fp8_blocks == blocks * (2 if dtype == "bfloat16" else 4)
+        diffs = [abs(a - b) for ours, theirs in zip(got, want) for a, b in zip(ours, theirs)]
+        assert sum(diffs) / len(diffs) < mean_bound and max(diffs) < max_bound, (cache, max(diffs))
+        assert max(diffs) > 0  # the cache's rounding shows: the fp8 values were read
+
+
+def test_pure_torch_path_on_fp8_gives_the_same_greedy_tokens(tiny_models):
+    """Without the C++ kernels (as on a GPU), an fp8 cache is written and read by torch: the same
+    greedy tokens as the kernels' (fp32 model)."""
+    path = tiny_models["qwen3"]
+    prompts = prompts_of_mixed_lengths(49152, seed=8)
+    args = dict(dtype="float32", kv_cache_memory="16MiB", block_size=4, kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(path, **args)
+    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+    script = (
+        "import json; from pagedllm import LLM, SamplingParams\n"
+        f"llm = LLM({path!r}, **{args!r})\n"
+        f"out = llm.generate([{{'prompt_token_ids': p}} for p in {prompts!r}],"
+        " SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)\n"
+        "print(json.dumps([o.outputs[0].token_ids for o in out]))\n")
+    env = {**os.environ, "PAGEDLLM_NO_KERNELS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ours
