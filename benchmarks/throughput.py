@@ -104,6 +104,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128, help="fixed workload only")
     parser.add_argument("--output-len", type=int, default=128, help="fixed workload only")
     parser.add_argument("--compile", action="store_true", help="our engine's --compile")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                        help="our engine's --kv-cache-dtype; several: a fresh engine for each, in turn, each "
+                             "workload run with every one before the next")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -118,15 +121,17 @@ def main() -> None:
     if args.engine == "vllm":
         import vllm
 
-        llm = vllm.LLM(model=model_config.path, dtype=str(dtype).removeprefix("torch."))
+        engines = {"auto": vllm.LLM(model=model_config.path, dtype=str(dtype).removeprefix("torch."))}
     else:
-        llm = LLM(args.model, dtype=args.dtype, compile=args.compile)
+        engines = {kv: LLM(args.model, dtype=args.dtype, compile=args.compile, kv_cache_dtype=kv)
+                   for kv in args.kv_cache_dtype}
     with torch.device("meta"):  # the model's shapes, for its FLOPs, without its weights
         shapes = model_class(model_config.hf_config)(model_config.hf_config, 1)
-    tracker = PeakTracker(llm.engine) if args.engine == "pagedllm" else None
+    trackers = {kv: PeakTracker(llm.engine) for kv, llm in engines.items()} if args.engine == "pagedllm" else {}
     run = run_vllm if args.engine == "vllm" else run_pagedllm
-    for batch in (2, 1):  # warm-up (and, with --compile, its compiling for batches and single rows)
-        run(llm, [([5] * 8, 4)] * batch)
+    for llm in engines.values():
+        for batch in (2, 1):  # warm-up (and, with --compile, its compiling for batches and single rows)
+            run(llm, [([5] * 8, 4)] * batch)
     hf = load_hf(model_config, dtype) if args.baseline == "hf" else None
     rows = []
     runs = []
@@ -136,15 +141,17 @@ def main() -> None:
                      for n in args.num_prompts]
         else:
             runs.append((name, WORKLOADS[name](vocab)))
-    for name, requests in runs:
+    for (name, requests), kv in ((r, kv) for r in runs for kv in engines):
+        tracker = trackers.get(kv)
         if tracker:
             tracker.reset()
-        seconds = run(llm, requests)
+        seconds = run(engines[kv], requests)
         out_tokens = sum(n for _, n in requests)
         all_tokens = out_tokens + sum(len(p) for p, _ in requests)
         row = {"workload": name, "engine": args.engine, "dtype": str(dtype).removeprefix("torch."),
-               "requests": len(requests), "seconds": seconds, "requests_s": len(requests) / seconds,
-               "output_tok_s": out_tokens / seconds, "total_tok_s": all_tokens / seconds}
+               "kv_cache_dtype": kv, "requests": len(requests), "seconds": seconds,
+               "requests_s": len(requests) / seconds, "output_tok_s": out_tokens / seconds,
+               "total_tok_s": all_tokens / seconds}
         if tracker:
             row["kv_waste_at_peak_pct"] = 100 * tracker.waste_at_peak
         if name != "shared":
@@ -157,15 +164,16 @@ def main() -> None:
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         rows.append(row)
     print(f"matmul {str(dtype).removeprefix('torch.')}: {gflops:.0f} GFLOP/s measured\n")
-    print("| workload | engine | dtype | requests | req/s | output tok/s | total tok/s | roofline | KV waste at peak "
-          "| HF output tok/s | x HF |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | engine | dtype | KV cache | requests | req/s | output tok/s | total tok/s | roofline "
+          "| KV waste at peak | HF output tok/s | x HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         roofline = f"{r['roofline_pct']:.0f}%" if "roofline_pct" in r else ""
         hf_tok_s = f"{r['hf_output_tok_s']:.1f} (batch {r['hf_batch_size']})" if "x_hf" in r else ""
         x_hf = f"{r['x_hf']:.2f}" if "x_hf" in r else ""
         waste = f"{r['kv_waste_at_peak_pct']:.1f}%" if "kv_waste_at_peak_pct" in r else ""
-        print(f"| {r['workload']} | {r['engine']} | {r['dtype']} | {r['requests']} | {r['requests_s']:.2f} | "
+        print(f"| {r['workload']} | {r['engine']} | {r['dtype']} | {r['kv_cache_dtype']} | {r['requests']} | "
+              f"{r['requests_s']:.2f} | "
               f"{r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {roofline} | {waste} | {hf_tok_s} | {x_hf} |")
     if args.out:
         with open(args.out, "w") as f:

@@ -48,7 +48,7 @@ inline float kv_value(C x, float scale) {
 constexpr int64_t kMaxHeadDim = 512;
 
 // Per-thread buffers a walk may use: scores of one block per head, the row offsets of a whole
-// context, fp32 output rows of a query tile, and bf16 rows widened from an fp8 cache.
+// context, fp32 output rows of a query tile, and a query tile's bf16 rows widened from fp8.
 struct Scratch {
   float* scores;
   int64_t* rows;
@@ -184,6 +184,41 @@ inline __m512 sum_each(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
+#if defined(__AVX512VBMI__)
+#define PAGEDLLM_FP8_IN_REGISTERS 1
+// An fp8 format's 128 magnitudes as the high and low bytes of their bf16 values (exact: bf16
+// holds every e4m3 and e5m2 value), in the two halves a byte permute (vpermi2b) looks up.
+struct Fp8Lut {
+  __m512i hi0, hi1, lo0, lo1;
+};
+
+template <KvKind K>
+Fp8Lut make_fp8_lut() {
+  alignas(64) uint8_t hi[128], lo[128];
+  for (int i = 0; i < 128; ++i) {
+    const float f = from_fp8<K>(static_cast<uint8_t>(i), 1.f);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    hi[i] = static_cast<uint8_t>(bits >> 24);
+    lo[i] = static_cast<uint8_t>(bits >> 16);
+  }
+  return {_mm512_load_si512(hi), _mm512_load_si512(hi + 64), _mm512_load_si512(lo), _mm512_load_si512(lo + 64)};
+}
+
+// 64 fp8 bytes -> their values as two bf16 vectors, in the order byte unpacking leaves them: in
+// 128-bit lane L, a holds dims 16L..16L+7 and b dims 16L+8..16L+15. Two lookups, the sign, two
+// unpacks: a few instructions for 64 values, so that a decode reads half the bytes of a bf16
+// cache without paying for it in arithmetic.
+inline void widen64(const uint8_t* src, const Fp8Lut& lut, __m512i& a, __m512i& b) {
+  const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(src));
+  const __m512i lo = _mm512_permutex2var_epi8(lut.lo0, x, lut.lo1);  // index bit 7 (the sign) unused
+  __m512i hi = _mm512_permutex2var_epi8(lut.hi0, x, lut.hi1);
+  hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | (x & 0x80)
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+#endif
+
 template <int64_t D, int64_t G>
 struct Bf16Walk {
   static constexpr int64_t kChunks = D / 32;  // bf16 vectors in a row
@@ -193,10 +228,25 @@ struct Bf16Walk {
   float running_max[G], denom[G];
   alignas(64) float probs[G][kTile];
 
+  // fp8: q's dims in widen64's order (a, then b, of each 64 dims), so that keys need no reordering.
+  template <KvKind K>
   void start(const at::BFloat16* query) {
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t c = 0; c < kChunks; ++c)
         q[g][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(query + g * D + c * 32));
+      if constexpr (K != KvKind::kSame) {
+        alignas(64) int16_t order_a[32], order_b[32];
+        for (int i = 0; i < 32; ++i) {
+          order_a[i] = static_cast<int16_t>(16 * (i / 8) + i % 8);
+          order_b[i] = static_cast<int16_t>(order_a[i] + 8);
+        }
+        const __m512i ia = _mm512_load_si512(order_a), ib = _mm512_load_si512(order_b);
+        for (int64_t c = 0; c < kChunks; c += 2) {
+          const __m512i q0 = (__m512i)q[g][c], q1 = (__m512i)q[g][c + 1];
+          q[g][c] = (__m512bh)_mm512_permutex2var_epi16(q0, ia, q1);
+          q[g][c + 1] = (__m512bh)_mm512_permutex2var_epi16(q0, ib, q1);
+        }
+      }
       for (int64_t c = 0; c < kLanes; ++c) acc[g][c] = _mm512_setzero_ps();
       running_max[g] = -std::numeric_limits<float>::infinity();
       denom[g] = 0.f;
@@ -219,9 +269,70 @@ struct Bf16Walk {
           sum = _mm512_dpbf16_ps(sum, q[g][c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32)));
         dots[j] = sum;
       }
-      scores[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                     _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
+      scores[g] = _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale));
     }
+    alignas(64) uint32_t pairs[G][kTile / 2];
+    update(scores, valid, pairs);
+    // V by key pairs: the two rows interleaved (unpack within 128-bit lanes), each query head's
+    // two probabilities, rounded to bf16, as one pair: one dpbf16 per 16 dims per head.
+    for (int64_t j = 0; j < n; j += 2) {
+      const at::BFloat16* v0 = v_cache + rows[j];
+      const at::BFloat16* v1 = v_cache + rows[j + 1 < n ? j + 1 : j];
+      __m512i mixed[kLanes];
+      for (int64_t c = 0; c < kChunks; ++c) {
+        const __m512i r0 = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + c * 32));
+        const __m512i r1 = _mm512_loadu_si512(reinterpret_cast<const void*>(v1 + c * 32));
+        mixed[2 * c] = _mm512_unpacklo_epi16(r0, r1);
+        mixed[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);
+      }
+      accumulate(pairs, j, mixed);
+    }
+  }
+
+#if defined(PAGEDLLM_FP8_IN_REGISTERS)
+  // The same over fp8 rows, widened in registers (widen64); `scale` includes K's cache scale,
+  // V's is applied by finish.
+  void tile(const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* rows, int64_t n, float scale,
+            const Fp8Lut& lut) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    __m512i keys[kTile][kChunks];  // widened once for all G heads
+    for (int64_t j = 0; j < kTile; ++j)
+      for (int64_t c = 0; c < kChunks; c += 2) widen64(k_cache + rows[j < n ? j : 0] + 32 * c, lut, keys[j][c], keys[j][c + 1]);
+    __m512 scores[G];
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 dots[kTile];
+      for (int64_t j = 0; j < kTile; ++j) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < kChunks; ++c) sum = _mm512_dpbf16_ps(sum, q[g][c], (__m512bh)keys[j][c]);
+        dots[j] = sum;
+      }
+      scores[g] = _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale));
+    }
+    alignas(64) uint32_t pairs[G][kTile / 2];
+    update(scores, valid, pairs);
+    // acc[g][4c' + s] lane 4L + m then holds dim 64c' + 16L + 4s + m (finish_fp8).
+    for (int64_t j = 0; j < n; j += 2) {
+      __m512i mixed[kLanes];
+      for (int64_t c = 0; c < kChunks; c += 2) {
+        __m512i a0, b0, a1, b1;
+        widen64(v_cache + rows[j] + 32 * c, lut, a0, b0);
+        widen64(v_cache + rows[j + 1 < n ? j + 1 : j] + 32 * c, lut, a1, b1);
+        mixed[2 * c] = _mm512_unpacklo_epi16(a0, a1);
+        mixed[2 * c + 1] = _mm512_unpackhi_epi16(a0, a1);
+        mixed[2 * c + 2] = _mm512_unpacklo_epi16(b0, b1);
+        mixed[2 * c + 3] = _mm512_unpackhi_epi16(b0, b1);
+      }
+      accumulate(pairs, j, mixed);
+    }
+  }
+#endif
+
+  // The online softmax over one tile's scores (keys outside `valid` weigh 0): rescales acc and
+  // gives each head's probabilities, rounded to bf16, by key pairs.
+  void update(const __m512 (&raw)[G], __mmask16 valid, uint32_t (&pairs)[G][kTile / 2]) {
+    __m512 scores[G];
+    for (int64_t g = 0; g < G; ++g)
+      scores[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, raw[g]);
     float new_max[G], correction[G];
     for (int64_t g = 0; g < G; ++g) new_max[g] = std::max(running_max[g], _mm512_reduce_max_ps(scores[g]));
     for (int64_t g = 0; g < G; ++g) correction[g] = fast_exp(running_max[g] - new_max[g]);
@@ -235,39 +346,35 @@ struct Bf16Walk {
       const __m512 corr = _mm512_set1_ps(correction[g]);
       for (int64_t c = 0; c < kLanes; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], corr);
     }
-    // V by key pairs: the two rows interleaved (unpack within 128-bit lanes), each query head's
-    // two probabilities, rounded to bf16, as one pair: one dpbf16 per 16 dims per head.
-    alignas(64) uint32_t pairs[G][kTile / 2];
     for (int64_t g = 0; g < G; ++g)
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(probs[g])));
-    for (int64_t j = 0; j < n; j += 2) {
-      const at::BFloat16* v0 = v_cache + rows[j];
-      const at::BFloat16* v1 = v_cache + rows[j + 1 < n ? j + 1 : j];
-      __m512i mixed[kLanes];
-      for (int64_t c = 0; c < kChunks; ++c) {
-        const __m512i r0 = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + c * 32));
-        const __m512i r1 = _mm512_loadu_si512(reinterpret_cast<const void*>(v1 + c * 32));
-        mixed[2 * c] = _mm512_unpacklo_epi16(r0, r1);
-        mixed[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][j / 2]));
-        for (int64_t c = 0; c < kLanes; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p, (__m512bh)mixed[c]);
-      }
+  }
+
+  // acc += the probabilities of keys j and j + 1 times their V rows, interleaved by key pairs.
+  void accumulate(const uint32_t (&pairs)[G][kTile / 2], int64_t j, const __m512i (&mixed)[kLanes]) {
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][j / 2]));
+      for (int64_t c = 0; c < kLanes; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p, (__m512bh)mixed[c]);
     }
   }
 
-  // acc[g][2c] lane 4L + m holds dim 32c + 8L + m, acc[g][2c + 1] the dim 4 further.
-  void finish(at::BFloat16* out) {
+  // Lane i of acc[g][c] holds dim dim_of(c, i); out = acc / denom x v_scale, as bf16.
+  // bf16 rows: acc[g][2c] lane 4L + m holds dim 32c + 8L + m, acc[g][2c + 1] the dim 4 further.
+  // fp8 rows (widen64): acc[g][4c + s] lane 4L + m holds dim 64c + 16L + 4s + m.
+  template <KvKind K>
+  void finish(at::BFloat16* out, float v_scale) {
     for (int64_t g = 0; g < G; ++g) {
       alignas(64) float lanes[kLanes][16];
-      const __m512 inv = _mm512_set1_ps(1.f / denom[g]);
+      const __m512 inv = _mm512_set1_ps(v_scale / denom[g]);
       for (int64_t c = 0; c < kLanes; ++c) _mm512_store_ps(lanes[c], _mm512_mul_ps(acc[g][c], inv));
       alignas(64) float row[D];
-      for (int64_t c = 0; c < kChunks; ++c)
-        for (int64_t half = 0; half < 2; ++half)
-          for (int64_t l = 0; l < 4; ++l)
-            for (int64_t m = 0; m < 4; ++m) row[32 * c + 8 * l + 4 * half + m] = lanes[2 * c + half][4 * l + m];
+      for (int64_t c = 0; c < kLanes; ++c)
+        for (int64_t l = 0; l < 4; ++l)
+          for (int64_t m = 0; m < 4; ++m) {
+            const int64_t dim = K == KvKind::kSame ? 32 * (c / 2) + 8 * l + 4 * (c % 2) + m
+                                                   : 64 * (c / 4) + 16 * l + 4 * (c % 4) + m;
+            row[dim] = lanes[c][4 * l + m];
+          }
       for (int64_t c = 0; c < kLanes; ++c) {
         const __m256bh packed = _mm512_cvtneps_pbh(_mm512_load_ps(row + 16 * c));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + c * 16), (__m256i)packed);
@@ -300,7 +407,8 @@ inline void prefetch_rows(const C* k_cache, const C* v_cache, const int64_t* row
   }
 }
 
-// fp8 rows rows[0..n) of an fp8 cache, `width` values each, widened to bf16 rows j * width of dst.
+// fp8 rows rows[0..n) of an fp8 cache, `width` values each, widened to bf16 rows j * width of dst
+// (value x scale), for query tiles: their packing then reads them as a bf16 cache's.
 template <KvKind K>
 inline void widen_rows(at::BFloat16* dst, const uint8_t* cache, const int64_t* rows, int64_t n, int64_t width,
                        float scale) {
@@ -309,31 +417,18 @@ inline void widen_rows(at::BFloat16* dst, const uint8_t* cache, const int64_t* r
 
 // One query token against its context for the query heads of `kv_count` KV heads: the tile loop
 // is outside the head loop, so that the K/V rows of all those heads (adjacent in the cache) are
-// read together, as a stream, rather than one head's slice of each row at a time. From an fp8
-// cache, each tile's rows are widened to bf16 first (K, then V, in scratch.widened).
+// read together, as a stream, rather than one head's slice of each row at a time. fp8 rows are
+// widened in registers (byte lookups: AVX512-VBMI).
 template <int64_t D, int64_t G, KvKind K>
 void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFloat16>* k_cache,
                const CacheT<K, at::BFloat16>* v_cache, const int32_t* blocks, int64_t pos, int64_t first,
                int64_t kv_count, int64_t block_size, int64_t token_stride, float scale, KvScales kv,
                Scratch& scratch) {
   const int64_t n = context_rows(scratch.rows, blocks, first, pos, block_size, token_stride);
-  const int64_t width = kv_count * D, row_bytes = width * static_cast<int64_t>(sizeof(*k_cache));
+  const int64_t row_bytes = kv_count * D * static_cast<int64_t>(sizeof(*k_cache));
   Bf16Walk<D, G> walks[kMaxWalkHeads];
-  for (int64_t h = 0; h < kv_count; ++h) walks[h].start(q + h * G * D);
-  int64_t widened_rows[kTile];
-  for (int64_t j = 0; j < kTile; ++j) widened_rows[j] = j * width;
+  for (int64_t h = 0; h < kv_count; ++h) walks[h].template start<K>(q + h * G * D);
   for (int64_t t = 0; t < n; t += kTile) {
-    const int64_t count = std::min(kTile, n - t);
-    const at::BFloat16 *keys, *values;
-    const int64_t* rows;
-    if constexpr (K == KvKind::kSame) {
-      keys = k_cache, values = v_cache, rows = scratch.rows + t;
-    } else {
-      at::BFloat16* widened_v = scratch.widened + kTile * width;
-      widen_rows<K>(scratch.widened, k_cache, scratch.rows + t, count, width, kv.k);
-      widen_rows<K>(widened_v, v_cache, scratch.rows + t, count, width, kv.v);
-      keys = scratch.widened, values = widened_v, rows = widened_rows;
-    }
     // The next tile's K/V rows are requested while this one is computed: a share before each
     // head, then all of them once more at the end, which catches the requests that did not take
     // (a core keeps a few dozen misses in flight). Measured on 64 decodes x 1000 tokens from
@@ -341,15 +436,22 @@ void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFl
     // the second pass 1.8; spread two at a time through the loops 2.4, and 1.8x slower than a
     // burst where the cache already held the rows.
     const int64_t next = std::min(n, t + kTile), next_n = std::min(kTile, n - next);
-    const int64_t share = (next_n + kv_count - 1) / kv_count;
+    const int64_t share = (next_n + kv_count - 1) / kv_count, count = std::min(kTile, n - t);
     for (int64_t h = 0; h < kv_count; ++h) {
       prefetch_rows(k_cache, v_cache, scratch.rows + next, std::min(next_n, h * share),
                     std::min(next_n, (h + 1) * share), row_bytes);
-      walks[h].tile(keys + h * D, values + h * D, rows, count, scale);
+      if constexpr (K == KvKind::kSame) {
+        walks[h].tile(k_cache + h * D, v_cache + h * D, scratch.rows + t, count, scale);
+      } else {
+#if defined(PAGEDLLM_FP8_IN_REGISTERS)
+        static const Fp8Lut lut = make_fp8_lut<K>();
+        walks[h].tile(k_cache + h * D, v_cache + h * D, scratch.rows + t, count, scale * kv.k, lut);
+#endif
+      }
     }
     prefetch_rows(k_cache, v_cache, scratch.rows + next, 0, next_n, row_bytes);
   }
-  for (int64_t h = 0; h < kv_count; ++h) walks[h].finish(out + h * G * D);
+  for (int64_t h = 0; h < kv_count; ++h) walks[h].template finish<K>(out + h * G * D, K == KvKind::kSame ? 1.f : kv.v);
 }
 
 // -- Query tiles: many query rows (tokens x the heads of one KV head) against the same keys ------
@@ -622,13 +724,25 @@ struct Bf16Variants {
 
 #define BF16_G(DD)                                                            \
   switch (group) {                                                            \
-    case 1: return {attend_tile_bf16<DD, 1, K>, walk_bf16<DD, 1, K>};         \
-    case 2: return {attend_tile_bf16<DD, 2, K>, walk_bf16<DD, 2, K>};         \
-    case 3: return {attend_tile_bf16<DD, 3, K>, walk_bf16<DD, 3, K>};         \
-    case 4: return {attend_tile_bf16<DD, 4, K>, walk_bf16<DD, 4, K>};         \
-    case 8: return {attend_tile_bf16<DD, 8, K>, walk_bf16<DD, 8, K>};         \
+    case 1: return {attend_tile_bf16<DD, 1, K>, walk_of<DD, 1, K>()};         \
+    case 2: return {attend_tile_bf16<DD, 2, K>, walk_of<DD, 2, K>()};         \
+    case 3: return {attend_tile_bf16<DD, 3, K>, walk_of<DD, 3, K>()};         \
+    case 4: return {attend_tile_bf16<DD, 4, K>, walk_of<DD, 4, K>()};         \
+    case 8: return {attend_tile_bf16<DD, 8, K>, walk_of<DD, 8, K>()};         \
     default: return {};                                                       \
   }
+
+#if defined(__AVX512BF16__)
+// The walk for these rows: none for fp8 without byte lookups (the portable walk reads them).
+template <int64_t D, int64_t G, KvKind K>
+constexpr WalkFn<at::BFloat16, K> walk_of() {
+#if defined(PAGEDLLM_FP8_IN_REGISTERS)
+  return walk_bf16<D, G, K>;
+#else
+  return K == KvKind::kSame ? walk_bf16<D, G, K> : nullptr;
+#endif
+}
+#endif
 
 template <typename T, KvKind K>
 Bf16Variants<T, K> pick_bf16(int64_t d, int64_t group) {
@@ -719,7 +833,7 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   {
     std::vector<float> scores(served * block_size), acc(kMaxTileRows * d);
     std::vector<int64_t> rows(longest);
-    std::vector<at::BFloat16> widened(K == KvKind::kSame ? 0 : 2 * kTile * std::max(num_kv_heads * d, d));
+    std::vector<at::BFloat16> widened(K == KvKind::kSame ? 0 : 2 * kTile * d);  // a query tile's K, V rows
     Scratch scratch{scores.data(), rows.data(), acc.data(), widened.data()};
     for (int64_t u = split.take(omp_get_thread_num()); u >= 0; u = split.take(omp_get_thread_num())) {
       const Unit& unit = units[u];
