@@ -31,11 +31,12 @@ def windows(ids: list[int], ctx: int) -> list[list[int]]:
     return [ids[i:i + ctx] for i in range(0, len(ids), ctx) if len(ids[i:i + ctx]) > 1]
 
 
-def pagedllm_scores(path: str, quantization: str, chunks: list[list[int]], dtype: str) -> tuple[list[float], list[int]]:
+def pagedllm_scores(path: str, quantization: str, chunks: list[list[int]], dtype: str,
+                    kv_cache_dtype: str = "auto") -> tuple[list[float], list[int]]:
     """Per predicted position: the log-likelihood of the actual next token and the argmax token."""
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(path, quantization=quantization, dtype=dtype, kv_cache_memory="1GiB",
+    llm = LLM(path, quantization=quantization, dtype=dtype, kv_cache_memory="1GiB", kv_cache_dtype=kv_cache_dtype,
               max_model_len=max(map(len, chunks)) + 8, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--gguf", default=None, help="default: the default model's file")
     parser.add_argument("--ctx", type=int, default=1024, help="tokens a window")
     parser.add_argument("--dtype", nargs="+", default=["auto"], help="pagedllm's dtypes to run (auto, float32, bfloat16)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=[],
+                        help="also pagedllm quantized with these KV caches (fp8, fp8_e5m2): prompts attend through it")
     parser.add_argument("--llamacpp-kv", nargs="+", default=["f16"], choices=["f16", "f32"],
                         help="llama.cpp's KV cache types to run (f16: its default); the first is the reference")
     args = parser.parse_args()
@@ -88,6 +91,8 @@ def main() -> None:
     for dtype in args.dtype:
         results[f"pagedllm quantized, {dtype}"] = pagedllm_scores(path, "gguf", chunks, dtype)
         results[f"pagedllm dequantized, {dtype}"] = pagedllm_scores(path, "none", chunks, dtype)
+        for kv in args.kv_cache_dtype:
+            results[f"pagedllm quantized, {dtype}, KV {kv}"] = pagedllm_scores(path, "gguf", chunks, dtype, kv)
     for kv in args.llamacpp_kv:
         results[f"llama.cpp, KV {kv}"] = llamacpp_scores(path, chunks, physical_cores(), kv)
     reference = results[f"llama.cpp, KV {args.llamacpp_kv[0]}"]
