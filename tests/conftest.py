@@ -90,6 +90,27 @@ def prompts_of_mixed_lengths(vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 73)]
 
 
+def greedy_without_kernels(llm_args: dict, prompts: list[list[int]], max_tokens: int) -> tuple[list, int]:
+    """Greedy tokens of LLM(**llm_args) on these prompts in a fresh process with the C++ kernels
+    off (PAGEDLLM_NO_KERNELS=1, as on a GPU), and how many graphs torch.compile made there."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json; from pagedllm import LLM, SamplingParams\n"
+        "from torch._dynamo.utils import counters\n"
+        f"llm = LLM(**{llm_args!r})\n"
+        f"out = llm.generate([{{'prompt_token_ids': p}} for p in {prompts!r}],"
+        f" SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True), use_tqdm=False)\n"
+        "print(json.dumps([[o.outputs[0].token_ids for o in out], counters['stats']['unique_graphs']]))\n")
+    env = {**os.environ, "PAGEDLLM_NO_KERNELS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    tokens, graphs = json.loads(result.stdout.strip().splitlines()[-1])
+    return tokens, graphs
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Stop the run where the C++ kernels should build but did not: their tests would only skip, and the
     model tests would compare torch with torch."""

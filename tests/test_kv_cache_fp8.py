@@ -2,15 +2,10 @@
 kernels reading them, and the engine running on them."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import make_model, prompts_of_mixed_lengths
+from conftest import greedy_without_kernels, make_model, prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import (KVScales, from_cache, paged_attention_reference, rotary_and_write_kv,
@@ -160,13 +155,4 @@ def test_pure_torch_path_on_fp8_gives_the_same_greedy_tokens(tiny_models):
     llm = LLM(path, **args)
     ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
-    script = (
-        "import json; from pagedllm import LLM, SamplingParams\n"
-        f"llm = LLM({path!r}, **{args!r})\n"
-        f"out = llm.generate([{{'prompt_token_ids': p}} for p in {prompts!r}],"
-        " SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)\n"
-        "print(json.dumps([o.outputs[0].token_ids for o in out]))\n")
-    env = {**os.environ, "PAGEDLLM_NO_KERNELS": "1"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == ours
+    assert greedy_without_kernels(dict(model=path, **args), prompts, 6)[0] == ours

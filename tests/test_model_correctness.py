@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, _DEFAULT_GGUF, default_model_dir, hf_greedy, prompts_of_mixed_lengths
+from conftest import ARCHS, _DEFAULT_GGUF, default_model_dir, greedy_without_kernels, hf_greedy, prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 
 MAX_TOKENS = 12
@@ -62,28 +62,14 @@ def test_pure_torch_path_gives_the_same_greedy_tokens(tiny_models, compile):
     """Without the C++ kernels (as on a GPU, or with no compiler) every layer takes its torch
     reference: the same greedy tokens must come out, and with --compile too, where those torch
     paths run compiled."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     path = tiny_models["qwen3"]
     prompts = prompts_of_mixed_lengths(49152, seed=6)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", block_size=4)
     ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
-    script = (
-        "import json, sys; from pagedllm import LLM, SamplingParams\n"
-        "from torch._dynamo.utils import counters\n"
-        f"llm = LLM({path!r}, dtype='float32', kv_cache_memory='16MiB', block_size=4, compile={compile})\n"
-        f"out = llm.generate([{{'prompt_token_ids': p}} for p in {prompts!r}],"
-        " SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)\n"
-        "print(json.dumps([[o.outputs[0].token_ids for o in out], counters['stats']['unique_graphs']]))\n")
-    env = {**os.environ, "PAGEDLLM_NO_KERNELS": "1"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr
-    tokens, graphs = json.loads(result.stdout.strip().splitlines()[-1])
+    tokens, graphs = greedy_without_kernels(dict(model=path, dtype="float32", kv_cache_memory="16MiB", block_size=4,
+                                                 compile=compile), prompts, 6)
     assert tokens == ours
     # Compiled: norms, SiLU and rotary each became graphs (and decode's one-token shapes their own).
     assert graphs >= 4 if compile else graphs == 0

@@ -81,7 +81,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     The kernel reads the paged cache for every token. Where it has no query-tile variant (only
     bf16 with AVX512-BF16 has one), prompts computed whole in this step (no cached context, no
-    window) take PyTorch's fused causal attention on their own K/V instead, but from an fp8 cache."""
+    window) take PyTorch's fused causal attention on their own K/V instead; not where the cache is
+    fp8, whose rounded values every token reads."""
     ops = cpu_ops() if q.device.type == "cpu" else None
     if ops is None:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales)
