@@ -156,3 +156,14 @@ def test_pure_torch_path_on_fp8_gives_the_same_greedy_tokens(tiny_models):
     ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
     assert greedy_without_kernels(dict(model=path, **args), prompts, 6)[0] == ours
+
+
+def test_parallel_samples_copy_fp8_blocks_on_write(tiny_models):
+    """n = 2 forks both samples from the held prompt, whose partial last block each copies before
+    writing (the runner's block copy on fp8 tensors): greedy, both equal one sample alone."""
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="fp8")
+    prompts = [{"prompt_token_ids": p} for p in prompts_of_mixed_lengths(49152, seed=9)]  # lengths 1, 5, 17, 40, 73
+    alone = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    pairs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for one, two in zip(alone, pairs):
+        assert [s.token_ids for s in two.outputs] == [one.outputs[0].token_ids] * 2
