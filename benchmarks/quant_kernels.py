@@ -118,8 +118,8 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=2, default=(5632, 1024), metavar=("N", "K"))
     parser.add_argument("--stream", action="store_true", help="also batch 1 with weights from memory")
     args = parser.parse_args()
-    if cpu_ops() is None or not cpu_ops().quant_linear_has_vnni():
-        raise SystemExit("needs the C++ kernels with AVX512-VNNI")
+    if cpu_ops() is None or not cpu_ops().quant_linear_simd():
+        raise SystemExit("needs the C++ kernels with a vector path (AVX512-VNNI or AVX2)")
     arithmetic(args.types, args.rows, args.rounds, *args.shape)
     if args.stream:
         stream(args.types, args.rounds)

@@ -44,6 +44,8 @@ def test_bf16_kernels_on_fp8_match_them_on_the_widened_cache(kind, scales, head_
     compute as on a bf16 cache: bit for bit the results on a bf16 cache holding those values.
     Decode walks widen in registers, in another order of dims (sums rounded in another order):
     within a bf16 rounding of them."""
+    if not cpu_ops().attention_has_query_tiles(head_dim, heads // kv_heads):
+        pytest.skip("a build without the AVX512-BF16 attention kernels (the portable walk is tested below)")
     q, k8, v8, meta = _fp8_case(kind, torch.bfloat16, scales, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
     got = _kernel(q, k8, v8, meta, window, scales)
     widened = _kernel(q, from_cache(k8, torch.bfloat16, scales.k), from_cache(v8, torch.bfloat16, scales.v), meta,

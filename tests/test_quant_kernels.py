@@ -1,5 +1,5 @@
 """Quantized weights: GGUF blocks decoded exactly (against the gguf package's own dequantizer), and
-the C++ kernels (VNNI and portable) against the pure-torch reference, dequantize-then-matmul."""
+the C++ kernels (their vector path, AVX512-VNNI or AVX2, and the portable one) against the pure-torch reference, dequantize-then-matmul."""
 from __future__ import annotations
 
 import gguf
@@ -16,7 +16,7 @@ needs_kernels = pytest.mark.skipif(ops is None, reason="C++ kernels unavailable"
 # Byte offsets of each type's float16 fields in its GGUF block, and the range their values take.
 HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
                "Q5_K": (0, 2), "Q6_K": (208,)}
-PATHS = [False, True] if ops is not None and ops.quant_linear_has_vnni() else [True]
+PATHS = [False, True] if ops is not None and ops.quant_linear_simd() else [True]
 
 
 def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -11,9 +11,9 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 #include "kv_quant.h"
-#endif
 #if defined(__AVX512BF16__)
 #include <sleef.h>  // ships with PyTorch, whose own vectorized exp this is
 #endif

@@ -139,6 +139,20 @@ void attend(T* out, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>*
   }
 }
 
+// The vector kernels' sizes (used by the dispatch below in every build).
+constexpr int64_t kTile = 16;         // keys a step of the vector walks
+constexpr int64_t kMaxTileRows = 32;  // query rows (tokens x group heads) of a query tile
+constexpr int64_t kRowBlock = 4;      // query rows computed together
+constexpr int64_t kMaxWalkHeads = 8;  // KV heads one decode walk serves
+
+// A query tile: rows of several query tokens of one sequence, for the G heads of one KV head.
+struct QueryTile {
+  int64_t token0;     // first query token (row of q/out) of the tile
+  int64_t pos0;       // its position in the sequence
+  int64_t tokens;     // query tokens in the tile
+  int64_t h0;         // first query head (the group of one KV head)
+  int64_t window;     // sliding window, 0 for none
+};
 
 #if defined(__AVX512BF16__)
 // The same walk for bf16 caches in AVX-512 (BF16) intrinsics. Keys are taken 16 at a time (a
@@ -148,10 +162,6 @@ void attend(T* out, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>*
 // the probabilities rounded to bf16, as Hugging Face's eager attention rounds them before its
 // product with V, two keys per dpbf16, summing in fp32: 0.98-1.21x (mostly 1.05-1.2x) the speed
 // of fp32 products of every key per layer call, in same-process runs on kernels.py's shapes.
-constexpr int64_t kTile = 16;
-constexpr int64_t kMaxTileRows = 32;  // query rows (tokens x group heads) of a query tile
-constexpr int64_t kRowBlock = 4;      // query rows computed together
-constexpr int64_t kMaxWalkHeads = 8;  // KV heads one decode walk serves
 
 // exp(x) for x <= 0, 16 lanes: the polynomial of fast_exp, with the power of two set by scalef.
 inline __m512 exp_neg(__m512 x) {
@@ -595,14 +605,6 @@ struct KeyStep {
     running_max[r] = new_max;
     return _mm512_set1_ps(correction);
   }
-};
-
-struct QueryTile {
-  int64_t token0;     // first query token (row of q/out) of the tile
-  int64_t pos0;       // its position in the sequence
-  int64_t tokens;     // query tokens in the tile
-  int64_t h0;         // first query head (the group of one KV head)
-  int64_t window;     // sliding window, 0 for none
 };
 
 // One query tile of `tokens` x G rows against keys from the earliest any row sees to the last.

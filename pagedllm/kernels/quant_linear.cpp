@@ -11,21 +11,23 @@
 // of 5- and 6-bit codes, whose unpacking costs more, tiles of 64 rows are dequantized to bf16 and
 // multiplied by packed_linear.cpp's bf16 kernel instead (matmul_tiles).
 //
-// The portable path computes the same sums in plain C++, for CPUs without AVX512-VNNI (and for the
-// tests, which run both). Both are held to formats.reference_linear: the int sums are exact, only
-// the float order of the scaled sums differs.
+// CPUs without AVX-512 take an AVX2 path over the same records (group_avx2: 8 rows a register,
+// maddubs for dpbusd). The portable path computes the same sums in plain C++, for CPUs with
+// neither (and for the tests, which run it beside the vector path). All are held to
+// formats.reference_linear: the int sums are exact, only the float order of the scaled sums differs.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include <torch/extension.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <omp.h>
@@ -153,6 +155,47 @@ void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* d, int32_t* s)
     s[2 * b + 1] = _mm512_reduce_add_epi32(q1);
   }
 }
+#elif defined(__AVX2__)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+template <typename T>
+void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = load8(x + b * kBlock + 8 * i);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = max8(m);
+    const float scale = amax / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
+    const __m256 inv = _mm256_set1_ps(inverse);
+    __m256i c[4];  // under the default rounding mode: to nearest, half to even
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    // The packs interleave 128-bit lanes; one permute puts the 32 bytes back in order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    d[b] = scale;
+    s[2 * b] = sum8(_mm256_add_epi32(c[0], c[1]));
+    s[2 * b + 1] = sum8(_mm256_add_epi32(c[2], c[3]));
+  }
+}
 #endif
 
 template <typename T>
@@ -162,6 +205,11 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, int
 #if defined(__AVX512BW__)
     if (!portable) {
       quantize_row_avx512(x + r * k, k, q + r * k, d + r * (k / kBlock), s + r * (k / 16));
+      continue;
+    }
+#elif defined(__AVX2__)
+    if (!portable) {
+      quantize_row_avx2(x + r * k, k, q + r * k, d + r * (k / kBlock), s + r * (k / 16));
       continue;
     }
 #endif
@@ -264,6 +312,13 @@ void group_portable(const uint8_t* group, int64_t records, const Activations& a,
   }
 }
 
+// A lone pass over a group (a decode's rows: one pass of up to 4) reads each record once a call, from
+// memory; the hardware prefetchers stop at each 4 KiB page, so it asks for its stream 4 KiB ahead,
+// non-temporal (the records are not read again this step). The 250M model's Q4_K_M layers at batch
+// 1 in turn, alternated in one process: 27.5 GB/s against 25.6 without (4 KiB T0: 28.1 but one slow
+// round of six; 8 KiB: 27.4 and 26.8; 16 KiB: 25.0).
+constexpr int64_t kStreamAhead = 4096;
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // A block's codes as 8 registers: w[t] pairs with activation bytes 4t..4t+3 in every lane.
 template <int Bits>
@@ -333,12 +388,6 @@ inline __m512 halves(const uint8_t* p) {
 }
 
 
-// A lone pass over a group (a decode's rows: one pass of up to 4) reads each record once a call, from
-// memory; the hardware prefetchers stop at each 4 KiB page, so it asks for its stream 4 KiB ahead,
-// non-temporal (the records are not read again this step). The 250M model's Q4_K_M layers at batch
-// 1 in turn, alternated in one process: 27.5 GB/s against 25.6 without (4 KiB T0: 28.1 but one slow
-// round of six; 8 KiB: 27.4 and 26.8; 16 KiB: 25.0).
-constexpr int64_t kStreamAhead = 4096;
 
 template <int F, int R>
 void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums,
@@ -417,6 +466,184 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums + r * kGroup, total[r]);
+}
+#endif
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGEDLLM_QUANT_AVX2 1
+// -- CPUs without AVX-512 (AVX2: AMD Zen 2/3, Intel's client cores) ----------------------------
+// The same records, half a record's lanes (8 rows) a 256-bit register. AVX2 has no dpbusd:
+// maddubs multiplies a lane's 4 codes by 4 activation codes into two int16 sums, which add up in
+// int16 as long as they cannot overflow and are then widened to int32 by madd (by ones).
+
+// Codes and high-bit planes of one half, already offset by 32 bytes a half: as unpack's.
+template <int Bits>
+inline void unpack8(const uint8_t* codes, const uint8_t* high, __m256i w[8]) {
+  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (Bits == 8) {
+    for (int t = 0; t < 8; ++t) w[t] = load(codes + 64 * t);
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int s = 0; s < 4; ++s) {
+      const __m256i q = load(codes + 64 * s);
+      w[s] = _mm256_and_si256(q, low4);
+      w[4 + s] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+    }
+    if constexpr (Bits == 5) {
+      const __m256i plane = load(high), bit = _mm256_set1_epi8(0x10);
+      for (int t = 0; t < 8; ++t) {
+        const __m256i at4 = t <= 4 ? _mm256_slli_epi16(plane, 4 - t) : _mm256_srli_epi16(plane, t - 4);
+        w[t] = _mm256_or_si256(w[t], _mm256_and_si256(at4, bit));
+      }
+    }
+    if constexpr (Bits == 6) {
+      const __m256i bits = _mm256_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i plane = load(high + 64 * h);
+        const __m256i at4[4] = {_mm256_slli_epi16(plane, 4), _mm256_slli_epi16(plane, 2), plane,
+                                _mm256_srli_epi16(plane, 2)};
+        for (int q = 0; q < 4; ++q) w[4 * h + q] = _mm256_or_si256(w[4 * h + q], _mm256_and_si256(at4[q], bits));
+      }
+    }
+  }
+}
+
+// Step t's int16 pair sums: codes w times activation bytes 4t..4t+3. 8-bit codes are u = q + 128,
+// whose products with int8 would overflow maddubs' int16: they go as |q| times x with q's sign.
+template <int Bits>
+inline __m256i products(__m256i w, const int8_t* x, int t) {
+  int32_t value;
+  std::memcpy(&value, x + 4 * t, 4);
+  const __m256i xs = _mm256_set1_epi32(value);
+  if constexpr (Bits == 8) {
+    const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xs, q));
+  }
+  return _mm256_maddubs_epi16(w, xs);
+}
+
+inline __m256i widen16(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+
+// The int32 dot products of 8 rows with one activation row's 32 codes, over values 0..15 (low)
+// and 16..31 (high); 4-bit codes give all 32 in low. The int16 sums stay below 2^15: at most 16
+// products of 15 x 127, 8 of 31 x 127, 4 of 63 x 127, 2 of 128 x 127. For 8-bit codes these are
+// the products of q = u - 128, not of u.
+template <int Bits>
+inline void dots8(const __m256i w[8], const int8_t* x, __m256i& low, __m256i& high) {
+  __m256i m[8];
+  for (int t = 0; t < 8; ++t) m[t] = products<Bits>(w[t], x, t);
+  if constexpr (Bits == 4) {
+    const __m256i a = _mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3]));
+    const __m256i b = _mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7]));
+    low = widen16(_mm256_add_epi16(a, b));
+    high = _mm256_setzero_si256();
+  } else if constexpr (Bits == 5) {
+    low = widen16(_mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3])));
+    high = widen16(_mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7])));
+  } else if constexpr (Bits == 6) {
+    low = _mm256_add_epi32(widen16(_mm256_add_epi16(m[0], m[1])), widen16(_mm256_add_epi16(m[2], m[3])));
+    high = _mm256_add_epi32(widen16(_mm256_add_epi16(m[4], m[5])), widen16(_mm256_add_epi16(m[6], m[7])));
+  } else {
+    low = _mm256_add_epi32(_mm256_add_epi32(widen16(m[0]), widen16(m[1])), _mm256_add_epi32(widen16(m[2]), widen16(m[3])));
+    high = _mm256_add_epi32(_mm256_add_epi32(widen16(m[4]), widen16(m[5])), _mm256_add_epi32(widen16(m[6]), widen16(m[7])));
+  }
+}
+
+inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// 8 bytes (a half's lanes of a [.][16] table) as int32, unsigned or signed.
+inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i i8x8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+
+// group_vnni's sums for one half (rows 8 half .. 8 half + 7) of a record, added into total.
+template <int F, int R>
+inline void half_avx2(const uint8_t* p, int64_t rec, int half, const int8_t* const* xq, const float* const* dx,
+                      const int32_t* const* sx, __m256* total) {
+  using Tr = Traits<F>;
+  constexpr int offset = Tr::bits == 8 ? 0 : Tr::offset;  // dots8 gives Q8_0's signed products
+  const int64_t at = 32 * half, lanes = 8 * half;  // bytes into a step or plane; lanes into a table
+  __m256i w[8];
+  if constexpr (!Tr::k_quant) {
+    unpack8<Tr::bits>(p + at, p + Tr::high_at + at, w);
+    const __m256 scale = halves8(p + Tr::scales_at + 2 * lanes);
+    for (int r = 0; r < R; ++r) {
+      __m256i low, high;
+      dots8<Tr::bits>(w, xq[r] + rec * kBlock, low, high);
+      const __m256i dot = _mm256_add_epi32(low, high);
+      const int32_t sum = sx[r][2 * rec] + sx[r][2 * rec + 1];
+      const __m256 d = _mm256_set1_ps(dx[r][rec]);
+      if constexpr (Tr::has_min) {
+        total[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), d), scale, total[r]);
+        total[r] = _mm256_fmadd_ps(halves8(p + Tr::scales_at + 2 * kGroup + 2 * lanes),
+                                   _mm256_set1_ps(dx[r][rec] * static_cast<float>(sum)), total[r]);
+      } else {
+        const __m256i centred = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * sum));
+        total[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(centred), d), scale, total[r]);
+      }
+    }
+    return;
+  }
+  __m256 scaled[R], minimums[R];
+  for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm256_setzero_ps();
+  for (int j = 0; j < Tr::blocks; ++j) {
+    const int64_t block = rec * Tr::blocks + j;
+    unpack8<Tr::bits>(p + j * Tr::code_bytes + at, p + Tr::high_at + j * Tr::high_bytes + at, w);
+    if constexpr (F == kQ6_K) {
+      const uint8_t* sc = p + Tr::scales_at + 2 * j * kGroup + lanes;
+      const __m256i sc0 = i8x8(sc), sc1 = i8x8(sc + kGroup);
+      for (int r = 0; r < R; ++r) {
+        __m256i low, high;
+        dots8<6>(w, xq[r] + block * kBlock, low, high);
+        low = _mm256_mullo_epi32(_mm256_sub_epi32(low, _mm256_set1_epi32(32 * sx[r][2 * block])), sc0);
+        high = _mm256_mullo_epi32(_mm256_sub_epi32(high, _mm256_set1_epi32(32 * sx[r][2 * block + 1])), sc1);
+        scaled[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(low, high)), _mm256_set1_ps(dx[r][block]),
+                                    scaled[r]);
+      }
+    } else {
+      const __m256i sub_scale = u8x8(p + Tr::scales_at + j * kGroup + lanes);
+      const __m256 sub_min = _mm256_cvtepi32_ps(u8x8(p + Tr::sub_min_at + j * kGroup + lanes));
+      for (int r = 0; r < R; ++r) {
+        __m256i low, high;
+        dots8<Tr::bits>(w, xq[r] + block * kBlock, low, high);
+        const float d = dx[r][block];
+        const __m256i dot = _mm256_mullo_epi32(_mm256_add_epi32(low, high), sub_scale);
+        scaled[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d), scaled[r]);
+        const float sum = static_cast<float>(sx[r][2 * block] + sx[r][2 * block + 1]);
+        minimums[r] = _mm256_fmadd_ps(sub_min, _mm256_set1_ps(d * sum), minimums[r]);
+      }
+    }
+  }
+  const __m256 d = halves8(p + Tr::d_at + 2 * lanes);
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm256_fmadd_ps(d, scaled[r], total[r]);
+    if constexpr (F != kQ6_K)
+      total[r] = _mm256_fnmadd_ps(halves8(p + Tr::d_at + 2 * kGroup + 2 * lanes), minimums[r], total[r]);
+  }
+}
+
+template <int F, int R>
+void group_avx2(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums,
+                bool stream) {
+  using Tr = Traits<F>;
+  __m256 total[2][R];
+  const int8_t* xq[R];
+  const float* dx[R];
+  const int32_t* sx[R];
+  for (int r = 0; r < R; ++r) {
+    total[0][r] = total[1][r] = _mm256_setzero_ps();
+    xq[r] = a.q(row0 + r);
+    dx[r] = a.d(row0 + r);
+    sx[r] = a.s(row0 + r);
+  }
+  for (int64_t rec = 0; rec < records; ++rec) {
+    const uint8_t* p = group + rec * Tr::record_bytes;
+    if (stream)
+      for (int64_t line = 0; line < Tr::record_bytes; line += 64) _mm_prefetch(p + kStreamAhead + line, _MM_HINT_NTA);
+    for (int half = 0; half < 2; ++half) half_avx2<F, R>(p, rec, half, xq, dx, sx, total[half]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int half = 0; half < 2; ++half) _mm256_storeu_ps(sums + r * kGroup + 8 * half, total[half][r]);
 }
 #endif
 
@@ -499,6 +726,13 @@ void group_rows(const uint8_t* group, int64_t records, const Activations& a, int
     case 2: return group_vnni<F, 2>(group, records, a, row0, sums, stream);
     case 3: return group_vnni<F, 3>(group, records, a, row0, sums, stream);
     default: return group_vnni<F, 4>(group, records, a, row0, sums, stream);
+  }
+#elif defined(PAGEDLLM_QUANT_AVX2)
+  switch (rows) {
+    case 1: return group_avx2<F, 1>(group, records, a, row0, sums, stream);
+    case 2: return group_avx2<F, 2>(group, records, a, row0, sums, stream);
+    case 3: return group_avx2<F, 3>(group, records, a, row0, sums, stream);
+    default: return group_avx2<F, 4>(group, records, a, row0, sums, stream);
   }
 #else
   group_portable<F>(group, records, a, row0, rows, sums, stream);
@@ -920,11 +1154,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_for
           copy(a.sums, a.rows, a.k / 16, torch::kInt)};
 }
 
-bool quant_linear_has_vnni() {
+// The vector path the kernels were built with: "avx512-vnni", "avx2", or "" (the portable one only).
+std::string quant_linear_simd() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return true;
+  return "avx512-vnni";
+#elif defined(PAGEDLLM_QUANT_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "";
 #endif
 }
 
@@ -938,5 +1175,5 @@ void bind_quant_linear(pybind11::module& m) {
   m.def("quant_embedding", &quant_embedding, "rows of a packed quantized matrix, dequantized", release());
   m.def("quantize_activations", &quantize_activations_for_test, "activations as the quantized kernels quantize them",
         release());
-  m.def("quant_linear_has_vnni", &quant_linear_has_vnni, "whether the AVX512-VNNI path was built");
+  m.def("quant_linear_simd", &quant_linear_simd, "the vector path of the quantized kernels, \"\" for none");
 }

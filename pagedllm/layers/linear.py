@@ -15,6 +15,7 @@ they are loaded. A quantized format is one more LinearMethodBase, given to the l
 from __future__ import annotations
 
 import ctypes
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -53,7 +54,20 @@ _BLOCK_N, _BLOCK_K = 64, 32  # oneDNN's AB16b64a2b blocks, the layout the kernel
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _mkldnn_packs_bf16()
+
+
+@functools.cache
+def _mkldnn_packs_bf16() -> bool:
+    """Whether oneDNN takes bf16 weights here: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and
+    refuses on AVX2-only CPUs, where the plain weights stay (F.linear)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16), PACK_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def copy_checked(dest: torch.Tensor, loaded: torch.Tensor) -> None:
