@@ -76,7 +76,7 @@ def op_by_op_lines(caplog):
 
 
 @pytest.mark.parametrize("arch, dtype, reason", [("qwen3", "bfloat16", "per-head q/k RMSNorm"),
-                                                 ("llama", "float32", "weights are torch.float32")])
+                                                 ("llama", "float32", "with UnquantizedLinearMethod) has no kernel")])
 def test_a_model_the_stack_cannot_take_says_why_once(arch, dtype, reason, head64_models, op_by_op_lines):
     LLM(head64_models[arch], dtype=dtype, kv_cache_memory="16MiB")
     lines = op_by_op_lines()

@@ -74,14 +74,29 @@ def test_quantized_layers_give_the_dequantized_distributions(tmp_path, wide_mode
     assert delta.mean() < 0.04 and delta.max() < 0.3, (delta.mean(), delta.max())
 
 
-@pytest.mark.skipif(ops is None or not ops.packed_linear_available(), reason="the stack needs AVX512-BF16")
-def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokenizer_dir):
-    """bf16 with quantized layers: the fused decoder stack runs (no 'op by op' line) and gives what
-    the op-by-op path gives, bit for bit, through chunked prefill and decode (Q4_K_M's mix)."""
+class _CountingStack:
+    """The model's C++ stack, counting the steps it takes."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.steps = stack, 0
+
+    def forward(self, *args):
+        self.steps += 1
+        return self.stack.forward(*args)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokenizer_dir, dtype):
+    """Quantized layers: the fused decoder stack runs and gives what the op-by-op path gives, bit
+    for bit, through chunked prefill and decode (Q4_K_M's mix). Where attention has no query
+    tiles (fp32; bf16 without AVX512-BF16), steps with a fresh prompt go op by op, the rest by
+    the stack."""
     path = gguf_file(tmp_path, wide_models["llama"], "Q4_K", tokenizer_dir, Q4_K_M)
-    stacked, op_by_op = (LLM(path, dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=48)
+    stacked, op_by_op = (LLM(path, dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=48)
                          for _ in range(2))
-    assert stacked.engine.model_runner.model._stack is not None
+    model = stacked.engine.model_runner.model
+    assert model._stack is not None
+    model._stack = counting = _CountingStack(model._stack)
     op_by_op.engine.model_runner.model._stack = None
     prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -91,6 +106,8 @@ def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokeniz
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
     assert run(stacked) == run(op_by_op)
+    assert counting.steps >= 11  # the decode steps at least
+    assert model._stack_takes_fresh == (dtype == "bfloat16" and ops.attention_has_query_tiles(64, 2))
 
 
 def test_start_up_log_names_the_types(tmp_path, wide_models, tokenizer_dir, caplog):

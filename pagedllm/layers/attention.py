@@ -22,6 +22,10 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     query_lens_list: list[int]
 
+    def has_fresh_prompt(self) -> bool:
+        """Whether a sequence computes its whole prompt this step (several tokens, none cached)."""
+        return any(1 < q_len == seq_len for seq_len, q_len in zip(self.seq_lens_list, self.query_lens_list))
+
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -169,6 +169,10 @@ class DecoderForCausalLM(CausalLM):
     # The decoder layers as one C++ call (kernels/decoder_stack.cpp), where bind_kernels found a
     # kernel for every op of theirs; else None, and forward runs them op by op.
     _stack = None
+    # Whether the stack takes steps with prompts computed whole (no cached context): its attention
+    # computes them itself only with query tiles (bf16, AVX512-BF16); elsewhere the op-by-op path
+    # hands them to PyTorch's fused attention, so those steps go op by op.
+    _stack_takes_fresh = True
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -186,7 +190,7 @@ class DecoderForCausalLM(CausalLM):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary.tables(positions)  # once per step, shared by every layer
-        if self._stack is not None:
+        if self._stack is not None and (self._stack_takes_fresh or not attn_metadata.has_fresh_prompt()):
             meta = attn_metadata
             return self._stack.forward(x, rope.cos, rope.sin, kv_caches, meta.slot_mapping, meta.block_tables,
                                        meta.query_start_loc, meta.seq_lens)
@@ -199,10 +203,11 @@ class DecoderForCausalLM(CausalLM):
 
     def bind_kernels(self) -> None:
         """Hand the decoder layers to the C++ stack if every op of theirs has a kernel there (bf16
-        with AVX512-BF16, linear methods with a kernel_spec, attention's query tiles, no per-head
-        q/k norm); else say once why they run op by op. The stack's results are the op-by-op
-        path's, bit for bit; it saves that path's Python between kernels, about 1 ms a step on a
-        16-layer model."""
+        or fp32, linear methods with a kernel_spec, no per-head q/k norm); else say once why they
+        run op by op. The stack's results are the op-by-op path's, bit for bit; it saves that
+        path's Python between kernels, about 1 ms a step on a 16-layer model (more on slower CPUs:
+        with AVX2 only, 1.3x batch-1 decode on the 250M model's Q4_K_M file). Without attention's
+        query tiles, steps with a fresh prompt go op by op (_stack_takes_fresh)."""
         self._stack = None
         ops = cpu_ops()
         reason = self._stack_blocker(ops)
@@ -219,6 +224,8 @@ class DecoderForCausalLM(CausalLM):
                                                                   mlp.down_proj)),
                             attn.sliding_window or 0, attn.kv_scales.k, attn.kv_scales.v)
         self._stack = stack
+        self._stack_takes_fresh = (norm.weight.dtype == torch.bfloat16
+                                   and ops.attention_has_query_tiles(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads))
 
     def _stack_blocker(self, ops: ModuleType | None) -> str | None:
         """Why the C++ stack cannot take the decoder layers; None where it can."""
@@ -227,11 +234,8 @@ class DecoderForCausalLM(CausalLM):
             return "the C++ kernels are unavailable"
         if cfg.qk_norm:
             return "per-head q/k RMSNorm has no kernel in the C++ decoder stack"
-        if self.model.norm.weight.dtype != torch.bfloat16:
-            return f"the C++ decoder stack computes in bf16, the weights are {self.model.norm.weight.dtype}"
-        if not ops.attention_has_query_tiles(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads):
-            return (f"attention has no query-tile kernel for heads of {cfg.head_dim} with "
-                    f"{cfg.num_heads // cfg.num_kv_heads} query heads a KV head")
+        if self.model.norm.weight.dtype not in (torch.bfloat16, torch.float32):
+            return f"the C++ decoder stack computes in bf16 or fp32, the weights are {self.model.norm.weight.dtype}"
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, Linear) and module.kernel_spec() is None:
                 return (f"{name} ({type(module).__name__} with {type(module.method).__name__}) has no kernel "
