@@ -69,8 +69,11 @@ struct Traits {
   static constexpr int subs = F == kQ6_K ? 16 : 8;
   static constexpr int64_t sub_min_at = scales_at + subs * kGroup;
   static constexpr int64_t d_at = k_quant ? sub_min_at + (F == kQ6_K ? 0 : 8 * kGroup) : scales_at;
-  static constexpr int64_t record_bytes =
+  // A K type's record ends on a cache line (formats.Format.record_padding): Q6_K's 3360 bytes are
+  // padded to 3392, so that no record starts mid-line.
+  static constexpr int64_t used_bytes =
       k_quant ? d_at + 2 * kGroup * (F == kQ6_K ? 1 : 2) : scales_at + 2 * kGroup * (has_min ? 2 : 1);
+  static constexpr int64_t record_bytes = k_quant ? (used_bytes + 63) / 64 * 64 : used_bytes;
   static constexpr int64_t record_values = kBlock * blocks;
 };
 
@@ -312,12 +315,26 @@ void group_portable(const uint8_t* group, int64_t records, const Activations& a,
   }
 }
 
+#if defined(__AVX2__) || defined(__AVX512F__)
 // A lone pass over a group (a decode's rows: one pass of up to 4) reads each record once a call, from
 // memory; the hardware prefetchers stop at each 4 KiB page, so it asks for its stream 4 KiB ahead,
 // non-temporal (the records are not read again this step). The 250M model's Q4_K_M layers at batch
 // 1 in turn, alternated in one process: 27.5 GB/s against 25.6 without (4 KiB T0: 28.1 but one slow
-// round of six; 8 KiB: 27.4 and 26.8; 16 KiB: 25.0).
+// round of six; 8 KiB: 27.4 and 26.8; 16 KiB: 25.0). The requests go out spread over a K record's
+// blocks, a few lines between one block's dot products and the next: all of its 37 to 53 lines
+// asked for at once overran the core's miss buffers and stalled it (16 layers of the 250M shapes
+// from memory, alternated in one process: Q6_K 20.1 GB/s at once against 33.5 spread, Q4_K 26.6
+// against 33.0; a second, far prefetch into L2 did not help).
 constexpr int64_t kStreamAhead = 4096;
+
+// Part j of `Parts` of a record's cache lines, kStreamAhead bytes on, non-temporal.
+template <int64_t Bytes, int Parts>
+inline void prefetch_part(const uint8_t* record, int j) {
+  constexpr int64_t lines = (Bytes + 63) / 64, per_part = (lines + Parts - 1) / Parts;
+  for (int64_t line = j * per_part; line < std::min<int64_t>((j + 1) * per_part, lines); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(record + kStreamAhead + 64 * line), _MM_HINT_NTA);
+}
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // A block's codes as 8 registers: w[t] pairs with activation bytes 4t..4t+3 in every lane.
@@ -406,8 +423,7 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
   __m512i w[8];
   for (int64_t rec = 0; rec < records; ++rec) {
     const uint8_t* p = group + rec * Tr::record_bytes;
-    if (stream)
-      for (int64_t line = 0; line < Tr::record_bytes; line += 64) _mm_prefetch(p + kStreamAhead + line, _MM_HINT_NTA);
+    if (!Tr::k_quant && stream) prefetch_part<Tr::record_bytes, 1>(p, 0);
     if constexpr (!Tr::k_quant) {
       unpack<Tr::bits>(p, p + Tr::high_at, w);
       const __m512 scale = halves(p + Tr::scales_at);
@@ -430,6 +446,7 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
       for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm512_setzero_ps();
       for (int j = 0; j < Tr::blocks; ++j) {
         const int64_t block = rec * Tr::blocks + j;
+        if (stream) prefetch_part<Tr::record_bytes, Tr::blocks>(p, j);
         unpack<Tr::bits>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, w);
         if constexpr (F == kQ6_K) {
           const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + 2 * j * kGroup);
@@ -638,9 +655,10 @@ void group_avx2(const uint8_t* group, int64_t records, const Activations& a, int
   }
   for (int64_t rec = 0; rec < records; ++rec) {
     const uint8_t* p = group + rec * Tr::record_bytes;
-    if (stream)
-      for (int64_t line = 0; line < Tr::record_bytes; line += 64) _mm_prefetch(p + kStreamAhead + line, _MM_HINT_NTA);
-    for (int half = 0; half < 2; ++half) half_avx2<F, R>(p, rec, half, xq, dx, sx, total[half]);
+    for (int half = 0; half < 2; ++half) {
+      if (stream) prefetch_part<Tr::record_bytes, 2>(p, half);
+      half_avx2<F, R>(p, rec, half, xq, dx, sx, total[half]);
+    }
   }
   for (int r = 0; r < R; ++r)
     for (int half = 0; half < 2; ++half) _mm256_storeu_ps(sums + r * kGroup + 8 * half, total[half][r]);

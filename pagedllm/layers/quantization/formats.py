@@ -69,7 +69,17 @@ class Format:
             scales = 16 * GROUP + 2 * GROUP
         else:
             scales = 2 * 8 * GROUP + 2 * 2 * GROUP
-        return codes + high + scales
+        return codes + high + scales + self.record_padding
+
+    @property
+    def record_padding(self) -> int:
+        """Zero bytes that end a K type's record on a cache line (Q6_K's 3360 bytes would leave every
+        other record 32 bytes off, each 64-byte load of its codes then straddling two lines)."""
+        if not self.k_quant:
+            return 0
+        blocks = self.record_values // BLOCK
+        used = (256 + {5: 64, 6: 128}.get(self.bits, 0)) * blocks + (18 if self.bits == 6 else 20) * GROUP
+        return -used % 64
 
     def packed_bytes(self, rows: int, cols: int) -> int:
         return -(-rows // GROUP) * (cols // self.record_values) * self.record_bytes
@@ -222,6 +232,8 @@ def pack(fields: Fields) -> torch.Tensor:
     per_record = fmt.record_values // BLOCK
     parts = [p.reshape(p.shape[0], -1, per_record * p.shape[2]) for p in parts]
     parts += _pack_scales(fields, padded)
+    if fmt.record_padding:
+        parts.append(np.zeros((*parts[0].shape[:2], fmt.record_padding), np.uint8))
     record = np.concatenate(parts, axis=2)
     assert record.shape[2] == fmt.record_bytes, (record.shape, fmt.record_bytes)
     # Copied into torch's allocation, 64-byte aligned (numpy's is 16): whole cache lines a load.
