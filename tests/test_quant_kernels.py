@@ -71,14 +71,18 @@ def test_record_size(name):
 @needs_kernels
 @pytest.mark.parametrize("portable", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activations_quantize_as_the_reference(portable, dtype):
-    x = (torch.randn(7, 96) * torch.logspace(-3, 2, 96)).to(dtype)
-    x[3, 32:64] = 0  # a block of zeros: scale 0, codes 0
-    x[4, 5] = 2.5 * x[4, :32].abs().max() / 127  # (not a tie after scaling, but near the top)
-    codes, scales, sums = ops.quantize_activations(x, portable)
-    q, d = quantize_activations(x)
+@pytest.mark.parametrize("block", [32, 256])
+def test_activations_quantize_as_the_reference(portable, dtype, block):
+    cols = 3 * block
+    x = (torch.randn(7, cols) * torch.logspace(-3, 2, cols)).to(dtype)
+    x[3, block:2 * block] = 0  # a block of zeros: scale 0, codes 0
+    x[4, 5] = 2.5 * x[4, :block].abs().max() / 127  # (not a tie after scaling, but near the top)
+    codes, scales, sums = ops.quantize_activations(x, portable, block)
+    q, d = quantize_activations(x, block)
+    assert d.shape == (7, 3)
     assert torch.equal(codes, q) and torch.equal(scales, d)
     assert torch.equal(sums, q.view(7, -1, 16).int().sum(-1))
+
 
 
 def kernel_linear(fields: list[formats.Fields], x: torch.Tensor, bias=None, portable=False, silu_mul=False):
@@ -89,8 +93,7 @@ def kernel_linear(fields: list[formats.Fields], x: torch.Tensor, bias=None, port
 def assert_close_to_reference(out: torch.Tensor, x: torch.Tensor, fields: formats.Fields, bias=None) -> None:
     """Within float32's rounding of sums of (scaled) block products, taken against the sum of their
     magnitudes, and (bf16 output) one rounding to bf16."""
-    q, d = quantize_activations(x)
-    xd = (q.double().view(*d.shape, 32) * d.double()[..., None]).view(x.shape)
+    xd = formats.quantized_activations(x, formats.activation_block(fields.format))
     w = dequantize(fields).double()
     expected, magnitude = xd @ w.T, xd.abs() @ w.abs().T
     if bias is not None:

@@ -1,11 +1,15 @@
 // Linear layers on quantized weights, read in the records of layers/quantization/formats.py (its
 // docstring has the layout), and rows of a quantized embedding table.
 //
-// Activations are quantized once a call, per 32 values, to int8 with a float scale (and their sums
-// per 16). A record gives 16 output rows' codes so that each 32-bit lane of a 512-bit register holds
+// Activations are quantized once a call to int8 with a float scale per 32 values (a record of the
+// types of 32), or per 256 for the K types (a record of theirs, as llama.cpp's Q8_K), and their sums
+// per 16. A record gives 16 output rows' codes so that each 32-bit lane of a 512-bit register holds
 // 4 codes of one row: dpbusd (AVX512-VNNI) multiplies them with 4 activation codes broadcast to
 // every lane and adds into that lane, so 16 rows' integer dot products build up side by side, with
-// no reduction across lanes; each block's sums then take their scales in float. Every weight is
+// no reduction across lanes. A record's sums take their scales in float once a record: a K record's
+// sub-block scales (and minimums) go in as integers first, which keeps the per-block work of the
+// many-row case to the dot products and one multiply (the 4-row pass on Q4_K: 1.2x as fast as with
+// float sums per 32-value block). Every weight is
 // read once a call and unpacked once for up to 4 rows of activations; where a layer is many rows,
 // a group's records (a few KiB) stay in L1 across the row passes. For bf16 activations of many rows
 // of 5- and 6-bit codes, whose unpacking costs more, tiles of 64 rows are dequantized to bf16 and
@@ -103,34 +107,39 @@ int64_t record_bytes(int format) {
 int64_t record_values(int format) { return format >= kQ4_K ? 256 : kBlock; }
 
 // -- activations --------------------------------------------------------------------------------
-// One call's activations, quantized: codes, a scale per 32 values, code sums per 16.
+// One call's activations, quantized: codes, a scale per `block` values, code sums per 16. The K types
+// take blocks of 256, one scale a record (as llama.cpp's Q8_K), so that a record's block sums stay
+// integers until its end; the others blocks of 32, one a record.
 struct Activations {
   const int8_t* codes;
   const float* scales;
   const int32_t* sums;
-  int64_t rows, k;
+  int64_t rows, k, block;
   const int8_t* q(int64_t row) const { return codes + row * k; }
-  const float* d(int64_t row) const { return scales + row * (k / kBlock); }
+  const float* d(int64_t row) const { return scales + row * (k / block); }
   const int32_t* s(int64_t row) const { return sums + row * (k / 16); }
 };
 
+constexpr int64_t activation_block(int format) { return format >= kQ4_K ? 256 : kBlock; }
+
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* s) {
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const T* xb = x + b * kBlock;
+void quantize_row(const T* x, int64_t k, int64_t block, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < k / block; ++b) {
+    const T* xb = x + b * block;
     float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
+    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
     const float scale = amax / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
-    int32_t sum[2] = {0, 0};
-    for (int i = 0; i < kBlock; ++i) {
+    for (int64_t i = 0; i < block; ++i) {
       // nearbyint rounds half to even, as torch.round and the vector path's conversion do.
       const float v = std::nearbyint(static_cast<float>(xb[i]) * inverse);
-      q[b * kBlock + i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
-      sum[i / 16] += q[b * kBlock + i];
+      q[b * block + i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
     }
     d[b] = scale;
-    s[2 * b] = sum[0];
-    s[2 * b + 1] = sum[1];
+  }
+  for (int64_t i = 0; i < k / 16; ++i) {
+    int32_t sum = 0;
+    for (int v = 0; v < 16; ++v) sum += q[16 * i + v];
+    s[i] = sum;
   }
 }
 
@@ -142,20 +151,22 @@ inline __m512 load16(const at::BFloat16* x) {
 }
 
 template <typename T>
-void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+void quantize_row_avx512(const T* x, int64_t k, int64_t block, int8_t* q, float* d, int32_t* s) {
   const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m512 v0 = load16(x + b * kBlock), v1 = load16(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+  for (int64_t b = 0; b < k / block; ++b) {
+    const T* xb = x + b * block;
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < block; i += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, load16(xb + i)));
+    const float amax = _mm512_reduce_max_ps(m);
     const float scale = amax / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
     const __m512 inv = _mm512_set1_ps(inverse);
-    // Conversion under the default rounding mode: to nearest, half to even.
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+    for (int64_t i = 0; i < block; i += 16) {
+      // Conversion under the default rounding mode: to nearest, half to even.
+      const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb + i), inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * block + i), _mm512_cvtsepi32_epi8(c));
+      s[(b * block + i) / 16] = _mm512_reduce_add_epi32(c);
+    }
     d[b] = scale;
-    s[2 * b] = _mm512_reduce_add_epi32(q0);
-    s[2 * b + 1] = _mm512_reduce_add_epi32(q1);
   }
 }
 #elif defined(__AVX2__)
@@ -178,67 +189,78 @@ inline int32_t sum8(__m256i v) {
 }
 
 template <typename T>
-void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+void quantize_row_avx2(const T* x, int64_t k, int64_t block, int8_t* q, float* d, int32_t* s) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = load8(x + b * kBlock + 8 * i);
-    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  for (int64_t b = 0; b < k / block; ++b) {
+    const T* xb = x + b * block;
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < block; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(xb + i)));
     const float amax = max8(m);
     const float scale = amax / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
     const __m256 inv = _mm256_set1_ps(inverse);
-    __m256i c[4];  // under the default rounding mode: to nearest, half to even
-    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-    // The packs interleave 128-bit lanes; one permute puts the 32 bytes back in order.
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int64_t i = 0; i < block; i += kBlock) {
+      __m256i c[4];  // under the default rounding mode: to nearest, half to even
+      for (int t = 0; t < 4; ++t) c[t] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + i + 8 * t), inv));
+      // The packs interleave 128-bit lanes; one permute puts the 32 bytes back in order.
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * block + i),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      s[(b * block + i) / 16] = sum8(_mm256_add_epi32(c[0], c[1]));
+      s[(b * block + i) / 16 + 1] = sum8(_mm256_add_epi32(c[2], c[3]));
+    }
     d[b] = scale;
-    s[2 * b] = sum8(_mm256_add_epi32(c[0], c[1]));
-    s[2 * b + 1] = sum8(_mm256_add_epi32(c[2], c[3]));
   }
 }
 #endif
 
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* s, bool portable) {
+void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t block, int8_t* q, float* d, int32_t* s,
+                   bool portable) {
 #pragma omp parallel for if (rows * k >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
+    int8_t* qr = q + r * k;
+    float* dr = d + r * (k / block);
+    int32_t* sr = s + r * (k / 16);
 #if defined(__AVX512BW__)
     if (!portable) {
-      quantize_row_avx512(x + r * k, k, q + r * k, d + r * (k / kBlock), s + r * (k / 16));
+      quantize_row_avx512(x + r * k, k, block, qr, dr, sr);
       continue;
     }
 #elif defined(__AVX2__)
     if (!portable) {
-      quantize_row_avx2(x + r * k, k, q + r * k, d + r * (k / kBlock), s + r * (k / 16));
+      quantize_row_avx2(x + r * k, k, block, qr, dr, sr);
       continue;
     }
 #endif
-    quantize_row(x + r * k, k, q + r * k, d + r * (k / kBlock), s + r * (k / 16));
+    quantize_row(x + r * k, k, block, qr, dr, sr);
   }
 }
 
-// x quantized into buffers that the calling thread reuses call after call (a decode step's many
-// small calls allocate nothing): valid until its next call.
-Activations quantize_activations(const torch::Tensor& x, bool portable) {
+// x quantized in blocks of `block` (32 or 256) into buffers that the calling thread reuses call after
+// call (a decode step's many small calls allocate nothing), one set per block size (a layer of both
+// kinds of segment holds both): valid until its next call for that block size.
+Activations quantize_activations(const torch::Tensor& x, bool portable, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "contiguous [rows, k] activations expected");
+  TORCH_CHECK(block == kBlock || block == 256, "activations quantize in blocks of 32 or 256");
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0, "activations of ", k, " values a row: not whole blocks of 32");
-  thread_local std::vector<int8_t> codes;
-  thread_local std::vector<float> scales;
-  thread_local std::vector<int32_t> sums;
-  codes.resize(std::max<size_t>(codes.size(), rows * k));
-  scales.resize(std::max<size_t>(scales.size(), rows * k / kBlock));
-  sums.resize(std::max<size_t>(sums.size(), rows * k / 16));
+  TORCH_CHECK(k % block == 0, "activations of ", k, " values a row: not whole blocks of ", block);
+  struct Buffers {
+    std::vector<int8_t> codes;
+    std::vector<float> scales;
+    std::vector<int32_t> sums;
+  };
+  thread_local Buffers sets[2];
+  Buffers& b = sets[block == kBlock ? 0 : 1];
+  b.codes.resize(std::max<size_t>(b.codes.size(), rows * k));
+  b.scales.resize(std::max<size_t>(b.scales.size(), rows * k / block));
+  b.sums.resize(std::max<size_t>(b.sums.size(), rows * k / 16));
   if (x.scalar_type() == torch::kBFloat16)
-    quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, codes.data(), scales.data(), sums.data(), portable);
+    quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, block, b.codes.data(), b.scales.data(), b.sums.data(), portable);
   else if (x.scalar_type() == torch::kFloat)
-    quantize_rows(x.data_ptr<float>(), rows, k, codes.data(), scales.data(), sums.data(), portable);
+    quantize_rows(x.data_ptr<float>(), rows, k, block, b.codes.data(), b.scales.data(), b.sums.data(), portable);
   else
     TORCH_CHECK(false, "quantized linear layers take float32 or bfloat16 activations, not ", x.scalar_type());
-  return {codes.data(), scales.data(), sums.data(), rows, k};
+  return {b.codes.data(), b.scales.data(), b.sums.data(), rows, k, block};
 }
 
 // -- one group of 16 output rows, for up to kMaxRows activation rows: float sums [rows][16] ------
@@ -277,7 +299,7 @@ void group_portable(const uint8_t* group, int64_t records, const Activations& a,
       float total = 0.f;
       for (int64_t rec = 0; rec < records; ++rec) {
         const uint8_t* p = group + rec * Tr::record_bytes;
-        float scaled = 0.f, minimums = 0.f;
+        int32_t scaled = 0, minimums = 0;  // a K record's, over its blocks (one activation scale)
         for (int j = 0; j < Tr::blocks; ++j) {
           const int64_t block = rec * Tr::blocks + j;
           int32_t dot[2] = {0, 0};
@@ -295,19 +317,16 @@ void group_portable(const uint8_t* group, int64_t records, const Activations& a,
             }
           } else if constexpr (F == kQ6_K) {
             const auto* sc = reinterpret_cast<const int8_t*>(p + Tr::scales_at);
-            const int32_t v = (dot[0] - 32 * s0) * sc[(2 * j) * kGroup + lane] +
-                              (dot[1] - 32 * s1) * sc[(2 * j + 1) * kGroup + lane];
-            scaled += static_cast<float>(v) * dx[block];
+            scaled += (dot[0] - 32 * s0) * sc[(2 * j) * kGroup + lane] + (dot[1] - 32 * s1) * sc[(2 * j + 1) * kGroup + lane];
           } else {
-            const uint8_t* sc = p + Tr::scales_at;
-            const uint8_t* mn = p + Tr::sub_min_at;
-            scaled += static_cast<float>((dot[0] + dot[1]) * sc[j * kGroup + lane]) * dx[block];
-            minimums += static_cast<float>(mn[j * kGroup + lane]) * (dx[block] * static_cast<float>(s0 + s1));
+            scaled += (dot[0] + dot[1]) * p[Tr::scales_at + j * kGroup + lane];
+            minimums += (s0 + s1) * p[Tr::sub_min_at + j * kGroup + lane];
           }
         }
         if constexpr (Tr::k_quant) {
-          total += half_at(p + Tr::d_at, lane) * scaled;
-          if constexpr (F != kQ6_K) total -= half_at(p + Tr::d_at + 2 * kGroup, lane) * minimums;
+          total += half_at(p + Tr::d_at, lane) * (static_cast<float>(scaled) * dx[rec]);
+          if constexpr (F != kQ6_K)
+            total -= half_at(p + Tr::d_at + 2 * kGroup, lane) * (static_cast<float>(minimums) * dx[rec]);
         }
       }
       sums[r * kGroup + lane] = total;
@@ -442,8 +461,10 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
         }
       }
     } else {
-      __m512 scaled[R], minimums[R];
-      for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm512_setzero_ps();
+      // The record's block sums stay integers (one activation scale covers the record): at most
+      // 8 x 32 x 31 x 127 x 63 for Q5_K, 16 x 16 x 32 x 127 x 128 for Q6_K, well inside int32.
+      __m512i scaled[R], minimums[R];
+      for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm512_setzero_si512();
       for (int j = 0; j < Tr::blocks; ++j) {
         const int64_t block = rec * Tr::blocks + j;
         if (stream) prefetch_part<Tr::record_bytes, Tr::blocks>(p, j);
@@ -456,29 +477,29 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
             dots<true>(w, xq[r] + block * kBlock, low, high);
             low = _mm512_mullo_epi32(_mm512_sub_epi32(low, _mm512_set1_epi32(32 * sx[r][2 * block])), sc0);
             high = _mm512_mullo_epi32(_mm512_sub_epi32(high, _mm512_set1_epi32(32 * sx[r][2 * block + 1])), sc1);
-            scaled[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(low, high)), _mm512_set1_ps(dx[r][block]),
-                                        scaled[r]);
+            scaled[r] = _mm512_add_epi32(scaled[r], _mm512_add_epi32(low, high));
           }
         } else {
           const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + j * kGroup);
           const auto* mn = reinterpret_cast<const __m128i*>(p + Tr::sub_min_at + j * kGroup);
           const __m512i sub_scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(sc));
-          const __m512 sub_min = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(mn)));
+          const __m512i sub_min = _mm512_cvtepu8_epi32(_mm_loadu_si128(mn));
           for (int r = 0; r < R; ++r) {
             __m512i dot, unused;
             dots<false>(w, xq[r] + block * kBlock, dot, unused);
-            const float d = dx[r][block];
-            scaled[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(dot, sub_scale)), _mm512_set1_ps(d),
-                                        scaled[r]);
-            const float sum = static_cast<float>(sx[r][2 * block] + sx[r][2 * block + 1]);
-            minimums[r] = _mm512_fmadd_ps(sub_min, _mm512_set1_ps(d * sum), minimums[r]);
+            scaled[r] = _mm512_add_epi32(scaled[r], _mm512_mullo_epi32(dot, sub_scale));
+            const int32_t sum = sx[r][2 * block] + sx[r][2 * block + 1];
+            minimums[r] = _mm512_add_epi32(minimums[r], _mm512_mullo_epi32(sub_min, _mm512_set1_epi32(sum)));
           }
         }
       }
       const __m512 d = halves(p + Tr::d_at);
       for (int r = 0; r < R; ++r) {
-        total[r] = _mm512_fmadd_ps(d, scaled[r], total[r]);
-        if constexpr (F != kQ6_K) total[r] = _mm512_fnmadd_ps(halves(p + Tr::d_at + 2 * kGroup), minimums[r], total[r]);
+        const __m512 dx_rec = _mm512_set1_ps(dx[r][rec]);
+        total[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(scaled[r]), dx_rec), total[r]);
+        if constexpr (F != kQ6_K)
+          total[r] = _mm512_fnmadd_ps(halves(p + Tr::d_at + 2 * kGroup),
+                                      _mm512_mul_ps(_mm512_cvtepi32_ps(minimums[r]), dx_rec), total[r]);
       }
     }
   }
@@ -601,8 +622,8 @@ inline void half_avx2(const uint8_t* p, int64_t rec, int half, const int8_t* con
     }
     return;
   }
-  __m256 scaled[R], minimums[R];
-  for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm256_setzero_ps();
+  __m256i scaled[R], minimums[R];  // integers over the record, as group_vnni's
+  for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm256_setzero_si256();
   for (int j = 0; j < Tr::blocks; ++j) {
     const int64_t block = rec * Tr::blocks + j;
     unpack8<Tr::bits>(p + j * Tr::code_bytes + at, p + Tr::high_at + j * Tr::high_bytes + at, w);
@@ -614,28 +635,27 @@ inline void half_avx2(const uint8_t* p, int64_t rec, int half, const int8_t* con
         dots8<6>(w, xq[r] + block * kBlock, low, high);
         low = _mm256_mullo_epi32(_mm256_sub_epi32(low, _mm256_set1_epi32(32 * sx[r][2 * block])), sc0);
         high = _mm256_mullo_epi32(_mm256_sub_epi32(high, _mm256_set1_epi32(32 * sx[r][2 * block + 1])), sc1);
-        scaled[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(low, high)), _mm256_set1_ps(dx[r][block]),
-                                    scaled[r]);
+        scaled[r] = _mm256_add_epi32(scaled[r], _mm256_add_epi32(low, high));
       }
     } else {
       const __m256i sub_scale = u8x8(p + Tr::scales_at + j * kGroup + lanes);
-      const __m256 sub_min = _mm256_cvtepi32_ps(u8x8(p + Tr::sub_min_at + j * kGroup + lanes));
+      const __m256i sub_min = u8x8(p + Tr::sub_min_at + j * kGroup + lanes);
       for (int r = 0; r < R; ++r) {
         __m256i low, high;
         dots8<Tr::bits>(w, xq[r] + block * kBlock, low, high);
-        const float d = dx[r][block];
-        const __m256i dot = _mm256_mullo_epi32(_mm256_add_epi32(low, high), sub_scale);
-        scaled[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d), scaled[r]);
-        const float sum = static_cast<float>(sx[r][2 * block] + sx[r][2 * block + 1]);
-        minimums[r] = _mm256_fmadd_ps(sub_min, _mm256_set1_ps(d * sum), minimums[r]);
+        scaled[r] = _mm256_add_epi32(scaled[r], _mm256_mullo_epi32(_mm256_add_epi32(low, high), sub_scale));
+        const int32_t sum = sx[r][2 * block] + sx[r][2 * block + 1];
+        minimums[r] = _mm256_add_epi32(minimums[r], _mm256_mullo_epi32(sub_min, _mm256_set1_epi32(sum)));
       }
     }
   }
   const __m256 d = halves8(p + Tr::d_at + 2 * lanes);
   for (int r = 0; r < R; ++r) {
-    total[r] = _mm256_fmadd_ps(d, scaled[r], total[r]);
+    const __m256 dx_rec = _mm256_set1_ps(dx[r][rec]);
+    total[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(scaled[r]), dx_rec), total[r]);
     if constexpr (F != kQ6_K)
-      total[r] = _mm256_fnmadd_ps(halves8(p + Tr::d_at + 2 * kGroup + 2 * lanes), minimums[r], total[r]);
+      total[r] = _mm256_fnmadd_ps(halves8(p + Tr::d_at + 2 * kGroup + 2 * lanes),
+                                  _mm256_mul_ps(_mm256_cvtepi32_ps(minimums[r]), dx_rec), total[r]);
   }
 }
 
@@ -809,6 +829,7 @@ struct Job {
   TileFn tile;
 #endif
   int64_t tile_rows;  // bf16 activations of this many rows or more take the tile path
+  int64_t activation_block;  // 256 for the K types, else 32
 };
 
 // Where a flat index over every job's units (groups, or tiles of 4 groups) falls: (job, unit in it).
@@ -980,13 +1001,15 @@ void matmul_tiles_silu_mul(torch::Tensor& out, const torch::Tensor& x, const Job
 #endif
 
 // Rows from which bf16 activations take the tile path: where it measured faster than the int8 path
-// (benchmarks/quant_kernels.py, 5632 x 1024 layers): 6-bit codes from 64 rows, 5-bit from 256;
-// never for 4 and 8 bits, whose int8 path kept ahead of the bf16 kernel itself up to 512 rows.
+// (benchmarks/quant_kernels.py, 5632 x 1024 layers): Q5_0 and Q5_1 from 256 rows; Q6_K from 1024,
+// where the two tie (439 against 442 GFLOP/s) and the tiles keep the activations unquantized; never
+// for the other K types (their int8 path, with integer sums a record, kept 5-13% ahead of the tiles
+// on Q5_K up to 1024 rows) nor for 4 and 8 bits, whose int8 path stays ahead of the bf16 kernel itself.
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 int64_t tile_rows(int format) {
   switch (format) {
-    case kQ6_K: return 64;
-    case kQ5_0: case kQ5_1: case kQ5_K: return 256;
+    case kQ6_K: return 1024;
+    case kQ5_0: case kQ5_1: return 256;
     default: return kNever;
   }
 }
@@ -1015,7 +1038,7 @@ class QuantLinear : public LinearOp {
 #if PAGEDLLM_QUANT_TILES
                        tile_fn(static_cast<int>(format)),
 #endif
-                       tile_rows(static_cast<int>(format))});
+                       tile_rows(static_cast<int>(format)), activation_block(static_cast<int>(format))});
       out_features_ += n;
     }
     TORCH_CHECK(!silu_mul_ || out_features_ % 2 == 0, "silu_mul needs gate and up halves");
@@ -1029,7 +1052,8 @@ class QuantLinear : public LinearOp {
       jobs_.push_back(up);
     }
     // SiLU-and-mul as the results are stored: a gate job and an up job of whole groups each.
-    fused_silu_ = silu_mul_ && jobs_.size() == 2 && jobs_[0].n == half && half % kGroup == 0;
+    fused_silu_ = silu_mul_ && jobs_.size() == 2 && jobs_[0].n == half && half % kGroup == 0 &&
+                  jobs_[0].activation_block == jobs_[1].activation_block;
   }
 
   torch::Tensor forward(const torch::Tensor& x) const override {
@@ -1038,14 +1062,16 @@ class QuantLinear : public LinearOp {
     const int64_t rows = x.size(0);
     if (fused_silu_ && takes_tiles(jobs_[0], input) == takes_tiles(jobs_[1], input)) return silu_forward(input);
     torch::Tensor out = torch::empty({rows, out_features_}, x.options());
-    std::vector<Job> int8_jobs, tile_jobs;
-    for (const Job& job : jobs_) (takes_tiles(job, input) ? tile_jobs : int8_jobs).push_back(job);
-    if (!int8_jobs.empty()) {
-      const Activations a = quantize_activations(input, portable_);
+    std::vector<Job> int8_jobs[2], tile_jobs;  // int8: by activation block, 32 then 256
+    for (const Job& job : jobs_)
+      (takes_tiles(job, input) ? tile_jobs : int8_jobs[job.activation_block == kBlock ? 0 : 1]).push_back(job);
+    for (const std::vector<Job>& jobs : int8_jobs) {
+      if (jobs.empty()) continue;
+      const Activations a = quantize_activations(input, portable_, jobs[0].activation_block);
       if (x.scalar_type() == torch::kBFloat16)
-        matmul<at::BFloat16>(out, a, int8_jobs, bias_data<at::BFloat16>());
+        matmul<at::BFloat16>(out, a, jobs, bias_data<at::BFloat16>());
       else
-        matmul<float>(out, a, int8_jobs, bias_data<float>());
+        matmul<float>(out, a, jobs, bias_data<float>());
     }
 #if PAGEDLLM_QUANT_TILES
     if (!tile_jobs.empty()) matmul_tiles(out, input, tile_jobs, bias_data<at::BFloat16>());
@@ -1067,7 +1093,7 @@ class QuantLinear : public LinearOp {
       return out;
     }
 #endif
-    const Activations a = quantize_activations(x, portable_);
+    const Activations a = quantize_activations(x, portable_, jobs_[0].activation_block);
     if (x.scalar_type() == torch::kBFloat16)
       matmul_silu_mul<at::BFloat16>(out, a, jobs_[0], jobs_[1], bias_data<at::BFloat16>());
     else
@@ -1163,12 +1189,13 @@ void quant_embedding(torch::Tensor out, torch::Tensor ids, torch::Tensor packed,
 }
 
 // For the tests: the activations as the kernels quantize them.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_for_test(torch::Tensor x, bool portable) {
-  const Activations a = quantize_activations(x.contiguous(), portable);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_for_test(torch::Tensor x, bool portable,
+                                                                                      int64_t block) {
+  const Activations a = quantize_activations(x.contiguous(), portable, block);
   auto copy = [](const auto* data, int64_t rows, int64_t cols, torch::ScalarType type) {
     return torch::from_blob(const_cast<void*>(static_cast<const void*>(data)), {rows, cols}, type).clone();
   };
-  return {copy(a.codes, a.rows, a.k, torch::kInt8), copy(a.scales, a.rows, a.k / kBlock, torch::kFloat),
+  return {copy(a.codes, a.rows, a.k, torch::kInt8), copy(a.scales, a.rows, a.k / a.block, torch::kFloat),
           copy(a.sums, a.rows, a.k / 16, torch::kInt)};
 }
 
@@ -1192,6 +1219,6 @@ void bind_quant_linear(pybind11::module& m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("quant_embedding", &quant_embedding, "rows of a packed quantized matrix, dequantized", release());
   m.def("quantize_activations", &quantize_activations_for_test, "activations as the quantized kernels quantize them",
-        release());
+        pybind11::arg("x"), pybind11::arg("portable"), pybind11::arg("block") = kBlock, release());
   m.def("quant_linear_simd", &quant_linear_simd, "the vector path of the quantized kernels, \"\" for none");
 }

@@ -29,8 +29,8 @@ reduction across lanes. A record per (16 rows, block of 32) for the types of 32;
            dmin as 16 float16 each; Q6_K: sc as [16][16] int8, then d as 16 float16.
 
 The file's bytes are kept (the same bits a weight, to within 0.125), never expanded to floats.
-Activations are quantized per 32 values to int8 with a float scale (`quantize_activations`), as
-llama.cpp quantizes them (its Q8_0; finer than its Q8_K for the K types).
+Activations are quantized to int8 with a float scale per record's values (`quantize_activations`):
+per 32 for the types of 32, per 256 for the K types, as llama.cpp quantizes them (its Q8_0 and Q8_K).
 """
 from __future__ import annotations
 
@@ -321,20 +321,30 @@ def quantize_int4_groups(w: torch.Tensor, group: int) -> Fields:
 
 
 # -- activations ------------------------------------------------------------------------------------
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, cols] -> (int8 codes [rows, cols], float32 scales [rows, cols / 32]): per 32 values,
-    d = max |x| / 127 and q = round(x / d) (half to even), as the kernels compute them."""
+def activation_block(fmt: Format) -> int:
+    """Values an activation scale covers for a type's layers: a record's (256 for the K types, as
+    llama.cpp's Q8_K; 32 for the others, its Q8_0)."""
+    return fmt.record_values
+
+
+def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] -> (int8 codes [rows, cols], float32 scales [rows, cols / block]): per `block`
+    values, d = max |x| / 127 and q = round(x / d) (half to even), as the kernels compute them."""
     rows, cols = x.shape
-    blocks = x.float().reshape(rows, cols // BLOCK, BLOCK)
+    blocks = x.float().reshape(rows, cols // block, block)
     d = blocks.abs().amax(-1) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = torch.round(blocks * inverse[..., None]).clamp(-127, 127)
     return q.to(torch.int8).reshape(rows, cols), d
 
 
+def quantized_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """x as the kernels see it: its int8 codes times their scales, in float64."""
+    q, d = quantize_activations(x, block)
+    return (q.double().view(*d.shape, block) * d.double()[..., None]).view(x.shape)
+
+
 def reference_linear(x: torch.Tensor, fields: Fields) -> torch.Tensor:
     """What the kernels compute, in float64: the dequantized weights times the int8-quantized
     activations. Their only difference from it is the float32 order of their sums."""
-    q, d = quantize_activations(x)
-    xd = (q.double().view(*d.shape, BLOCK) * d.double()[..., None]).view(x.shape)
-    return xd @ dequantize(fields).double().T
+    return quantized_activations(x, activation_block(fields.format)) @ dequantize(fields).double().T
