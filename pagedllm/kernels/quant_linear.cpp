@@ -12,7 +12,7 @@
 // float sums per 32-value block). Every weight is
 // read once a call and unpacked once for up to 4 rows of activations; where a layer is many rows,
 // a group's records (a few KiB) stay in L1 across the row passes. For bf16 activations of many rows
-// of 5- and 6-bit codes, whose unpacking costs more, tiles of 64 rows are dequantized to bf16 and
+// of Q5_0/Q5_1 (and Q6_K, where the two tie), tiles of 64 rows are dequantized to bf16 and
 // multiplied by packed_linear.cpp's bf16 kernel instead (matmul_tiles).
 //
 // CPUs without AVX-512 take an AVX2 path over the same records (group_avx2: 8 rows a register,
@@ -688,10 +688,11 @@ void group_avx2(const uint8_t* group, int64_t records, const Activations& a, int
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define PAGEDLLM_QUANT_TILES 1
 // -- many rows: weights dequantized to bf16 tiles, then packed_linear's dot products ------------
-// Past a few dozen rows a layer is bound by arithmetic, where bf16 dot products on dequantized
-// weights (packed_linear.cpp's kernel, 91-99% of the bf16 peak) run faster than the int8 path with
-// its per-block scaling, and keep the activations unquantized. A tile is 64 output rows (4
-// groups) over all of k, laid out as packed_linear reads a block: [k pairs][64 columns][2].
+// Past a few dozen rows a layer is bound by arithmetic. For Q5_0 and Q5_1, whose int8 path scales
+// every 32-value block in float, bf16 dot products on dequantized weights (packed_linear.cpp's
+// kernel, 91-99% of the bf16 peak) run faster, and keep the activations unquantized (tile_rows
+// says from where). A tile is 64 output rows (4 groups) over all of k, laid out as packed_linear
+// reads a block: [k pairs][64 columns][2].
 
 // Per lane, bf16(lo) in the low half of a 32-bit word and bf16(hi) in the high half.
 inline __m512i pair_words(__m512 lo, __m512 hi) {
