@@ -59,7 +59,8 @@ class Format:
         return 256 if self.k_quant else BLOCK
 
     @property
-    def record_bytes(self) -> int:
+    def used_bytes(self) -> int:
+        """A record's codes, high bits and scales."""
         blocks = self.record_values // BLOCK
         codes = (512 if self.bits == 8 else 256) * blocks
         high = {5: 64, 6: 128}.get(self.bits, 0) * blocks
@@ -69,17 +70,17 @@ class Format:
             scales = 16 * GROUP + 2 * GROUP
         else:
             scales = 2 * 8 * GROUP + 2 * 2 * GROUP
-        return codes + high + scales + self.record_padding
+        return codes + high + scales
 
     @property
     def record_padding(self) -> int:
         """Zero bytes that end a K type's record on a cache line (Q6_K's 3360 bytes would leave every
         other record 32 bytes off, each 64-byte load of its codes then straddling two lines)."""
-        if not self.k_quant:
-            return 0
-        blocks = self.record_values // BLOCK
-        used = (256 + {5: 64, 6: 128}.get(self.bits, 0)) * blocks + (18 if self.bits == 6 else 20) * GROUP
-        return -used % 64
+        return -self.used_bytes % 64 if self.k_quant else 0
+
+    @property
+    def record_bytes(self) -> int:
+        return self.used_bytes + self.record_padding
 
     def packed_bytes(self, rows: int, cols: int) -> int:
         return -(-rows // GROUP) * (cols // self.record_values) * self.record_bytes
