@@ -2,17 +2,20 @@
 what transformers builds when it reads the file itself."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
 from gguf_writer import write_gguf
+from pagedllm.config import head_dim
 from pagedllm.models import gguf as gguf_file
+from pagedllm.models.decoder import DecoderConfig
 from pagedllm.models.loader import default_model_path, load_model_config, load_tokenizer
 
 # What the model and the engine read off the config.
 CONFIG_ATTRS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "bos_token_id",
+                "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "bos_token_id",
                 "eos_token_id", "pad_token_id", "max_position_embeddings", "tie_word_embeddings", "sliding_window")
 TEXTS = ["Hello  world 42 é", "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
          "<|endoftext|> 日本語\t\n  x  ", " leading space and trailing  "]
@@ -38,13 +41,19 @@ def _rope_theta(config) -> float:
 
 
 def _assert_same_config(ours, reference, ignore: tuple[str, ...] = ()) -> None:
+    """Equal in every field the model and the engine read (ours is not transformers' per-model class:
+    models/gguf_config.py), the layers' derived shapes and windows included."""
     for attr in CONFIG_ATTRS:
         if attr not in ignore:
             assert getattr(ours, attr, None) == getattr(reference, attr, None), attr
+    if "head_dim" not in ignore:
+        assert head_dim(ours) == head_dim(reference)
     assert _rope_theta(ours) == _rope_theta(reference)
-    skip = {"transformers_version", *ignore}
-    ours_dict = {k: v for k, v in ours.to_dict().items() if k not in skip}
-    assert ours_dict == {k: v for k, v in reference.to_dict().items() if k not in skip}
+    assert ours.rope_parameters == reference.rope_parameters
+    assert ours.hidden_act == reference.hidden_act
+    if not ignore:
+        for flags in ((False, False), (True, False), (False, True)):
+            assert DecoderConfig.of(ours, *flags) == DecoderConfig.of(reference, *flags)
 
 
 def _assert_same_tokenizer(ours, reference) -> None:
@@ -88,16 +97,30 @@ def test_tokenizer_metadata_equals_transformers_reader(default_gguf):
     assert ours == (tokenizer_dict, init_kwargs)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+# Keys transformers' GGUF mapping drops and we read on top: Mistral's sliding window, Qwen3's head
+# size (transformers falls back to Qwen3Config's 128).
+READ_ON_TOP = {"mistral": ("sliding_window",), "qwen3": ("head_dim",)}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
 def test_tiny_gguf_config_and_tokenizer_equal_transformers_reading(tmp_path, tiny_models, tokenizer_dir, arch):
-    """Qwen2 files get Qwen2Tokenizer; Mistral's sliding window is a key transformers' mapping drops."""
+    """Qwen2 and Qwen3 files get Qwen2Tokenizer; what transformers drops is read from the file."""
+    from transformers import AutoConfig
+
     path = str(tmp_path / "model.gguf")  # alone in its folder: no tokenizer files beside it
     write_gguf(tiny_models[arch], path, "F32", tokenizer_dir)
     ours_config, ours_tokenizer = _ours(path)
     reference_config, reference_tokenizer = _from_file(path)
-    _assert_same_config(ours_config, reference_config, ignore=("sliding_window",))
+    _assert_same_config(ours_config, reference_config, ignore=READ_ON_TOP.get(arch, ()))
+    original = AutoConfig.from_pretrained(tiny_models[arch])
     if arch == "mistral":
-        assert ours_config.sliding_window == 8  # read on top of transformers' mapping
+        assert ours_config.sliding_window == original.sliding_window == 8
+    assert head_dim(ours_config) == head_dim(original)
+    if arch != "mistral":  # the layers' windows and shapes equal those of the checkpoint the file came from
+        for flags in ((False, False), (True, False), (False, True)):
+            ours, theirs = DecoderConfig.of(ours_config, *flags), DecoderConfig.of(original, *flags)
+            assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)  # a float32 in the file
+            assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
     _assert_same_tokenizer(ours_tokenizer, reference_tokenizer)
 
 

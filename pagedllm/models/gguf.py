@@ -66,7 +66,8 @@ def gguf_architecture(path: str) -> str:
 
 
 def load_gguf_config(path: str):
-    """A transformers config from our one parse of the metadata, keyed as transformers' GGUF loader keys it.
+    """A transformers config from our one parse of the metadata, keyed as transformers' GGUF loader keys it
+    (models/gguf_config.py says why not its per-model classes).
 
     AutoConfig.from_pretrained(gguf_file=...) would parse the whole file again (seconds for a large
     vocabulary), so its renames and defaults are applied here to the fields we already read.
@@ -74,18 +75,19 @@ def load_gguf_config(path: str):
     arch = gguf_architecture(path)
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
-    from transformers import CONFIG_MAPPING
+    from pagedllm.models.gguf_config import gguf_config
 
     reader = _reader(path)
     values = _config_values(reader, arch)
-    config = CONFIG_MAPPING[values["model_type"]].from_dict(values, name_or_path=_folder(path))
     # Keys transformers' GGUF mapping leaves out but the model depends on.
     head_dim = _field(reader, f"{arch}.attention.key_length")
     if head_dim:
-        config.head_dim = int(head_dim)
+        values["head_dim"] = int(head_dim)
     window = _field(reader, f"{arch}.attention.sliding_window")
     if window:
-        config.sliding_window = int(window)
+        values["sliding_window"] = int(window)
+    config = gguf_config(values)
+    config.name_or_path = _folder(path)
     return config
 
 
@@ -156,13 +158,15 @@ def _tokenizer_values(reader, mapping: dict) -> tuple[dict, dict]:
 
 
 def _tokenizer_class(config: object) -> type:
-    """The class AutoTokenizer picks for a GGUF file: its config's registered class, else the generic one."""
+    """The class AutoTokenizer picks for a GGUF file: its model type's registered class, else the generic one."""
     from transformers import TokenizersBackend
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
-    cls = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    name = TOKENIZER_MAPPING_NAMES.get(config.model_type)
     # Mistral's own backend needs its tekken files, which a GGUF does not carry.
-    return TokenizersBackend if cls is None or cls.__name__ == "MistralCommonBackend" else cls
+    if name is None or name == "MistralCommonBackend":
+        return TokenizersBackend
+    return tokenizer_class_from_name(name) or TokenizersBackend
 
 
 def _tokenizer_from_file(path: str) -> PreTrainedTokenizerBase:

@@ -260,10 +260,11 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _materialize(model: CausalLM, device: str, dtype: torch.dtype) -> None:
-    """Unfilled tensors on the device in place of the meta ones. to_empty makes new Parameter objects
-    and drops what the layers set on theirs (the weight loaders): that is carried over."""
+    """Unfilled tensors on the device in place of the meta ones, floating point ones in `dtype`. New
+    Parameter objects drop what the layers set on theirs (the weight loaders): that is carried over.
+    Not to_empty: its empty_like on a meta tensor imports torch's symbolic shapes and sympy, 32 MiB."""
     attributes = {name: vars(param) for name, param in model.named_parameters()}
-    model.to_empty(device=device).to(dtype)
+    model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     for name, param in model.named_parameters():
         vars(param).update(attributes[name])
     for module in model.modules():
