@@ -400,6 +400,16 @@ inline __m512i word(const int8_t* x, int t) {
   return _mm512_set1_epi32(value);
 }
 
+// Of several rows: each row's products in one chain a half (values 0-15, 16-31), the rows' chains
+// overlapping one another; a lone row takes dots' four.
+inline void half_chains(const __m512i w[8], const int8_t* x, __m512i& low, __m512i& high) {
+  low = high = _mm512_setzero_si512();
+  for (int t = 0; t < 4; ++t) {
+    low = _mm512_dpbusd_epi32(low, w[t], word(x, t));
+    high = _mm512_dpbusd_epi32(high, w[4 + t], word(x, 4 + t));
+  }
+}
+
 template <bool Split>
 inline void dots(const __m512i w[8], const int8_t* x, __m512i& low, __m512i& high) {
   __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512(), c = _mm512_setzero_si512(),
@@ -425,6 +435,19 @@ inline __m512i pair_word(const int16_t* s) {
   int32_t value;
   std::memcpy(&value, s, 4);
   return _mm512_set1_epi32(value);
+}
+
+// A block's 16 integer dot products with one row of a pass of R rows.
+template <int R>
+inline __m512i row_dot(const __m512i w[8], const int8_t* x) {
+  __m512i low, high;
+  if constexpr (R == 1) {
+    dots<false>(w, x, low, high);
+    return low;
+  } else {
+    half_chains(w, x, low, high);
+    return _mm512_add_epi32(low, high);
+  }
 }
 
 inline __m512 halves(const uint8_t* p) {
@@ -455,8 +478,7 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
       unpack<Tr::bits>(p, p + Tr::high_at, w);
       const __m512 scale = halves(p + Tr::scales_at);
       for (int r = 0; r < R; ++r) {
-        __m512i dot, unused;
-        dots<false>(w, xq[r] + rec * kBlock, dot, unused);
+        const __m512i dot = row_dot<R>(w, xq[r] + rec * kBlock);
         const int32_t sum = sx[r][2 * rec] + sx[r][2 * rec + 1];
         const __m512 d = _mm512_set1_ps(dx[r][rec]);
         if constexpr (Tr::has_min) {
@@ -486,7 +508,10 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
           const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAA, sc0, _mm512_slli_epi32(sc1, 16));
           for (int r = 0; r < R; ++r) {
             __m512i low, high;
-            dots<true>(w, xq[r] + block * kBlock, low, high);
+            if constexpr (R == 1)
+              dots<true>(w, xq[r] + block * kBlock, low, high);
+            else
+              half_chains(w, xq[r] + block * kBlock, low, high);
             scaled[r] = _mm512_add_epi32(scaled[r], _mm512_add_epi32(_mm512_mullo_epi32(low, sc0), _mm512_mullo_epi32(high, sc1)));
             minimums[r] = _mm512_dpwssd_epi32(minimums[r], pair, pair_word(sx[r] + 2 * block));
           }
@@ -497,8 +522,7 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
           const __m512i sub_min = _mm512_cvtepu8_epi32(_mm_loadu_si128(mn));
           const __m512i pair = _mm512_or_si512(sub_min, _mm512_slli_epi32(sub_min, 16));
           for (int r = 0; r < R; ++r) {
-            __m512i dot, unused;
-            dots<false>(w, xq[r] + block * kBlock, dot, unused);
+            const __m512i dot = row_dot<R>(w, xq[r] + block * kBlock);
             scaled[r] = _mm512_add_epi32(scaled[r], _mm512_mullo_epi32(dot, sub_scale));
             minimums[r] = _mm512_dpwssd_epi32(minimums[r], pair, pair_word(sx[r] + 2 * block));
           }
