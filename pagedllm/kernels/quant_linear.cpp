@@ -11,7 +11,8 @@
 // many-row case to the dot products and one multiply (the 4-row pass on Q4_K: 1.2x as fast as with
 // float sums per 32-value block); the minimums' term (and Q6_K's offset of 32) is one vpdpwssd a
 // block on int16 activation sums (Q4_K and Q6_K at 64 rows 4-10% faster than a multiply each). Every weight is
-// read once a call and unpacked once for up to 4 rows of activations; where a layer is many rows,
+// read once a call and unpacked once for up to 4 rows of activations (8 for Q6_K, whose unpacking
+// costs most; a K record's float sums then wait in memory); where a layer is many rows,
 // a group's records (a few KiB) stay in L1 across the row passes. For bf16 activations of many rows
 // of Q5_0/Q5_1 (and Q6_K, where the two tie), tiles of 64 rows are dequantized to bf16 and
 // multiplied by packed_linear.cpp's bf16 kernel instead (matmul_tiles).
@@ -53,7 +54,12 @@ namespace {
 
 constexpr int64_t kGroup = 16;  // output rows a record holds
 constexpr int64_t kBlock = 32;  // values an activation scale covers
-constexpr int kMaxRows = 4;     // activation rows a pass over a group's records serves
+constexpr int kMaxRows = 4;     // activation rows a pass over a bf16 tile serves (packed_linear's)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kPassRows = 8;    // activation rows a pass over a group's records serves (int8 path)
+#else
+constexpr int kPassRows = 4;
+#endif
 
 enum Format : int { kQ4_0 = 0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kNumFormats };
 
@@ -450,11 +456,74 @@ inline __m512i row_dot(const __m512i w[8], const int8_t* x) {
   }
 }
 
+// A K record's int16 weight pairs of block j's activation sums per 16: Q6_K's two half-block
+// scales, the others' sub-minimum twice (it covers both halves).
+template <int F>
+inline __m512i sum_weights(const uint8_t* p, int j) {
+  using Tr = Traits<F>;
+  if constexpr (F == kQ6_K) {
+    const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + 2 * j * kGroup);
+    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc)), sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1));
+    return _mm512_mask_blend_epi16(0xAAAAAAAA, sc0, _mm512_slli_epi32(sc1, 16));
+  } else {
+    const __m512i sub_min = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + Tr::sub_min_at + j * kGroup)));
+    return _mm512_or_si512(sub_min, _mm512_slli_epi32(sub_min, 16));
+  }
+}
+
 inline __m512 halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 
+
+// A K record's block j for N rows of a pass of R: the codes' integer sums, scaled by the sub-block
+// scales, into scaled.
+template <int F, int R, int N>
+inline void k_rows(__m512i (&scaled)[N], const __m512i w[8], const uint8_t* p, int j, const int8_t* const* xq,
+                   int64_t at) {
+  using Tr = Traits<F>;
+  if constexpr (F == kQ6_K) {
+    const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + 2 * j * kGroup);
+    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc)), sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1));
+    for (int r = 0; r < N; ++r) {
+      __m512i low, high;
+      if constexpr (R == 1)
+        dots<true>(w, xq[r] + at, low, high);
+      else
+        half_chains(w, xq[r] + at, low, high);
+      scaled[r] = _mm512_add_epi32(scaled[r], _mm512_add_epi32(_mm512_mullo_epi32(low, sc0), _mm512_mullo_epi32(high, sc1)));
+    }
+  } else {
+    const __m512i sub_scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + Tr::scales_at + j * kGroup)));
+    for (int r = 0; r < N; ++r)
+      scaled[r] = _mm512_add_epi32(scaled[r], _mm512_mullo_epi32(row_dot<R>(w, xq[r] + at), sub_scale));
+  }
+}
+
+// A K record's end for N rows: the activation sums' terms (weights from sum_weights) and the
+// record's scales, added into the float sums [N][16].
+template <int F, int N>
+inline void k_record(const __m512i (&scaled)[N], const __m512i weights[8], const uint8_t* p, int64_t rec,
+                     const int16_t* const* sx, const float* const* dx, float* sums) {
+  using Tr = Traits<F>;
+  const __m512 d = halves(p + Tr::d_at);
+  for (int r = 0; r < N; ++r) {
+    __m512i minimums = _mm512_setzero_si512();
+    for (int j = 0; j < Tr::blocks; ++j)
+      minimums = _mm512_dpwssd_epi32(minimums, weights[j], pair_word(sx[r] + 2 * (rec * Tr::blocks + j)));
+    const __m512 dx_rec = _mm512_set1_ps(dx[r][rec]);
+    __m512 sum = _mm512_loadu_ps(sums + r * kGroup);
+    if constexpr (F == kQ6_K) {  // codes are 32 over their values: sum (code - 32) x scale
+      const __m512i centred = _mm512_sub_epi32(scaled[r], _mm512_slli_epi32(minimums, 5));
+      sum = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(centred), dx_rec), sum);
+    } else {
+      sum = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(scaled[r]), dx_rec), sum);
+      sum = _mm512_fnmadd_ps(halves(p + Tr::d_at + 2 * kGroup), _mm512_mul_ps(_mm512_cvtepi32_ps(minimums), dx_rec), sum);
+    }
+    _mm512_storeu_ps(sums + r * kGroup, sum);
+  }
+}
 
 template <int F, int R>
 void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums,
@@ -466,6 +535,7 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
   const int16_t* sx[R];
   for (int r = 0; r < R; ++r) {
     total[r] = _mm512_setzero_ps();
+    if constexpr (Tr::k_quant) _mm512_storeu_ps(sums + r * kGroup, total[r]);
     xq[r] = a.q(row0 + r);
     dx[r] = a.d(row0 + r);
     sx[r] = a.s(row0 + r);
@@ -493,56 +563,30 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
     } else {
       // The record's block sums stay integers (one activation scale covers the record): at most
       // 8 x 32 x 31 x 127 x 63 for Q5_K, 16 x 16 x 63 x 127 x 128 for Q6_K, well inside int32.
-      // The terms of the activation sums (the minimums', Q6_K's -32 offset) take one vpdpwssd a
-      // block: a lane's two int16 weights (the sub-minimum twice; Q6_K's two half-block scales)
-      // against the block's two int16 sums per 16, broadcast as one word.
-      __m512i scaled[R], minimums[R];
-      for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm512_setzero_si512();
+      // Rows in two arrays of at most 4 (k_rows'): GCC keeps such an array in registers, one of
+      // 8 on the stack.
+      constexpr int A = R < 4 ? R : 4, B = R - A;
+      __m512i scaled_a[A], scaled_b[B > 0 ? B : 1];
+      for (int r = 0; r < A; ++r) scaled_a[r] = _mm512_setzero_si512();
+      for (int r = 0; r < B; ++r) scaled_b[r] = _mm512_setzero_si512();
       for (int j = 0; j < Tr::blocks; ++j) {
-        const int64_t block = rec * Tr::blocks + j;
         if (stream) prefetch_part<Tr::record_bytes, Tr::blocks>(p, j);
         unpack<Tr::bits>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, w);
-        if constexpr (F == kQ6_K) {
-          const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + 2 * j * kGroup);
-          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc)), sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1));
-          const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAA, sc0, _mm512_slli_epi32(sc1, 16));
-          for (int r = 0; r < R; ++r) {
-            __m512i low, high;
-            if constexpr (R == 1)
-              dots<true>(w, xq[r] + block * kBlock, low, high);
-            else
-              half_chains(w, xq[r] + block * kBlock, low, high);
-            scaled[r] = _mm512_add_epi32(scaled[r], _mm512_add_epi32(_mm512_mullo_epi32(low, sc0), _mm512_mullo_epi32(high, sc1)));
-            minimums[r] = _mm512_dpwssd_epi32(minimums[r], pair, pair_word(sx[r] + 2 * block));
-          }
-        } else {
-          const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + j * kGroup);
-          const auto* mn = reinterpret_cast<const __m128i*>(p + Tr::sub_min_at + j * kGroup);
-          const __m512i sub_scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(sc));
-          const __m512i sub_min = _mm512_cvtepu8_epi32(_mm_loadu_si128(mn));
-          const __m512i pair = _mm512_or_si512(sub_min, _mm512_slli_epi32(sub_min, 16));
-          for (int r = 0; r < R; ++r) {
-            const __m512i dot = row_dot<R>(w, xq[r] + block * kBlock);
-            scaled[r] = _mm512_add_epi32(scaled[r], _mm512_mullo_epi32(dot, sub_scale));
-            minimums[r] = _mm512_dpwssd_epi32(minimums[r], pair, pair_word(sx[r] + 2 * block));
-          }
-        }
+        const int64_t at = (rec * Tr::blocks + j) * kBlock;
+        k_rows<F, R, A>(scaled_a, w, p, j, xq, at);
+        if constexpr (B > 0) k_rows<F, R, B>(scaled_b, w, p, j, xq + A, at);
       }
-      const __m512 d = halves(p + Tr::d_at);
-      for (int r = 0; r < R; ++r) {
-        const __m512 dx_rec = _mm512_set1_ps(dx[r][rec]);
-        if constexpr (F == kQ6_K) {  // codes are 32 over their values: sum (code - 32) x scale
-          const __m512i centred = _mm512_sub_epi32(scaled[r], _mm512_slli_epi32(minimums[r], 5));
-          total[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(centred), dx_rec), total[r]);
-        } else {
-          total[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(scaled[r]), dx_rec), total[r]);
-          total[r] = _mm512_fnmadd_ps(halves(p + Tr::d_at + 2 * kGroup),
-                                      _mm512_mul_ps(_mm512_cvtepi32_ps(minimums[r]), dx_rec), total[r]);
-        }
-      }
+      // The terms of the activation sums (the minimums', Q6_K's offset of 32), once the codes' are
+      // done and their registers free: one vpdpwssd a block, a lane's two int16 weights (the
+      // sub-minimum twice; Q6_K's two half-block scales) against the block's two int16 sums per 16,
+      // broadcast as one word. The float sums wait in memory, a record's work apart.
+      for (int j = 0; j < Tr::blocks; ++j) w[j] = sum_weights<F>(p, j);
+      k_record<F, A>(scaled_a, w, p, rec, sx, dx, sums);
+      if constexpr (B > 0) k_record<F, B>(scaled_b, w, p, rec, sx + A, dx + A, sums + A * kGroup);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums + r * kGroup, total[r]);
+  if constexpr (!Tr::k_quant)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums + r * kGroup, total[r]);
 }
 #endif
 
@@ -799,6 +843,17 @@ template <int F>
 void group_rows(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows, float* sums,
                 bool stream) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (F == kQ6_K) {  // its unpacking is the costliest: shared by up to 8 rows
+    switch (rows) {
+      case 5: return group_vnni<F, 5>(group, records, a, row0, sums, stream);
+      case 6: return group_vnni<F, 6>(group, records, a, row0, sums, stream);
+      case 7: return group_vnni<F, 7>(group, records, a, row0, sums, stream);
+      case 8: return group_vnni<F, 8>(group, records, a, row0, sums, stream);
+    }
+  } else if (rows > 4) {  // the others measured no faster in passes of 8 (Q8_0 slower): two of 4
+    group_rows<F>(group, records, a, row0, 4, sums, stream);
+    return group_rows<F>(group, records, a, row0 + 4, rows - 4, sums + 4 * kGroup, false);
+  }
   switch (rows) {
     case 1: return group_vnni<F, 1>(group, records, a, row0, sums, stream);
     case 2: return group_vnni<F, 2>(group, records, a, row0, sums, stream);
@@ -882,10 +937,10 @@ std::pair<size_t, int64_t> locate(const std::vector<int64_t>& first_unit, int64_
 // that a unit's weights are read from memory (and, for tiles, dequantized) once.
 struct Chunks {
   int64_t count, rows;
-  Chunks(int64_t rows_total, int64_t units) {
-    const int64_t passes = (rows_total + kMaxRows - 1) / kMaxRows;
+  Chunks(int64_t rows_total, int64_t units, int64_t pass_rows) {
+    const int64_t passes = (rows_total + pass_rows - 1) / pass_rows;
     count = std::min(passes, std::max<int64_t>(1, (4 * omp_get_max_threads() + units - 1) / units));
-    rows = (passes + count - 1) / count * kMaxRows;
+    rows = (passes + count - 1) / count * pass_rows;
   }
 };
 
@@ -900,19 +955,19 @@ void matmul(torch::Tensor& out, const Activations& a, const std::vector<Job>& jo
     first_group.push_back(groups);
     groups += job.groups;
   }
-  const Chunks chunks(rows, groups);
+  const Chunks chunks(rows, groups, kPassRows);
   WorkSplit split(groups * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
   for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-    alignas(64) float sums[kMaxRows * kGroup];
+    alignas(64) float sums[kPassRows * kGroup];
     const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
     const auto [j, g] = locate(first_group, item / chunks.count);
     const Job& job = jobs[j];
     const int64_t cols = std::min<int64_t>(kGroup, job.n - g * kGroup), col = job.col + g * kGroup;
-    for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
-      const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
+    for (int64_t r0 = first; r0 < last; r0 += kPassRows) {
+      const int count = static_cast<int>(std::min<int64_t>(kPassRows, last - r0));
       job.fn(job.weights + g * job.records * job.record_bytes, job.records, a, r0, count, sums,
-             last - first <= kMaxRows);
+             last - first <= kPassRows);
       store(y + r0 * stride + col, stride, sums, kGroup, count, cols, bias == nullptr ? nullptr : bias + col);
     }
   }
@@ -924,19 +979,19 @@ template <typename T>
 void matmul_silu_mul(torch::Tensor& out, const Activations& a, const Job& gate, const Job& up, const T* bias) {
   const int64_t rows = a.rows, stride = out.size(1);
   T* y = out.data_ptr<T>();
-  const Chunks chunks(rows, gate.groups);
+  const Chunks chunks(rows, gate.groups, kPassRows);
   WorkSplit split(gate.groups * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
   for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-    alignas(64) float sums[2][kMaxRows * kGroup];
+    alignas(64) float sums[2][kPassRows * kGroup];
     const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
     const int64_t g = item / chunks.count, col = g * kGroup, cols = std::min<int64_t>(kGroup, gate.n - col);
-    for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
-      const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
+    for (int64_t r0 = first; r0 < last; r0 += kPassRows) {
+      const int count = static_cast<int>(std::min<int64_t>(kPassRows, last - r0));
       int h = 0;
       for (const Job* job : {&gate, &up})
         job->fn(job->weights + g * job->records * job->record_bytes, job->records, a, r0, count, sums[h++],
-                last - first <= kMaxRows);
+                last - first <= kPassRows);
       store_silu_mul(y + r0 * stride + col, stride, sums[0], sums[1], kGroup, count, cols,
                      bias == nullptr ? nullptr : bias + col, bias == nullptr ? nullptr : bias + gate.n + col);
     }
@@ -960,7 +1015,7 @@ void matmul_tiles(torch::Tensor& out, const torch::Tensor& x, const std::vector<
   }
   const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  const Chunks chunks(rows, units);
+  const Chunks chunks(rows, units, kMaxRows);
   WorkSplit split(units * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
   {
@@ -1003,7 +1058,7 @@ void matmul_tiles_silu_mul(torch::Tensor& out, const torch::Tensor& x, const Job
   const int64_t units = (gate.groups + kTileGroups - 1) / kTileGroups, tile_words = k_pairs * kTileGroups * kGroup;
   const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  const Chunks chunks(rows, units);
+  const Chunks chunks(rows, units, kMaxRows);
   WorkSplit split(units * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
   {
