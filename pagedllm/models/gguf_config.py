@@ -21,7 +21,7 @@ FULL_ATTENTION_TYPES = frozenset({"qwen2", "qwen3"})
 
 @strict(accept_kwargs=True)
 @dataclass(repr=False)
-class GGUFConfig(PreTrainedConfig):
+class GGUFModelConfig(PreTrainedConfig):
     """Fields not declared here (hidden_size, vocab_size, ...) are kept as given, as attributes."""
 
     hidden_act: str = "silu"
@@ -43,6 +43,6 @@ class GGUFConfig(PreTrainedConfig):
             self.sliding_window = None
 
 
-def gguf_config(values: dict) -> GGUFConfig:
+def gguf_config(values: dict) -> GGUFModelConfig:
     """The config of the fields `values` (transformers' GGUF renames applied, model_type among them)."""
-    return GGUFConfig(**{**MODEL_TYPE_DEFAULTS.get(values["model_type"], {}), **values})
+    return GGUFModelConfig(**{**MODEL_TYPE_DEFAULTS.get(values["model_type"], {}), **values})
