@@ -10,10 +10,10 @@
 // sub-block scales (and minimums) go in as integers first, which keeps the per-block work of the
 // many-row case to the dot products and one multiply (the 4-row pass on Q4_K: 1.2x as fast as with
 // float sums per 32-value block); the minimums' term (and Q6_K's offset of 32) is one vpdpwssd a
-// block on int16 activation sums (Q4_K and Q6_K at 64 rows 4-10% faster than a multiply each). Every weight is
-// read once a call and unpacked once for up to 4 rows of activations (8 for Q6_K, whose unpacking
-// costs most; a K record's float sums then wait in memory); where a layer is many rows,
-// a group's records (a few KiB) stay in L1 across the row passes. For bf16 activations of many rows
+// block on int16 activation sums (Q4_K and Q6_K at 64 rows 4-10% faster than a multiply each).
+// Every weight is read once a call and unpacked once for up to 4 rows of activations (8 for Q6_K,
+// whose unpacking costs most; a K record's float sums then wait in memory); where a layer is many
+// rows, a group's records (a few KiB) stay in L1 across the row passes. For bf16 activations of many rows
 // of Q5_0/Q5_1 (and Q6_K, where the two tie), tiles of 64 rows are dequantized to bf16 and
 // multiplied by packed_linear.cpp's bf16 kernel instead (matmul_tiles).
 //
@@ -456,14 +456,21 @@ inline __m512i row_dot(const __m512i w[8], const int8_t* x) {
   }
 }
 
+// A Q6_K record's int8 scales of block j's two halves, as int32 lanes.
+inline void q6_scales(const uint8_t* p, int j, __m512i& sc0, __m512i& sc1) {
+  const auto* sc = reinterpret_cast<const __m128i*>(p + Traits<kQ6_K>::scales_at + 2 * j * kGroup);
+  sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc));
+  sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1));
+}
+
 // A K record's int16 weight pairs of block j's activation sums per 16: Q6_K's two half-block
 // scales, the others' sub-minimum twice (it covers both halves).
 template <int F>
 inline __m512i sum_weights(const uint8_t* p, int j) {
   using Tr = Traits<F>;
   if constexpr (F == kQ6_K) {
-    const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + 2 * j * kGroup);
-    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc)), sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1));
+    __m512i sc0, sc1;
+    q6_scales(p, j, sc0, sc1);
     return _mm512_mask_blend_epi16(0xAAAAAAAA, sc0, _mm512_slli_epi32(sc1, 16));
   } else {
     const __m512i sub_min = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + Tr::sub_min_at + j * kGroup)));
@@ -484,8 +491,8 @@ inline void k_rows(__m512i (&scaled)[N], const __m512i w[8], const uint8_t* p, i
                    int64_t at) {
   using Tr = Traits<F>;
   if constexpr (F == kQ6_K) {
-    const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + 2 * j * kGroup);
-    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc)), sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1));
+    __m512i sc0, sc1;
+    q6_scales(p, j, sc0, sc1);
     for (int r = 0; r < N; ++r) {
       __m512i low, high;
       if constexpr (R == 1)
