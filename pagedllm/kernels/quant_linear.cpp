@@ -14,7 +14,7 @@
 // Every weight is read once a call and unpacked once for up to 4 rows of activations (8 for Q6_K,
 // whose unpacking costs most; a K record's float sums then wait in memory); where a layer is many
 // rows, a group's records (a few KiB) stay in L1 across the row passes. For bf16 activations of many rows
-// of Q5_0/Q5_1 (and Q6_K, where the two tie), tiles of 64 rows are dequantized to bf16 and
+// of Q5_0/Q5_1, tiles of 64 rows are dequantized to bf16 and
 // multiplied by packed_linear.cpp's bf16 kernel instead (matmul_tiles).
 //
 // CPUs without AVX-512 take an AVX2 path over the same records (group_avx2: 8 rows a register,
@@ -1103,14 +1103,14 @@ void matmul_tiles_silu_mul(torch::Tensor& out, const torch::Tensor& x, const Job
 #endif
 
 // Rows from which bf16 activations take the tile path: where it measured faster than the int8 path
-// (benchmarks/quant_kernels.py, 5632 x 1024 layers): Q5_0 and Q5_1 from 256 rows; Q6_K from 1024,
-// where the two tie (439 against 442 GFLOP/s) and the tiles keep the activations unquantized; never
-// for the other K types (their int8 path, with integer sums a record, kept 5-13% ahead of the tiles
-// on Q5_K up to 1024 rows) nor for 4 and 8 bits, whose int8 path stays ahead of the bf16 kernel itself.
+// (benchmarks/quant_kernels.py, 5632 x 1024 layers): Q5_0 and Q5_1 from 256 rows (since the int8
+// path's multi-row passes lost two adds a block, Q5_1 ties there and Q5_0's int8 path is 3-10%
+// ahead: left as they were); never for the K types (Q6_K's int8 path, in passes of 8 rows, 4-20%
+// ahead of the tiles at 1024 and 2048 rows; Q4_K and Q5_K's further) nor for 4 and 8 bits, whose
+// int8 path stays ahead of the bf16 kernel itself.
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 int64_t tile_rows(int format) {
   switch (format) {
-    case kQ6_K: return 1024;
     case kQ5_0: case kQ5_1: return 256;
     default: return kNever;
   }
