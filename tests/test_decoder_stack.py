@@ -14,6 +14,7 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers import linear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.logger import LOGGER_NAME
+from pagedllm.models import decoder
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 
 # Head size 64: attention's query tiles exist for it, so the stack can take every op.
@@ -45,9 +46,10 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
 def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monkeypatch):
     """Mixed prompt lengths in chunked prefill steps (cached context, several sequences a step),
     then decodes; Mistral's window is smaller than the prompts, Qwen2 has qkv biases, Llama's
-    embeddings are tied. The linear calls go 8 rows at a time (1024 otherwise), so that the
-    stack's chunking of long batches is checked too."""
+    embeddings are tied. The linear calls go 8 rows at a time (1024 otherwise) and the MLP 24 (512
+    otherwise), so that the stack's chunking of long batches is checked too."""
     monkeypatch.setattr(linear, "ROWS_KERNEL_MAX", 8)
+    monkeypatch.setattr(decoder, "MLP_ROWS", 24)
     stacked, op_by_op = (LLM(head64_models[arch], dtype="bfloat16", kv_cache_memory="16MiB", block_size=16,
                              max_num_batched_tokens=64) for _ in range(2))
     assert stacked.engine.model_runner.model._stack is not None

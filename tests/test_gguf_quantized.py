@@ -15,6 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization.gguf import GGUFConfig, QuantizedEmbedding, TiedHead
 from pagedllm.logger import LOGGER_NAME
+from pagedllm.models import decoder
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="quantized weights need the C++ kernels")
@@ -85,12 +86,34 @@ class _CountingStack:
         return self.stack.forward(*args)
 
 
+@pytest.mark.parametrize("qtype, overrides", [("Q4_K", Q4_K_M), ("Q8_0", None)])
+@pytest.mark.parametrize("stack", [True, False])
+def test_mlp_in_chunks_changes_no_result(tmp_path, wide_models, tokenizer_dir, qtype, overrides, stack, monkeypatch):
+    """A long step's MLP in chunks of rows (decoder.MLP_ROWS, here 16 of a 48-token step) gives each
+    row what the whole step's MLP gives, bit for bit, by the stack and op by op."""
+    path = gguf_file(tmp_path, wide_models["llama"], qtype, tokenizer_dir, overrides)
+
+    def run(mlp_rows: int) -> list:
+        monkeypatch.setattr(decoder, "MLP_ROWS", mlp_rows)
+        llm = LLM(path, dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=48)
+        if not stack:
+            llm.engine.model_runner.model._stack = None
+        prompts = prompts_of_mixed_lengths(len(llm.get_tokenizer()), seed=7)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,
+                                              prompt_logprobs=2), use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs]
+
+    assert run(16) == run(512)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokenizer_dir, dtype):
+def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokenizer_dir, dtype, monkeypatch):
     """Quantized layers: the fused decoder stack runs and gives what the op-by-op path gives, bit
-    for bit, through chunked prefill and decode (Q4_K_M's mix). Where attention has no query
-    tiles (fp32; bf16 without AVX512-BF16), steps with a fresh prompt go op by op, the rest by
-    the stack."""
+    for bit, through chunked prefill and decode (Q4_K_M's mix), the MLP of longer steps in chunks
+    of 16 rows in both. Where attention has no query tiles (fp32; bf16 without AVX512-BF16), steps
+    with a fresh prompt go op by op, the rest by the stack."""
+    monkeypatch.setattr(decoder, "MLP_ROWS", 16)
     path = gguf_file(tmp_path, wide_models["llama"], "Q4_K", tokenizer_dir, Q4_K_M)
     stacked, op_by_op = (LLM(path, dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=48)
                          for _ in range(2))

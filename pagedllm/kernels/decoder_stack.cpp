@@ -68,8 +68,11 @@ struct Layer {
 
 class DecoderStack {
  public:
-  DecoderStack(int64_t num_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm)
-      : num_heads_(num_heads), head_dim_(head_dim), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)) {}
+  // mlp_rows: models/decoder.py's MLP_ROWS, the rows of a long step's MLP chunks.
+  DecoderStack(int64_t num_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm,
+               int64_t mlp_rows)
+      : num_heads_(num_heads), head_dim_(head_dim), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)),
+        mlp_rows_(mlp_rows) {}
 
   // Each linear layer's op; gate_up's applies SiLU-and-mul (SiluAndMulLinear).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Linear qkv, Linear o, Linear gate_up,
@@ -86,21 +89,14 @@ class DecoderStack {
                         const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (K, V) cache per layer expected");
     TORCH_CHECK(x.is_contiguous(), "contiguous embeddings expected");
-    const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_;
     torch::Tensor residual = x, normed = torch::empty_like(x), delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
       rms_norm(normed, residual, i == 0 ? c10::nullopt : c10::optional<torch::Tensor>(delta), layer.input_norm, eps_);
-      const torch::Tensor qkv = layer.qkv->forward(normed);
-      rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, layer.k_scale, layer.v_scale);
-      const torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}).contiguous();
-      torch::Tensor attention = torch::empty_like(q);
-      paged_attention(attention, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale_,
-                      layer.sliding_window, false, layer.k_scale, layer.v_scale);
-      const torch::Tensor o = layer.o->forward(attention.view({tokens, q_size}));
-      rms_norm(normed, residual, o, layer.post_attention_norm, eps_);
-      delta = layer.down->forward(layer.gate_up->forward(normed));
+      delta = attend(layer, normed, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens);
+      rms_norm(normed, residual, delta, layer.post_attention_norm, eps_);
+      mlp(layer, normed, delta);
     }
     torch::Tensor out = torch::empty_like(x);
     rms_norm(out, residual, layers_.empty() ? c10::nullopt : c10::optional<torch::Tensor>(delta), final_norm_, eps_);
@@ -108,9 +104,40 @@ class DecoderStack {
   }
 
  private:
+  // The attention sublayer's output; its temporaries (qkv, q, the heads' outputs) are freed on return,
+  // before the MLP's are made.
+  torch::Tensor attend(const Layer& layer, const torch::Tensor& normed, const torch::Tensor& cos,
+                       const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                       const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
+    const int64_t tokens = normed.size(0), q_size = num_heads_ * head_dim_;
+    const torch::Tensor qkv = layer.qkv->forward(normed);
+    rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, layer.k_scale, layer.v_scale);
+    const torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}).contiguous();
+    torch::Tensor attention = torch::empty_like(q);
+    paged_attention(attention, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale_,
+                    layer.sliding_window, false, layer.k_scale, layer.v_scale);
+    return layer.o->forward(attention.view({tokens, q_size}));
+  }
+
+  // The MLP of normed into out (whose attention output is spent), in chunks of mlp_rows_ rows as
+  // models/decoder.py's GatedMLP.
+  void mlp(const Layer& layer, const torch::Tensor& normed, torch::Tensor& out) const {
+    const int64_t tokens = normed.size(0);
+    if (tokens <= mlp_rows_) {
+      out = layer.down->forward(layer.gate_up->forward(normed));
+      return;
+    }
+    for (int64_t start = 0; start < tokens; start += mlp_rows_) {
+      const int64_t count = std::min(mlp_rows_, tokens - start);
+      out.narrow(0, start, count).copy_(layer.down->forward(layer.gate_up->forward(normed.narrow(0, start, count))));
+    }
+  }
+
   int64_t num_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor final_norm_;
+  int64_t mlp_rows_;
   std::vector<Layer> layers_;
 };
 
@@ -122,7 +149,7 @@ void bind_decoder_stack(pybind11::module& m) {
       .def(pybind11::init<torch::Tensor, int64_t, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>, bool,
                           int64_t>());
   pybind11::class_<DecoderStack>(m, "DecoderStack")
-      .def(pybind11::init<int64_t, int64_t, double, double, torch::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, double, double, torch::Tensor, int64_t>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -24,6 +24,12 @@ from pagedllm.models.interface import CausalLM, KVCache
 
 logger = logging.getLogger(__name__)
 
+# On the CPU, a long step's MLP goes in chunks of this many rows, as llama.cpp's micro-batches of
+# 512: its intermediate activations (a layer's widest: [rows, intermediate]) then stay a few MiB
+# whatever the step's tokens, which keeps a prefill's working set out of the resident set. Each
+# row's result is the same either way (rows are quantized and multiplied on their own).
+MLP_ROWS = 512
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -116,7 +122,13 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+        if x.shape[0] <= MLP_ROWS or x.device.type != "cpu":
+            return self.down_proj(self.gate_up_proj(x))
+        out = x.new_empty(x.shape)
+        for start in range(0, x.shape[0], MLP_ROWS):
+            rows = slice(start, start + MLP_ROWS)
+            out[rows] = self.down_proj(self.gate_up_proj(x[rows]))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -217,7 +229,7 @@ class DecoderForCausalLM(CausalLM):
             return
         cfg, norm = self.decoder_config, self.model.norm
         stack = ops.DecoderStack(cfg.num_heads, cfg.head_dim, norm.eps, self.model.layers[0].self_attn.scale,
-                                 norm.weight.detach())
+                                 norm.weight.detach(), MLP_ROWS)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),

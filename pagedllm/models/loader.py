@@ -1,7 +1,6 @@
 """Find a model (HF folder, GGUF file, or the default), read its config, tokenizer and weights."""
 from __future__ import annotations
 
-import ctypes
 import glob
 import importlib.util
 import json
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from pagedllm import heap
 from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig
@@ -183,6 +183,7 @@ def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
 
 
 def load_model(model_config: ModelConfig, device: str) -> CausalLM:
+    heap.map_large_blocks()
     cls = model_class(model_config.hf_config)
     quant_config = _quant_config(model_config)
     with torch.device("meta"):
@@ -193,31 +194,10 @@ def load_model(model_config: ModelConfig, device: str) -> CausalLM:
     process_linear_weights(model)
     if model_config.is_gguf:
         gguf_file.release_readers()
-    _release_heap()
+    heap.trim()
     model.bind_kernels()
     logger.info("Weights: %s", describe_weights(model))
     return model.eval()
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def _release_heap() -> None:
-    """Hand the heap freed by loading back to the OS, and from then on map every block of 1 MiB or
-    more on its own. Packing quantized weights allocates and frees about the model's size in
-    temporaries, which glibc keeps (the 250M Q4_K_M model: 184 MiB more resident without the trim).
-    A step's activations are the same story at run time: glibc raises its mapping threshold to the
-    largest block freed (up to 32 MiB), so a long prompt's [2048, hidden] temporaries came from the
-    heap and their high-water mark stayed resident (the 250M Q4_K_M model under 64 requests: 1154
-    MiB at most against 1018 once ready; with the fixed threshold, 1079). Mapping costs a page
-    fault per 4 KiB touched, only for blocks of a prefill's size. Elsewhere than glibc, nothing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
-    except (OSError, AttributeError):
-        pass
 
 
 def _quant_config(model_config: ModelConfig) -> QuantizationConfig | None:
