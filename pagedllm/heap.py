@@ -22,7 +22,7 @@ def map_large_blocks() -> None:
     mapping new ones. Set before loading, the load's temporaries (about the model's size, when
     quantized weights are packed) leave no such room; a long step's temporaries are then mapped and
     given back as they are freed, so a step adds only what it holds at once (the 250M Q4_K_M model
-    under 64 requests: 1008-1014 MiB at most against 1037-1051 with the threshold set after
+    under 64 requests: 1008-1016 MiB at most against 1037-1051 with the threshold set after
     loading). Mapping costs a page fault per 4 KiB touched, only for blocks of a prefill's size."""
     if _libc is not None:
         _libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)

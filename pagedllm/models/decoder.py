@@ -24,11 +24,11 @@ from pagedllm.models.interface import CausalLM, KVCache
 
 logger = logging.getLogger(__name__)
 
-# On the CPU, a long step's MLP goes in chunks of this many rows, as llama.cpp's micro-batches of
-# 512: its intermediate activations (a layer's widest: [rows, intermediate]) then stay a few MiB
-# whatever the step's tokens, which keeps a prefill's working set out of the resident set. Each
-# row's result is the same either way (rows are quantized and multiplied on their own).
-MLP_ROWS = 512
+# On the CPU, a long step's MLP goes in chunks of this many rows (as many as the bf16 kernel takes
+# a call without AMX, layers/linear.py's ROWS_KERNEL_MAX): its intermediate activations (a layer's widest: [rows,
+# intermediate]) then stay a few MiB whatever the step's tokens, which keeps a prefill's working set
+# out of the resident set. The kernels compute each row on its own: the results are the same.
+MLP_ROWS = 1024
 
 
 @dataclass(frozen=True)
