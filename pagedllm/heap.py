@@ -23,7 +23,8 @@ def map_large_blocks() -> None:
     quantized weights are packed) leave no such room; a long step's temporaries are then mapped and
     given back as they are freed, so a step adds only what it holds at once (the 250M Q4_K_M model
     under 64 requests: 1008-1016 MiB at most against 1037-1051 with the threshold set after
-    loading). Mapping costs a page fault per 4 KiB touched, only for blocks of a prefill's size."""
+    loading). Mapping costs a page fault per 4 KiB touched and an unmap per block: the C++ decoder
+    stack keeps its intermediates in buffers of its own for that reason."""
     if _libc is not None:
         _libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
 

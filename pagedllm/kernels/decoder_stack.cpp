@@ -35,9 +35,11 @@ class PackedLinear : public LinearOp {
       : weight_(std::move(weight)), address_(address), n_padded_(n_padded), k_padded_(k_padded),
         out_features_(out_features), bias_(std::move(bias)), silu_mul_(silu_mul), rows_per_call_(rows_per_call) {}
 
-  torch::Tensor forward(const torch::Tensor& x) const override {
+  int64_t out_features() const override { return silu_mul_ ? out_features_ / 2 : out_features_; }
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& given) const override {
     const int64_t rows = x.size(0);
-    torch::Tensor out = torch::empty({rows, silu_mul_ ? out_features_ / 2 : out_features_}, x.options());
+    torch::Tensor out = output(x, given);
     // As Linear._packed_rows: longer batches go in chunks of rows_per_call rows.
     for (int64_t start = 0; start < rows; start += rows_per_call_) {
       const int64_t count = std::min(rows_per_call_, rows - start);
@@ -82,19 +84,22 @@ class DecoderStack {
   }
 
   // x: the step's token embeddings [tokens, hidden], taken over as the residual stream.
-  // kv_caches: per layer (K, V). Returns the final norm of the last residual.
+  // kv_caches: per layer (K, V). Returns the final norm of the last residual. One call at a time:
+  // the intermediates live in buffers the stack keeps.
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                         const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (K, V) cache per layer expected");
     TORCH_CHECK(x.is_contiguous(), "contiguous embeddings expected");
-    torch::Tensor residual = x, normed = torch::empty_like(x), delta;
+    const int64_t tokens = x.size(0), hidden = x.size(1);
+    torch::Tensor residual = x, normed = buffer(kNormed, x, tokens, hidden);
+    torch::Tensor delta = buffer(kDelta, x, tokens, hidden);  // each sublayer's output
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
       rms_norm(normed, residual, i == 0 ? c10::nullopt : c10::optional<torch::Tensor>(delta), layer.input_norm, eps_);
-      delta = attend(layer, normed, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens);
+      attend(layer, normed, delta, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens);
       rms_norm(normed, residual, delta, layer.post_attention_norm, eps_);
       mlp(layer, normed, delta);
     }
@@ -104,33 +109,45 @@ class DecoderStack {
   }
 
  private:
-  // The attention sublayer's output; its temporaries (qkv, q, the heads' outputs) are freed on return,
-  // before the MLP's are made.
-  torch::Tensor attend(const Layer& layer, const torch::Tensor& normed, const torch::Tensor& cos,
-                       const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                       const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
+  // The intermediates of a step, in buffers kept from step to step and shared by the layers: a
+  // long step's (tens of MiB) would otherwise be mapped, faulted in and unmapped a few times a
+  // layer (heap.py maps blocks of 1 MiB or more on their own), which cost a 2048-token prefill of
+  // the 250M Q4_K_M model a seventh of its speed.
+  enum Buffer { kNormed, kDelta, kQkv, kQuery, kHeads, kGateUp, kNumBuffers };
+
+  // Buffer b's first `rows` rows of `cols` columns, in x's dtype, grown where it is too small.
+  torch::Tensor buffer(Buffer b, const torch::Tensor& x, int64_t rows, int64_t cols) const {
+    torch::Tensor& kept = buffers_[b];
+    if (!kept.defined() || kept.size(0) < rows || kept.size(1) != cols || kept.scalar_type() != x.scalar_type())
+      kept = torch::empty({rows, cols}, x.options());
+    return kept.narrow(0, 0, rows);
+  }
+
+  // The attention sublayer of normed into out.
+  void attend(const Layer& layer, const torch::Tensor& normed, const torch::Tensor& out, const torch::Tensor& cos,
+              const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+              const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
     const int64_t tokens = normed.size(0), q_size = num_heads_ * head_dim_;
-    const torch::Tensor qkv = layer.qkv->forward(normed);
+    const torch::Tensor qkv = layer.qkv->forward(normed, buffer(kQkv, normed, tokens, layer.qkv->out_features()));
     rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, layer.k_scale, layer.v_scale);
-    const torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}).contiguous();
-    torch::Tensor attention = torch::empty_like(q);
-    paged_attention(attention, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale_,
-                    layer.sliding_window, false, layer.k_scale, layer.v_scale);
-    return layer.o->forward(attention.view({tokens, q_size}));
+    const torch::Tensor q = buffer(kQuery, normed, tokens, q_size).view({tokens, num_heads_, head_dim_});
+    q.copy_(qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}));
+    const torch::Tensor heads = buffer(kHeads, normed, tokens, q_size);
+    paged_attention(heads.view({tokens, num_heads_, head_dim_}), q, k_cache, v_cache, block_tables, query_start_loc,
+                    seq_lens, scale_, layer.sliding_window, false, layer.k_scale, layer.v_scale);
+    layer.o->forward(heads, out);
   }
 
   // The MLP of normed into out (whose attention output is spent), in chunks of mlp_rows_ rows as
   // models/decoder.py's GatedMLP.
-  void mlp(const Layer& layer, const torch::Tensor& normed, torch::Tensor& out) const {
+  void mlp(const Layer& layer, const torch::Tensor& normed, const torch::Tensor& out) const {
     const int64_t tokens = normed.size(0);
-    if (tokens <= mlp_rows_) {
-      out = layer.down->forward(layer.gate_up->forward(normed));
-      return;
-    }
     for (int64_t start = 0; start < tokens; start += mlp_rows_) {
       const int64_t count = std::min(mlp_rows_, tokens - start);
-      out.narrow(0, start, count).copy_(layer.down->forward(layer.gate_up->forward(normed.narrow(0, start, count))));
+      const torch::Tensor rows = normed.narrow(0, start, count);
+      layer.down->forward(layer.gate_up->forward(rows, buffer(kGateUp, rows, count, layer.gate_up->out_features())),
+                          out.narrow(0, start, count));
     }
   }
 
@@ -139,12 +156,14 @@ class DecoderStack {
   torch::Tensor final_norm_;
   int64_t mlp_rows_;
   std::vector<Layer> layers_;
+  mutable torch::Tensor buffers_[kNumBuffers];
 };
 
 void bind_decoder_stack(pybind11::module& m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   pybind11::class_<LinearOp, std::shared_ptr<LinearOp>>(m, "LinearOp")
-      .def("__call__", &LinearOp::forward, release());
+      .def("__call__", [](const LinearOp& op, const torch::Tensor& x) { return op.forward(x, torch::Tensor()); },
+           release());
   pybind11::class_<PackedLinear, LinearOp, std::shared_ptr<PackedLinear>>(m, "PackedLinear")
       .def(pybind11::init<torch::Tensor, int64_t, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>, bool,
                           int64_t>());

@@ -9,5 +9,17 @@
 class LinearOp {
  public:
   virtual ~LinearOp() = default;
-  virtual torch::Tensor forward(const torch::Tensor& x) const = 0;
+  // out: a contiguous [rows, out_features()] tensor to write the result into (the decoder stack's
+  // reused buffers), or an undefined one for a new tensor. Returns the result.
+  virtual torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& out) const = 0;
+  virtual int64_t out_features() const = 0;  // of the result (after SiLU-and-mul: half the product's)
+
+ protected:
+  torch::Tensor output(const torch::Tensor& x, const torch::Tensor& out) const {
+    if (!out.defined()) return torch::empty({x.size(0), out_features()}, x.options());
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == out_features() && out.is_contiguous() &&
+                    out.scalar_type() == x.scalar_type(),
+                "a contiguous [", x.size(0), ", ", out_features(), "] output of the activations' dtype expected");
+    return out;
+  }
 };

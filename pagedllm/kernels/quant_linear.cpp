@@ -1158,12 +1158,16 @@ class QuantLinear : public LinearOp {
                   jobs_[0].activation_block == jobs_[1].activation_block;
   }
 
-  torch::Tensor forward(const torch::Tensor& x) const override {
+  int64_t out_features() const override { return silu_mul_ ? out_features_ / 2 : out_features_; }
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& given) const override {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features_, "[rows, ", in_features_, "] activations expected");
     const torch::Tensor input = x.contiguous();
     const int64_t rows = x.size(0);
-    if (fused_silu_ && takes_tiles(jobs_[0], input) == takes_tiles(jobs_[1], input)) return silu_forward(input);
-    torch::Tensor out = torch::empty({rows, out_features_}, x.options());
+    if (fused_silu_ && takes_tiles(jobs_[0], input) == takes_tiles(jobs_[1], input))
+      return silu_forward(input, output(input, given));
+    // Unfused SiLU-and-mul: the [rows, 2n] product first, then the result.
+    torch::Tensor out = silu_mul_ ? torch::empty({rows, out_features_}, x.options()) : output(input, given);
     std::vector<Job> int8_jobs[2], tile_jobs;  // int8: by activation block, 32 then 256
     for (const Job& job : jobs_)
       (takes_tiles(job, input) ? tile_jobs : int8_jobs[job.activation_block == kBlock ? 0 : 1]).push_back(job);
@@ -1178,7 +1182,7 @@ class QuantLinear : public LinearOp {
 #if PAGEDLLM_QUANT_TILES
     if (!tile_jobs.empty()) matmul_tiles(out, input, tile_jobs, bias_data<at::BFloat16>());
 #endif
-    return finish(out);
+    return finish(out, given);
   }
 
   // The rows from which bf16 activations take the tile path, for every segment (tests check both).
@@ -1187,8 +1191,7 @@ class QuantLinear : public LinearOp {
   }
 
  private:
-  torch::Tensor silu_forward(const torch::Tensor& x) const {
-    torch::Tensor out = torch::empty({x.size(0), out_features_ / 2}, x.options());
+  torch::Tensor silu_forward(const torch::Tensor& x, torch::Tensor out) const {
 #if PAGEDLLM_QUANT_TILES
     if (takes_tiles(jobs_[0], x)) {
       matmul_tiles_silu_mul(out, x, jobs_[0], jobs_[1], bias_data<at::BFloat16>());
@@ -1211,9 +1214,9 @@ class QuantLinear : public LinearOp {
 #endif
   }
 
-  torch::Tensor finish(const torch::Tensor& out) const {
+  torch::Tensor finish(const torch::Tensor& out, const torch::Tensor& given) const {
     if (!silu_mul_) return out;
-    torch::Tensor result = torch::empty({out.size(0), out_features_ / 2}, out.options());
+    torch::Tensor result = output(out, given);
     silu_and_mul(result, out);
     return result;
   }
