@@ -195,6 +195,7 @@ def load_model(model_config: ModelConfig, device: str) -> CausalLM:
     if model_config.is_gguf:
         gguf_file.release_readers()
     heap.trim()
+    heap.keep_step_blocks()
     model.bind_kernels()
     logger.info("Weights: %s", describe_weights(model))
     return model.eval()
