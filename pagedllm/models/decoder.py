@@ -25,9 +25,10 @@ from pagedllm.models.interface import CausalLM, KVCache
 logger = logging.getLogger(__name__)
 
 # On the CPU, a long step's MLP goes in chunks of this many rows (as many as the bf16 kernel takes
-# a call without AMX, layers/linear.py's ROWS_KERNEL_MAX): its intermediate activations (a layer's widest: [rows,
-# intermediate]) then stay a few MiB whatever the step's tokens, which keeps a prefill's working set
-# out of the resident set. The kernels compute each row on its own: the results are the same.
+# a call without AMX, layers/linear.py's ROWS_KERNEL_MAX): its intermediate activations (a layer's
+# widest: [rows, intermediate]) then stay a few MiB whatever the step's tokens, which keeps a
+# prefill's working set out of the resident set. The kernels compute each row on its own: the
+# results are the same.
 MLP_ROWS = 1024
 
 
