@@ -13,7 +13,7 @@ configure_logging()  # before the imports below, so a line logged while they loa
 
 from pagedllm.config import EngineArgs  # noqa: E402
 from pagedllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -26,6 +26,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineArgs", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "EngineArgs", "RequestOutput", "CompletionOutput",
            "Logprob", "BeamSearchOutput"]
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """SamplingParams: vLLM's fields and defaults, validated at construction."""
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -17,6 +18,47 @@ class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a constrained request's output must match, as vLLM names it: exactly one of a JSON
+    schema (`json`, a dict or its text), any JSON object (`json_object=True`), a regular expression,
+    one of a list of strings (`choice`), or an EBNF grammar (GBNF, as xgrammar reads it).
+    `disable_any_whitespace`: JSON without free whitespace between its tokens (compact output;
+    small models otherwise tend to spend their tokens on newlines)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        _check(len(kinds) == 1, "structured outputs take exactly one of json, regex, choice, grammar, json_object; "
+                                f"got {kinds or 'none'}")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) for c in self.choice),
+                   "structured outputs' choice is a non-empty list of strings")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            _check(value is None or (isinstance(value, str) and value != ""), f"structured outputs' {kind} is a non-empty string")
+        _check(self.json is None or isinstance(self.json, (str, dict)), "structured outputs' json is a schema (dict or text)")
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, text, compact): what a compiled grammar is cached by."""
+        compact = self.disable_any_whitespace
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else _json.dumps(self.json), compact
+        if self.json_object:
+            return "json_object", "", compact
+        if self.regex is not None:
+            return "regex", self.regex, compact
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice), compact
+        return "grammar", self.grammar or "", compact
 
 
 @dataclass
@@ -44,6 +86,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +123,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids")
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams")
 
     @property
     def sampling_type(self) -> SamplingType:

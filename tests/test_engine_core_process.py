@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.core_client import EngineCoreDeadError
 from server_utils import Server
 
@@ -30,7 +30,9 @@ def engines(llama_dir):
     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
     SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, logprobs=2),
     SamplingParams(temperature=0, max_tokens=12, stop=["e"]),
-], ids=["greedy", "n3-seeded", "stop-string"])
+    SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12,
+                   structured_outputs=StructuredOutputsParams(regex="[0-9]{2,4}(ab|cd)")),
+], ids=["greedy", "n3-seeded", "stop-string", "structured"])
 def test_same_outputs_in_a_process_of_its_own(engines, params):
     thread, process = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in engines)
     for a, b in zip(thread, process):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -52,15 +54,14 @@ class TokenBitmask:
     request, bit t % 32 of word t // 32 set where token t is allowed (the layout grammar backends
     such as xgrammar fill). Requests without a row are not constrained."""
     rows: dict[str, int]  # request id -> row
-    words: list[list[int]]  # [row][ceil(vocab / 32)], each word in [0, 2**32)
+    words: np.ndarray  # int32 [rows, ceil(vocab / 32)]
 
     @staticmethod
-    def pack(allowed: list[int], vocab_size: int) -> list[int]:
+    def pack(allowed: list[int], vocab_size: int) -> np.ndarray:
         """One row allowing exactly `allowed` (for tests, and backends without their own packing)."""
-        words = [0] * -(-vocab_size // 32)
-        for token in allowed:
-            words[token // 32] |= 1 << (token % 32)
-        return words
+        bits = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+        bits[allowed] = True
+        return np.packbits(bits, bitorder="little").view("<i4")
 
 
 @dataclass

@@ -30,14 +30,17 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
-from pagedllm.models.loader import ModelConfig
+from pagedllm.models.loader import ModelConfig, load_tokenizer
+from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 
 logger = logging.getLogger("pagedllm")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
-    """Size the KV cache from the memory left before the weights load, load the model, build the core."""
+def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None) -> EngineCore:
+    """Size the KV cache from the memory left before the weights load, load the model, build the core.
+    `tokenizer`: the frontend's, for compiling grammars (else loaded when the first one is asked for)."""
     if args.seed is not None:
         torch.manual_seed(args.seed)
     set_threads()
@@ -51,7 +54,10 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                         debug=os.environ.get("PAGEDLLM_DEBUG") == "1")
     scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, model_config.max_model_len), kv)
-    return EngineCore(scheduler, executor, FaultInjector.from_env())
+    backend = XgrammarBackend((lambda: tokenizer) if tokenizer is not None else
+                              (lambda: load_tokenizer(model_config, args.tokenizer)),
+                              model_config.vocab_size, sorted(model_config.eos_token_ids))
+    return EngineCore(scheduler, executor, FaultInjector.from_env(), StructuredOutputManager(backend))
 
 
 def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) -> int:

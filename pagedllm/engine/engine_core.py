@@ -3,8 +3,13 @@
     out = scheduler.schedule(); result = executor.execute_model(out); scheduler.update(out, result)
 
 Requests come in as EngineCoreRequests and each step answers with EngineCoreOutputs (new token
-ids, logprobs, finish reasons): no tokenizer, no text, no RequestOutput. The frontend (LLMEngine,
-AsyncLLM) does tokenizing, detokenizing, stop strings and the fan-in of parallel samples.
+ids, logprobs, finish reasons): no text, no RequestOutput. The frontend (LLMEngine, AsyncLLM) does
+tokenizing, detokenizing, stop strings and the fan-in of parallel samples.
+
+A constrained request (structured outputs) waits in the StructuredOutputManager until its grammar
+is compiled, then joins the scheduler; each step the manager fills the mask of the constrained
+requests that sample and advances their matchers over the tokens the step gave them. A grammar
+that is complete ends its request (finish reason "stop").
 """
 from __future__ import annotations
 
@@ -17,52 +22,114 @@ from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.abstract import Executor
+from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+# With nothing to run but grammars compiling, a step waits this long for one (then the caller takes
+# its messages: new requests, aborts).
+GRAMMAR_WAIT_S = 0.05
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor, faults: FaultInjector | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, faults: FaultInjector | None = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.scheduler, self.executor = scheduler, executor
         self.faults = faults or FaultInjector()
+        self.structured_output = structured_output
+        self._failed: list[EngineCoreOutput] = []  # requests ended between steps: sent with the next
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, message: EngineCoreRequest) -> None:
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           message.max_tokens, message.eos_token_ids, arrival_time=message.arrival_time,
                           cache_salt=message.cache_salt, hold=message.hold)
-        self.scheduler.add_request(request, message.fork_of)
+        constraint = message.sampling_params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(request, message.fork_of)
+            return
+        if self.structured_output is None:
+            raise ValueError("this engine has no structured output backend")
+        if message.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {message.request_id!r} is already in the engine core")
+        self.structured_output.submit(message.request_id, constraint, (request, message.fork_of))
+        self._admit_constrained()  # at once if its grammar is cached (a fork must find its parent held)
+
+    def _admit_constrained(self) -> None:
+        """Constrained requests whose grammar is ready join the scheduler; those whose grammar failed end."""
+        if self.structured_output is None or not self.structured_output.num_pending:
+            return
+        ready, failed = self.structured_output.take_ready()
+        for request, fork_of in ready:
+            self.scheduler.add_request(request, fork_of)
+        for request_id, (_, reason) in failed.items():
+            self._failed.append(EngineCoreOutput(request_id, finish_reason="error", error=reason))
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End requests from outside (abort, a stop string the frontend found) or release held ones;
         unknown ids are ignored."""
         for request_id in request_ids:
+            if self.structured_output is not None and self.structured_output.remove(request_id) is not None:
+                continue  # it was still waiting for its grammar
             self.scheduler.finish_request(request_id, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return (self.scheduler.has_unfinished_requests() or bool(self._failed)
+                or (self.structured_output is not None and self.structured_output.num_pending > 0))
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.structured_output is not None and self.structured_output.num_pending:
+            stats = dataclasses.replace(stats, num_waiting=stats.num_waiting + self.structured_output.num_pending)
+        return stats
 
     def shutdown(self) -> None:
-        """Nothing to stop in process (the process client's counterpart ends its process)."""
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """One step. A failure in the executor ends only the requests it can be pinned on (their
         outputs carry the error); any other exception means the core's state is in doubt: the
         caller's engine cannot go on."""
+        self._admit_constrained()
+        ended, self._failed = self._failed, []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.scheduler.has_unfinished_requests():  # held blocks give way: this is a bug
                 raise RuntimeError("no request can be scheduled though some are waiting")
-            return []
+            if self.structured_output is not None and not ended:
+                self.structured_output.wait(GRAMMAR_WAIT_S)
+            return ended
+        if self.structured_output is not None:
+            scheduler_output.token_bitmask = self.structured_output.bitmask(scheduler_output.scheduled)
         result, failures = self._execute(scheduler_output)
         failed = [self._fail(request_id, error) for request_id, error in failures.items()]
         self.faults.after_execute()
         updated = self.scheduler.update(scheduler_output, result)
-        return [_output(request, result) for request in updated] + failed
+        refused = self._advance_grammars(updated)
+        return [_output(r, result) for r in updated if r.request_id not in refused] + list(refused.values()) \
+            + failed + ended
+
+    def _advance_grammars(self, updated: list[Request]) -> dict[str, EngineCoreOutput]:
+        """Each constrained request's matcher takes the step's tokens; a complete grammar ends its
+        request. Returns the error outputs of requests whose grammar refused a token (the mask
+        should have prevented it: min_tokens barring the only token the grammar allows can)."""
+        manager = self.structured_output
+        refused: dict[str, EngineCoreOutput] = {}
+        if manager is None:
+            return refused
+        for request in updated:
+            request_id = request.request_id
+            if not manager.is_constrained(request_id):
+                continue
+            if not manager.accept(request_id, request.output_token_ids[request.num_reported_tokens:]):
+                refused[request_id] = self._fail(request_id, ValueError("the output left its grammar"))
+                continue
+            if manager.is_terminated(request_id) and not request.status.finished:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            if request.status.finished:
+                manager.remove(request_id)
+        return refused
 
     def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """The step's forward pass and sampling; if it raises, each request again on its own, so that
@@ -99,6 +166,8 @@ class EngineCore:
     def _fail(self, request_id: str, error: Exception) -> EngineCoreOutput:
         logger.error("request %s failed: %r", request_id, error)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if self.structured_output is not None:
+            self.structured_output.remove(request_id)
         return EngineCoreOutput(request_id, finish_reason="error", error=f"{type(error).__name__}: {error}")
 
 

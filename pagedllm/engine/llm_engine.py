@@ -27,6 +27,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.models.loader import load_model_config, load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -50,7 +51,7 @@ class LLMEngine:
         self.max_model_len = self.model_config.max_model_len
         self.engine_core: EngineCore | EngineCoreProcClient = (
             EngineCoreProcClient(args, self.model_config) if args.engine_core_process
-            else make_engine_core(args, self.model_config))
+            else make_engine_core(args, self.model_config, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Held prompts of parallel samples -> the samples to fork from them once computed.
@@ -86,10 +87,17 @@ class LLMEngine:
         """Tokenize and validate; raises ValueError. Touches no engine state, so any thread may call it."""
         params = params or self.default_sampling_params()
         text, token_ids = self._tokenize(prompt)
-        params.check_vocab(self.model_config.vocab_size)
+        self.check_params(params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return ProcessedRequest(text, token_ids, params, max_tokens)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary, and that a
+        structured output's constraint compiles (raises ValueError saying why)."""
+        params.check_vocab(self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            XgrammarBackend.check(params.structured_outputs)
 
     def add_processed(self, request_id: str | None, processed: ProcessedRequest) -> str:
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -105,8 +113,10 @@ class LLMEngine:
         if params.n > 1 and processed.max_tokens > 0 and len(processed.prompt_token_ids) > 1 \
                 and params.prompt_logprobs is None:
             prompt = dataclasses.replace(processed, prompt_token_ids=processed.prompt_token_ids[:-1], max_tokens=0)
-            self.engine_core.add_request(self.core_request(request_id, prompt, SamplingParams(temperature=0.0),
-                                                           hold=True))
+            # With the samples' constraint, so that its grammar compiles while the prompt does: the
+            # samples then join at once and find this request still holding the prompt's blocks.
+            held = SamplingParams(temperature=0.0, structured_outputs=params.structured_outputs)
+            self.engine_core.add_request(self.core_request(request_id, prompt, held, hold=True))
             self._forks[request_id] = [dataclasses.replace(s, fork_of=request_id) for s in samples]
             return request_id
         for sample in samples:

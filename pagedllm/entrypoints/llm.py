@@ -37,7 +37,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         normalized = [_prompt_input(p) for p in prompts]
         for p in params:  # validate everything before anything is queued
-            p.check_vocab(self.engine.model_config.vocab_size)
+            self.engine.check_params(p)
         # One output per request, at its end: no per-step copies of growing outputs.
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         return self._run(normalized, params, use_tqdm)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.core.step import TokenBitmask, TokenLogprobs
@@ -70,12 +71,13 @@ def apply_token_bitmask(logits: torch.Tensor, requests: list[RequestState],
     rows = [(i, bitmask.rows[r.request_id]) for i, r in enumerate(requests) if r.request_id in bitmask.rows]
     if not rows:
         return logits
-    vocab = logits.shape[1]
-    words = torch.tensor([bitmask.words[row] for _, row in rows], dtype=torch.int64, device=logits.device)
-    bits = (words[:, :, None] >> torch.arange(32, device=logits.device)) & 1  # [rows, words, 32]
-    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
-    index = torch.tensor([i for i, _ in rows], device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    words = np.asarray(bitmask.words, dtype=np.int32)[[row for _, row in rows]]
+    # Little-endian words: byte t // 8 of a row holds token t at bit t % 8. Row by row in place:
+    # gathering the rows and scattering them back took twice the time (~0.1 ms a row at 49k tokens).
+    blocked = np.unpackbits(~words.view(np.uint8), axis=1, bitorder="little").view(bool)
+    blocked = torch.from_numpy(blocked[:, :logits.shape[1]]).to(logits.device)
+    for j, (i, _) in enumerate(rows):
+        logits[i].masked_fill_(blocked[j], float("-inf"))
     return logits
 
 

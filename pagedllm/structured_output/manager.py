@@ -1,0 +1,124 @@
+"""StructuredOutputManager: the engine core's grammars. A constrained request waits here while its
+grammar compiles in a thread of its own (so one slow schema does not stall the other requests'
+steps), then joins the scheduler with a matcher; each step the manager fills the token mask of the
+constrained requests that sample, and advances their matchers over the tokens they were given.
+
+Compiled grammars are cached by their text (the same schema sent again compiles once)."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.core.step import ScheduledRequest, TokenBitmask
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.backend import GrammarKey, GrammarMatcher, StructuredOutputBackend
+
+logger = logging.getLogger(__name__)
+CACHE_SIZE = 256  # compiled grammars kept
+
+
+@dataclass
+class StructuredOutputStats:
+    grammars_compiled: int = 0
+    compile_seconds: float = 0.0  # in the compiling thread, summed
+    cache_hits: int = 0
+    masks_filled: int = 0  # rows
+    mask_seconds: float = 0.0  # on the engine loop, summed
+
+
+class StructuredOutputManager:
+    def __init__(self, backend: StructuredOutputBackend) -> None:
+        self.backend = backend
+        self.stats = StructuredOutputStats()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+        self._compiled: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._pending: dict[str, tuple[Future, Any]] = {}  # request id -> (its grammar, what to hand back)
+        self._matchers: dict[str, GrammarMatcher] = {}
+
+    # -- requests waiting for their grammar ------------------------------------------------------
+    def submit(self, request_id: str, params: StructuredOutputsParams, payload: Any) -> None:
+        """Start compiling (or find) the request's grammar; `take_ready` hands `payload` back once
+        the matcher is made."""
+        self._pending[request_id] = (self._compile(params.key), payload)
+
+    def _compile(self, key: GrammarKey) -> Future:
+        future = self._compiled.get(key)
+        if future is not None:
+            self._compiled.move_to_end(key)
+            self.stats.cache_hits += 1
+            return future
+        future = self._pool.submit(self._timed_compile, key)
+        self._compiled[key] = future
+        if len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _timed_compile(self, key: GrammarKey) -> object:
+        start = time.perf_counter()
+        compiled = self.backend.compile(key)
+        self.stats.compile_seconds += time.perf_counter() - start
+        self.stats.grammars_compiled += 1
+        return compiled
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def take_ready(self) -> tuple[list[Any], dict[str, tuple[Any, str]]]:
+        """Payloads of the requests whose grammar is ready (their matcher made), and of those whose
+        grammar failed to compile, by request id, with the reason."""
+        ready, failed = [], {}
+        for request_id, (future, payload) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[request_id]
+            try:
+                self._matchers[request_id] = self.backend.matcher(future.result())
+                ready.append(payload)
+            except Exception as exc:  # noqa: BLE001 - this request's grammar; the others go on
+                failed[request_id] = (payload, f"the grammar failed to compile: {exc}")
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Until a pending grammar is ready or `timeout` seconds pass (the loop has nothing else to do)."""
+        if self._pending:
+            wait([future for future, _ in self._pending.values()], timeout, return_when=FIRST_COMPLETED)
+
+    # -- requests running --------------------------------------------------------------------
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def bitmask(self, scheduled: list[ScheduledRequest]) -> TokenBitmask | None:
+        """The step's mask: a row for each constrained request that samples."""
+        ids = [s.request_id for s in scheduled if s.sample and s.request_id in self._matchers]
+        if not ids:
+            return None
+        start = time.perf_counter()
+        words = self.backend.allocate_bitmask(len(ids))
+        for row, request_id in enumerate(ids):
+            self._matchers[request_id].fill_bitmask(words, row)
+        self.stats.masks_filled += len(ids)
+        self.stats.mask_seconds += time.perf_counter() - start
+        return TokenBitmask({request_id: row for row, request_id in enumerate(ids)}, words)
+
+    def accept(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance a request's matcher over its new tokens; False if the grammar refused one."""
+        matcher = self._matchers.get(request_id)
+        return matcher is None or all(matcher.accept_token(t) for t in token_ids)
+
+    def is_terminated(self, request_id: str) -> bool:
+        matcher = self._matchers.get(request_id)
+        return matcher is not None and matcher.is_terminated()
+
+    def remove(self, request_id: str) -> Any:
+        """Forget a request (finished, aborted); returns its payload if it was still waiting."""
+        self._matchers.pop(request_id, None)
+        pending = self._pending.pop(request_id, None)
+        return pending[1] if pending else None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,108 @@
+"""The structured-output backend on xgrammar (the library vLLM uses by default; it runs on the CPU).
+
+JSON schemas, regular expressions and EBNF grammars compile into a grammar over the tokenizer's
+vocabulary; a choice among strings compiles as an EBNF alternation of its literal strings."""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+import numpy as np
+import xgrammar as xgr
+
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.backend import GrammarKey, GrammarMatcher, StructuredOutputBackend
+
+class XgrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._matcher.accept_token(token_id)
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        import torch
+
+        self._matcher.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """`get_tokenizer`: returns the Hugging Face tokenizer (the engine core's process loads its own
+    only once a constrained request arrives). `vocab_size`: the model's logits' width, which may
+    exceed the tokenizer's (tokens past it are never allowed)."""
+
+    def __init__(self, get_tokenizer: Callable[[], object], vocab_size: int, stop_token_ids: list[int]) -> None:
+        self._get_tokenizer = get_tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._compiler: xgr.GrammarCompiler | None = None
+
+    @staticmethod
+    def check(params: StructuredOutputsParams) -> None:
+        kind, text, _ = params.key
+        try:
+            _grammar(kind, text, compact=False)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"invalid structured output {kind}: {_reason(exc)}") from None
+
+    def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
+        return self._get_compiler().compile_grammar(_grammar(*key))
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarMatcher:
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled))  # any number of tokens can be rolled back
+
+    def allocate_bitmask(self, rows: int) -> np.ndarray:
+        return np.full((rows, xgr.get_bitmask_shape(1, self.vocab_size)[1]), -1, dtype=np.int32)
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        # Built on first use, in the compiling thread: the tokenizer's vocabulary takes ~0.1 s to index.
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._get_tokenizer(), vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            # Few threads: compiling shares the CPU with the engine's forward passes.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+
+def _grammar(kind: str, text: str, compact: bool) -> xgr.Grammar:
+    """The constraint as an xgrammar Grammar (no vocabulary needed: this is also the check)."""
+    if kind == "json":
+        json.loads(text)  # a clear "not JSON" before xgrammar's own message
+        return _json_grammar(text, compact)
+    if kind == "json_object":
+        return _json_grammar('{"type": "object"}', compact)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    if kind == "choice":
+        # EBNF string literals take JSON's escapes; ensure_ascii keeps every character one escape.
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
+    return xgr.Grammar.from_ebnf(text)
+
+
+# xgrammar 0.2.8 writes a string with minLength/maxLength as a repeat of this character class, which
+# lets raw control characters through (invalid JSON: strict parsers, pydantic's included, refuse
+# it) and leaves no escapes (xgrammar issue #800). Each repeated item becomes one JSON character:
+# an unescaped one outside U+0000-U+001F, or an escape (the rule xgrammar's plain strings use).
+_BOUNDED_STRING_ITEM = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_CHARACTER = r'\1 ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" basic_escape))'
+
+
+def _json_grammar(schema: str, compact: bool) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not compact)
+    text, count = _BOUNDED_STRING_ITEM.subn(_JSON_CHARACTER, str(grammar))
+    return xgr.Grammar.from_ebnf(text) if count else grammar
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its C++ source location and assertion ("[time] file.cc:123:
+    Check failed: (...) is false: ...")."""
+    message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip())
+    message = re.sub(r"^Check failed: .*? is false:\s*", "", message)
+    return message.splitlines()[0] if message else type(exc).__name__
