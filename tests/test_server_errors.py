@@ -61,12 +61,38 @@ BAD = [
     ("lone surrogate in chat", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages.0.content"),
     ("lone surrogate to tokenize", "/tokenize", {"prompt": "a \ud83d b"}, 400, "prompt"),
-    ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools"),
-    ("tool_choice", "/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
-    ("json response_format", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
+    ("auto tools without a parser", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ("tool_choice required without tools", "/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("named tool not among the tools", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("tool without a function", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tool with a bad name", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "no spaces!"}}]}, 400, "tools"),
+    ("tool parameters not a schema", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}],
+      "tool_choice": "required"}, 400, "tools"),
+    ("tool message without tool_call_id", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
+    ("deprecated functions", "/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
+    ("invalid json schema", "/v1/chat/completions",
+     {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+     400, "response_format"),
+    ("json_schema without its schema", "/v1/chat/completions",
+     {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("unknown response_format", "/v1/completions", {**GOOD, "response_format": {"type": "yaml"}}, 400,
      "response_format"),
-    ("guided_json", "/v1/completions", {**GOOD, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("invalid regex", "/v1/completions", {**GOOD, "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
+    ("invalid grammar", "/v1/completions", {**GOOD, "guided_grammar": "root ::= nothing_defined"}, 400,
+     "guided_grammar"),
+    ("guided_json not JSON", "/v1/completions", {**GOOD, "guided_json": "{nope"}, 400, "guided_json"),
+    ("empty guided_choice", "/v1/completions", {**GOOD, "guided_choice": []}, 400, "guided_choice"),
+    ("two constraints", "/v1/completions", {**GOOD, "guided_regex": "a+", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
+    ("two kinds in structured_outputs", "/v1/completions",
+     {**GOOD, "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400, "structured_outputs"),
 ]
 
 
@@ -75,7 +101,7 @@ def test_malformed_json_names_no_param(http):
     assert error["param"] is None and "not valid JSON" in error["message"] and error["code"] == "invalid_json"
 
 
-def test_no_op_values_of_unimplemented_fields_pass(http):
+def test_no_op_values_of_constraint_and_tool_fields_pass(http):
     body = {**CHAT, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
     assert _post(http, "/v1/chat/completions", body).status_code == 200
 

@@ -7,6 +7,8 @@ import logging
 import sys
 
 from pagedllm.config import KV_CACHE_DTYPE_CHOICES, MAX_BODY_BYTES, QUANTIZATION_CHOICES, EngineArgs
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.reasoning import REASONING_PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -99,13 +101,26 @@ def _generate(ns: argparse.Namespace) -> int:
 
 def _serve(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import ServerLimits, run_server
+    from pagedllm.entrypoints.openai.serving_chat import ChatOptions
 
     args = engine_args(ns)
     args["model"] = ns.model_path or ns.model
     limits = ServerLimits(max_body_bytes=ns.max_request_body_bytes, request_timeout=ns.request_timeout,
                           allowed_origins=ns.allowed_origins)
-    return run_server(EngineArgs(**args), ns.host, ns.port, ns.api_key, ns.chat_template, limits,
+    chat = ChatOptions(_read_template(ns.chat_template), ns.enable_auto_tool_choice, ns.tool_call_parser,
+                       ns.reasoning_parser)
+    return run_server(EngineArgs(**args), ns.host, ns.port, ns.api_key, chat, limits,
                       ns.max_waiting_requests, ns.shutdown_timeout)
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read the chat template {path}: {exc.strerror}") from exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGEDLLM_API_KEY)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto"; needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, Hermes; "
+                            "llama3_json: Llama 3.1/3.2)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split the model's thinking (<think>...</think>) into reasoning_content")
     add_server_limits(serve)
     gen = commands.add_parser("generate", help="complete prompts offline and print the text")
     gen.add_argument("prompts", nargs="+")

@@ -13,6 +13,10 @@ from pagedllm.sampling_params import StructuredOutputsParams
 GrammarKey = tuple[str, str, bool]
 
 
+class InvalidConstraintError(ValueError):
+    """A structured output constraint that cannot be compiled (a bad schema, regex or grammar)."""
+
+
 class GrammarMatcher(ABC):
     """One request's place in its grammar."""
 
@@ -37,7 +41,8 @@ class StructuredOutputBackend(ABC):
     @staticmethod
     @abstractmethod
     def check(params: StructuredOutputsParams) -> None:
-        """Raise ValueError, saying why, if the constraint cannot be compiled (needs no vocabulary)."""
+        """Raise InvalidConstraintError, saying why, if the constraint cannot be compiled (needs no
+        vocabulary)."""
 
     @abstractmethod
     def compile(self, key: GrammarKey) -> object:

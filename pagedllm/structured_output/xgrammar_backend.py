@@ -12,7 +12,8 @@ import numpy as np
 import xgrammar as xgr
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import GrammarKey, GrammarMatcher, StructuredOutputBackend
+from pagedllm.structured_output.backend import (GrammarKey, GrammarMatcher, InvalidConstraintError,
+                                                StructuredOutputBackend)
 
 class XgrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
@@ -50,7 +51,7 @@ class XgrammarBackend(StructuredOutputBackend):
         try:
             _grammar(kind, text, compact=False)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"invalid structured output {kind}: {_reason(exc)}") from None
+            raise InvalidConstraintError(f"invalid structured output {kind}: {_reason(exc)}") from None
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         return self._get_compiler().compile_grammar(_grammar(*key))

@@ -23,7 +23,7 @@ from pagedllm.config import MAX_BODY_BYTES, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest, error_response)
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving import api_error, off_loop
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -39,7 +39,7 @@ class ServerLimits:
 
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
-              chat_template: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+              chat_options: ChatOptions | None = None, limits: ServerLimits | None = None) -> FastAPI:
     limits = limits or ServerLimits()
 
     @asynccontextmanager
@@ -50,7 +50,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     completions = OpenAIServingCompletion(engine, model_name, limits.request_timeout)
-    chat = OpenAIServingChat(engine, model_name, chat_template, limits.request_timeout)
+    chat = OpenAIServingChat(engine, model_name, chat_options, limits.request_timeout)
     _install_guards(app, api_key, limits)
 
     @app.post("/v1/completions")
@@ -270,19 +270,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(args: EngineArgs, host: str, port: int, api_key: str | None, chat_template_file: str | None,
+def run_server(args: EngineArgs, host: str, port: int, api_key: str | None, chat_options: ChatOptions,
                limits: ServerLimits | None = None, max_waiting_requests: int | None = None,
                shutdown_timeout: float = 10.0) -> int:
     """Serve until stopped; returns the process's exit code (non-zero if the engine died)."""
-    chat_template = None
-    if chat_template_file:
-        with open(chat_template_file) as f:
-            chat_template = f.read()
+    chat_options.check()  # before the model loads
     api_key = api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     sock = bind_socket(host, port)
     engine = AsyncLLM(args, max_waiting_requests=max_waiting_requests)
     name = args.served_name()
-    app = build_app(engine, name, api_key, chat_template, limits)
+    app = build_app(engine, name, api_key, chat_options, limits)
     logger.info("Serving %s (max_model_len %d) at http://%s:%d/v1", name, engine.max_model_len, host, port)
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
     server = _Server(config, engine, shutdown_timeout)

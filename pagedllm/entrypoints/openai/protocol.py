@@ -1,12 +1,13 @@
 """OpenAI API request models (pydantic) and the error shape."""
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -66,6 +67,43 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text, any JSON object, or JSON under a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise APIError("response_format of type json_schema needs json_schema", param="response_format")
+        return StructuredOutputsParams(json=self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
+
+
+class StructuredOutputsFields(_Request):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object,
+                                       disable_any_whitespace=self.disable_any_whitespace)
+
+
 class SamplingFields(_Request):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
     model: str | None = None
@@ -89,17 +127,36 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
-    # Accepted by OpenAI or vLLM but not implemented here yet: refused by name (see `refuse_unsupported`),
-    # never silently ignored.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The structured output asked for, and the field that asked (one at most)."""
+        given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise APIError(f"give one structured output constraint, not {len(given)}: {', '.join(given)}",
+                           param=given[1])
+        if not given:
+            return None, None
+        name = given[0]
+        try:
+            if name in ("response_format", "structured_outputs"):
+                return getattr(self, name).constraint(), name
+            kind = name.removeprefix("guided_")
+            return StructuredOutputsParams(**{kind: getattr(self, name)}), name
+        except ValueError as exc:
+            raise APIError(str(exc), param=name) from exc
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+                        prompt_logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams from this request; fields it leaves out take the model's defaults."""
         self.refuse_unsupported()
 
@@ -121,7 +178,7 @@ class SamplingFields(_Request):
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, logit_bias=bias or None,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs)
         except ValueError as exc:
             raise APIError(str(exc)) from exc
 
@@ -131,17 +188,17 @@ class SamplingFields(_Request):
             value = getattr(self, name, None)
             if value is None or value == [] or value == "none":
                 continue
-            if name == "response_format" and value.get("type") == "text":
-                continue
-            raise APIError(f"{name} is not supported by this server yet", param=name, code="unsupported_parameter")
+            raise APIError(f"{name} is not supported by this server (use tools and tool_choice)", param=name,
+                           code="unsupported_parameter")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-_NOT_IMPLEMENTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "structured_outputs",
-                    "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+_NOT_IMPLEMENTED = ("functions", "function_call")  # OpenAI's deprecated forms of tools
 
 
 class CompletionRequest(SamplingFields):
@@ -158,16 +215,76 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class MessageToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id, the id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates write the arguments out themselves (Qwen's with `tojson`): they get the object.
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": _arguments(call.function.arguments)}}
+                                     for call in self.tool_calls]
+        return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: as the client sent it
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -177,8 +294,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} for Qwen3
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
 

@@ -20,6 +20,7 @@ from pagedllm.engine.llm_engine import ProcessedRequest
 from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.backend import InvalidConstraintError
 
 
 def sse(payload: dict | str) -> str:
@@ -86,14 +87,18 @@ class OpenAIServing:
             raise APIError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     async def admit(self, prompts: list[str | list[int]], params: SamplingParams, requested_max_tokens: int | None,
-                    cache_salt: str | None = None) -> list[ProcessedRequest]:
-        """Tokenize (off the event loop) and validate every prompt before any is queued."""
+                    cache_salt: str | None = None, constraint_field: str | None = None) -> list[ProcessedRequest]:
+        """Tokenize (off the event loop) and validate every prompt before any is queued.
+        `constraint_field`: the request field a structured output constraint came from (named by
+        the error if it does not compile)."""
         limit = self.engine.max_model_len
         processed = []
         for prompt in prompts:
             try:
                 item = await off_loop(self.engine.process_inputs, prompt, params)
                 item.cache_salt = cache_salt
+            except InvalidConstraintError as exc:
+                raise APIError(str(exc), param=constraint_field) from exc
             except ValueError as exc:
                 raise APIError(str(exc), param="prompt") from exc
             if requested_max_tokens is not None and len(item.prompt_token_ids) + requested_max_tokens > limit:

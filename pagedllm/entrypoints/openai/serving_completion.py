@@ -18,8 +18,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("best_of must equal n (or be left out)", param="best_of")
         prompts = _prompt_list(request.prompt)
         echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs, echo_logprobs)
-        processed = await self.admit(prompts, params, request.max_tokens, request.cache_salt)
+        constraint, field = request.constraint()
+        params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs, echo_logprobs, constraint)
+        processed = await self.admit(prompts, params, request.max_tokens, request.cache_salt, field)
         request_id = new_id("cmpl")
         streams = self.start(request_id, processed)
         prompt_texts = [p.prompt if p.prompt is not None else self.engine.tokenizer.decode(p.prompt_token_ids)

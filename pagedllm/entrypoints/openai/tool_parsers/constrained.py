@@ -1,0 +1,109 @@
+"""Tool calls the server guarantees by constraining the output with the tools' JSON schemas, as
+vLLM does for `tool_choice` "required" and a named function. The constraint makes the output
+parse; these read it back as calls, in full and streaming.
+
+- a named function: the output is its arguments, a JSON object under its parameters' schema;
+- "required": the output is a JSON array of {"name", "parameters"} objects, one per call (at least
+  one; exactly one when parallel_tool_calls is false), each under its tool's schema.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.entrypoints.openai.tool_parsers.base import (ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream,
+                                                           ToolParser, call_from_object, loads_json)
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def required_schema(tools: list[dict], parallel: bool) -> dict:
+    """The JSON schema of "required" tool calls over `tools` (OpenAI's function definitions)."""
+    items = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [tool["name"]]},
+                             "parameters": tool.get("parameters") or ANY_OBJECT},
+              "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+class NamedFunctionOutput(ToolParser):
+    """The output is the named function's arguments."""
+    name = "named_function"
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def parse(self, text: str) -> ParsedOutput:
+        if not _is_object(text):  # cut short (max_tokens): no call, the text as it is
+            return ParsedOutput(text or None, [])
+        return ParsedOutput(None, [ToolCall(self.function, text)])
+
+    def stream(self) -> ToolCallStream:
+        return _NamedStream(self.function)
+
+
+class _NamedStream(ToolCallStream):
+    """The arguments go out as they are generated, after a first delta with the call's id and name."""
+
+    def __init__(self, function: str) -> None:
+        super().__init__()
+        self._call = ToolCall(function, "")
+        self._started = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        if not delta:
+            return "", []
+        self._call.arguments += delta
+        deltas = [] if self._started else [ToolCallDelta(0, self._call.id, self._call.name, "")]
+        self._started = True
+        return "", deltas + [ToolCallDelta(0, arguments=delta)]
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if _is_object(self._call.arguments):
+            self._calls = [self._call]
+        return "", []
+
+
+class RequiredFunctionsOutput(ToolParser):
+    """The output is a JSON array of calls."""
+    name = "required_functions"
+
+    def parse(self, text: str) -> ParsedOutput:
+        try:
+            items = loads_json(text)
+        except ValueError:
+            return ParsedOutput(text or None, [])
+        calls = [call_from_object(item) for item in items] if isinstance(items, list) else [None]
+        if not calls or None in calls:
+            return ParsedOutput(text or None, [])
+        return ParsedOutput(None, calls)
+
+    def stream(self) -> ToolCallStream:
+        return _RequiredStream(self)
+
+
+class _RequiredStream(ToolCallStream):
+    """Held until the array is complete, then each call as its two deltas (id and name, arguments)."""
+
+    def __init__(self, parser: RequiredFunctionsOutput) -> None:
+        super().__init__()
+        self._parser = parser
+        self._text = ""
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        self._text += delta
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        parsed = self._parser.parse(self._text)
+        deltas = [d for call in parsed.tool_calls for d in self._emit(call)]
+        return parsed.content or "", deltas
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(loads_json(text), dict)
+    except ValueError:
+        return False
