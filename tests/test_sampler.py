@@ -187,3 +187,35 @@ def test_token_bitmask_limits_what_is_sampled_and_leaves_logprobs_alone():
     assert set(draws.token_ids) <= set(allowed) and len(set(draws.token_ids)) > 1
     everything = TokenBitmask({"masked": 0}, [TokenBitmask.pack(list(range(vocab)), vocab)])
     assert Sampler()(logits[None].clone(), rows[:1], everything).token_ids == [int(logits.argmax())]
+
+
+def test_token_mask_kernel_equals_the_torch_path(monkeypatch):
+    """The C++ mask (all-allowed words skipped, all-barred filled whole) bars exactly the tokens the
+    portable path bars, high bits and a partial last word included."""
+    import numpy as np
+
+    from pagedllm import layers
+    from pagedllm.core.step import TokenBitmask
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.layers.sampler import apply_token_bitmask
+
+    if cpu_ops() is None:
+        pytest.skip("no C++ kernels here")
+    vocab, batch = 1000, 6
+    rng = np.random.default_rng(1)
+    words = rng.integers(-2**31, 2**31 - 1, size=(4, -(-vocab // 32)), dtype=np.int64).astype(np.int32)
+    words[0, :10] = -1
+    words[1, 5:] = 0
+    words[2, :] = -1
+    words[3, :] = 0
+    words[3, 3] = np.int32(-2**31)  # only token 3 * 32 + 31
+    states = [_req(SamplingParams(), rid=str(i)) for i in range(batch)]
+    mask = TokenBitmask({"4": 0, "1": 1, "5": 2, "2": 3}, words)
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(2))
+    with_kernel = apply_token_bitmask(logits.clone(), states, mask)
+    monkeypatch.setattr(layers.sampler, "cpu_ops", lambda: None)
+    portable = apply_token_bitmask(logits.clone(), states, mask)
+    assert torch.equal(with_kernel, portable)
+    barred = torch.isinf(portable)
+    assert not barred[[0, 3]].any() and not barred[5].any() and barred[1, 5 * 32:].all()
+    assert barred[2].sum() == vocab - 1 and not barred[2, 3 * 32 + 31]

@@ -280,3 +280,35 @@ void argmax_rows(torch::Tensor out, torch::Tensor x) {
     for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * n, n);
   });
 }
+
+// Structured output's token mask: in fp32 rows `rows[j]` of logits, tokens whose bit is clear in
+// mask row j (bit t % 32 of int32 word t / 32) become -inf. Words of all ones (a free stretch of
+// vocabulary) are skipped and words of zeros filled whole: a grammar's masks are mostly one or the
+// other, so a row costs a pass over its 1.5k words rather than over 49k tokens.
+void apply_token_mask(torch::Tensor logits, torch::Tensor rows, torch::Tensor words) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat,
+              "[batch, vocab] fp32 logits expected");
+  TORCH_CHECK(words.dim() == 2 && words.is_contiguous() && words.scalar_type() == torch::kInt, "int32 mask words expected");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.numel() == words.size(0), "one int64 row index per mask row");
+  const int64_t vocab = logits.size(1), num_words = words.size(1);
+  TORCH_CHECK(num_words * 32 >= vocab, "the mask covers ", num_words * 32, " tokens, fewer than the vocabulary's ", vocab);
+  const int64_t* row_index = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < rows.numel(); ++j) {
+    TORCH_CHECK(row_index[j] >= 0 && row_index[j] < logits.size(0), "mask row index out of range");
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows.numel(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      float* row = logits.data_ptr<float>() + row_index[j] * vocab;
+      const uint32_t* mask = reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()) + j * num_words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t word = mask[w];
+        if (word == 0xffffffffu) continue;
+        const int64_t base = w * 32, count = std::min<int64_t>(32, vocab - base);
+        for (int64_t b = 0; b < count; ++b) {
+          if (!((word >> b) & 1u)) row[base + b] = neg_inf;
+        }
+      }
+    }
+  });
+}

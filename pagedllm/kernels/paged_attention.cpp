@@ -915,6 +915,7 @@ bool packed_linear_available();
 std::vector<std::pair<int64_t, int64_t>> work_split_trace(int64_t items, int64_t threads, int64_t delay_us,
                                                           const std::vector<int64_t>& weights);
 void argmax_rows(torch::Tensor out, torch::Tensor x);
+void apply_token_mask(torch::Tensor logits, torch::Tensor rows, torch::Tensor words);
 void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
 void bind_quant_linear(pybind11::module& m);   // quant_linear.cpp
 
@@ -930,6 +931,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_rows", &packed_linear_rows, "x W^T over oneDNN's packed bf16 weights (then silu-and-mul)",
         release());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of fp32 rows", release());
+  m.def("apply_token_mask", &apply_token_mask, "logits[rows[j], t] = -inf where bit t of mask row j is clear",
+        release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
   m.def("attention_has_query_tiles", &attention_has_query_tiles, "whether bf16 attention has query tiles for (d, group)");
   bind_decoder_stack(m);  // first: it binds LinearOp, which quant_linear's class derives from
