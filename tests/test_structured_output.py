@@ -212,3 +212,14 @@ def test_bounded_json_strings_refuse_raw_control_characters(llm):
 
     assert accepts('{"a": "ab"}') and accepts('{"a": "éa b"}')
     assert not accepts('{"a": "a\x1bb"}') and not accepts('{"a": "a\tb"}') and not accepts('{"a": "abcde"}')
+
+
+def test_min_tokens_past_the_grammars_end_fails_only_that_request(llm):
+    """A complete grammar allows only its end (EOS), which min_tokens bars: the request ends with an
+    error saying so; the others go on."""
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    free, failed = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert len(free.outputs[0].token_ids) == 6
+    assert failed.outputs[0].finish_reason == "error" and "min_tokens" in failed.error

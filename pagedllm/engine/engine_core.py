@@ -49,7 +49,7 @@ class EngineCore:
             return
         if self.structured_output is None:
             raise ValueError("this engine has no structured output backend")
-        if message.request_id in self.scheduler.requests:
+        if message.request_id in self.scheduler.requests or self.structured_output.is_pending(message.request_id):
             raise ValueError(f"request id {message.request_id!r} is already in the engine core")
         self.structured_output.submit(message.request_id, constraint, (request, message.fork_of))
         self._admit_constrained()  # at once if its grammar is cached (a fork must find its parent held)
@@ -123,7 +123,9 @@ class EngineCore:
             if not manager.is_constrained(request_id):
                 continue
             if not manager.accept(request_id, request.output_token_ids[request.num_reported_tokens:]):
-                refused[request_id] = self._fail(request_id, ValueError("the output left its grammar"))
+                refused[request_id] = self._fail(request_id, ValueError(
+                    "the sampled token is outside the request's grammar (min_tokens can bar the only tokens "
+                    "a complete grammar allows: its end)"))
                 continue
             if manager.is_terminated(request_id) and not request.status.finished:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)

@@ -45,10 +45,14 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Conversations through the chat template (with `tools`, OpenAI's tool definitions, where
+        the template takes them), then generate. The output is the model's text: reading tool calls
+        out of it is the server's job (--tool-call-parser)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt)
-                   for c in conversations]
+        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt, tools,
+                                       chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:

@@ -19,6 +19,8 @@ Tags cut across deltas ("</thi" + "nk>") are held back until the next delta tell
 """
 from __future__ import annotations
 
+from pagedllm.entrypoints.openai.tool_parsers.base import partial_tag_len
+
 OPEN = "<think>"
 CLOSE = "</think>"
 
@@ -46,15 +48,6 @@ class ReasoningParser:
 
     def stream(self) -> ReasoningStream:
         raise NotImplementedError
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`: what to hold back.
-    (tool_parsers/base.py has the same few lines; this package does not import the server's.)"""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def _split_thinking(body: str) -> tuple[str | None, str | None]:
@@ -111,7 +104,7 @@ class _ThinkStream(ReasoningStream):
             text = self._buf + delta
             end = text.find(CLOSE)
             if end < 0:
-                keep = _partial_tag_len(text, CLOSE)
+                keep = partial_tag_len(text, CLOSE)
                 self._buf = text[len(text) - keep:]
                 return self._reasoning.feed(text[:len(text) - keep]), ""
             reasoning = self._reasoning.feed(text[:end])  # its held trailing newlines are dropped

@@ -64,6 +64,9 @@ class StructuredOutputManager:
         self.stats.grammars_compiled += 1
         return compiled
 
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
+
     @property
     def num_pending(self) -> int:
         return len(self._pending)
