@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pagedllm.entrypoints.openai.tool_parsers import (TOOL_PARSERS, ToolCallDelta, ToolParser,
                                                       get_tool_parser)
+from pagedllm.entrypoints.openai.tool_parsers.constrained import NamedFunctionOutput, RequiredFunctionsOutput
 from pagedllm.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -396,3 +397,49 @@ def test_qwen3_splits_a_thinking_output(lead, reasoning, sep, content):
     # deepseek_r1 reads the same output after its template opened <think>
     assert get_reasoning_parser("deepseek_r1").parse(text.lstrip()) == (reasoning.strip("\n") or None,
                                                                          content.lstrip("\n") or None)
+
+
+# -- the outputs tool_choice "required" and a named function are constrained to ------------------
+
+REQUIRED_TEXT = ('[{"name": "f", "parameters": {"q": "a \\\\\\" ] } [ {"}}, '
+                 '{"name": "g", "parameters": {"n": [1, {"x": 2}]}}]')
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(REQUIRED_TEXT)), max_size=12))
+def test_required_calls_stream_as_each_completes(cuts):
+    parser = RequiredFunctionsOutput()
+    whole = parser.parse(REQUIRED_TEXT)
+    assert [c.name for c in whole.tool_calls] == ["f", "g"] and whole.content is None
+    assert json.loads(whole.tool_calls[0].arguments) == {"q": 'a \\" ] } [ {'}
+    stream = parser.stream()
+    pieces = [REQUIRED_TEXT[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(REQUIRED_TEXT)])]
+    deltas, first_call_at = [], None
+    for i, piece in enumerate(pieces):
+        content, new = stream.feed(piece)
+        assert content == ""
+        deltas += new
+        if new and first_call_at is None:
+            first_call_at = sum(map(len, pieces[:i + 1]))
+    assert stream.finish() == ("", [])
+    f_end = REQUIRED_TEXT.index("}}, ") + 2
+    ends = [sum(map(len, pieces[:i + 1])) for i in range(len(pieces))]
+    assert first_call_at == min(e for e in ends if e >= f_end)  # f went out with the piece that completed it
+    joined = {}
+    for d in deltas:
+        joined.setdefault(d.index, ["", ""])
+        joined[d.index][0] += d.name or ""
+        joined[d.index][1] += d.arguments
+    assert [tuple(v) for _, v in sorted(joined.items())] == [(c.name, c.arguments) for c in whole.tool_calls]
+    assert [c.id for c in stream.tool_calls] == [d.id for d in deltas if d.id]
+
+
+def test_constrained_outputs_cut_short_are_content():
+    assert RequiredFunctionsOutput().parse('[{"name": "f", "param').content == '[{"name": "f", "param'
+    named = NamedFunctionOutput("f")
+    assert named.parse('{"a": 1}').tool_calls[0].arguments == '{"a": 1}'
+    assert named.parse('{"a": ').tool_calls == []
+    stream = named.stream()
+    assert stream.feed('{"a"')[1][0].name == "f" and stream.feed(": 1}")[1][0].arguments == ": 1}"
+    stream.finish()
+    assert [c.arguments for c in stream.tool_calls] == ['{"a": 1}']

@@ -85,21 +85,63 @@ class RequiredFunctionsOutput(ToolParser):
 
 
 class _RequiredStream(ToolCallStream):
-    """Held until the array is complete, then each call as its two deltas (id and name, arguments)."""
+    """Each call goes out (its two deltas: id and name, then arguments) as soon as its element of
+    the array is complete; the grammar makes the text well-formed, so a scan of brackets outside
+    strings finds the elements' ends."""
 
     def __init__(self, parser: RequiredFunctionsOutput) -> None:
         super().__init__()
         self._parser = parser
         self._text = ""
+        self._scanned = 0  # characters of _text scanned so far
+        self._depth = 0  # brackets open at _scanned
+        self._in_string = self._escaped = False
+        self._element_start = -1  # where the element being written began
+        self._failed = False  # an element that is not a call: the whole output is content
 
     def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
         self._text += delta
-        return "", []
+        deltas: list[ToolCallDelta] = []
+        for i in range(self._scanned, len(self._text)):
+            end = self._scan(self._text[i], i)
+            if end is not None and not self._failed:
+                call = _element_call(self._text[self._element_start:end])
+                self._failed = call is None
+                deltas += self._emit(call) if call is not None else []
+        self._scanned = len(self._text)
+        return "", deltas
+
+    def _scan(self, char: str, index: int) -> int | None:
+        """Track strings and brackets; returns the end of an array element that `char` closes."""
+        if self._in_string:
+            escaped, self._escaped = self._escaped, not self._escaped and char == "\\"
+            self._in_string = escaped or char != '"'
+            return None
+        if char == '"':
+            self._in_string = True
+        elif char in "[{":
+            self._depth += 1
+            if self._depth == 2:
+                self._element_start = index
+        elif char in "]}":
+            self._depth -= 1
+            if self._depth == 1:
+                return index + 1
+        return None
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         parsed = self._parser.parse(self._text)
-        deltas = [d for call in parsed.tool_calls for d in self._emit(call)]
-        return parsed.content or "", deltas
+        if parsed.tool_calls and not self._failed and len(parsed.tool_calls) == len(self._calls):
+            return "", []
+        # Cut short (max_tokens) or not calls after all: the text is content; calls already sent stay sent.
+        return ("" if self._calls else parsed.content or ""), []
+
+
+def _element_call(text: str) -> ToolCall | None:
+    try:
+        return call_from_object(loads_json(text))
+    except ValueError:
+        return None
 
 
 def _is_object(text: str) -> bool:
