@@ -20,6 +20,7 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+    "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
 }
 _QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 _Q = gguf.GGMLQuantizationType
@@ -128,7 +129,9 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
     n_kv = cfg.get("num_key_value_heads") or n_head
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     # transformers 5 moved rope_theta into rope_parameters; older configs keep it top-level.
-    rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: per kind of layer; the file holds the global base
+    rope_theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
 
     w = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
     # Never exactly "mistral": transformers would then map the file to its Mistral class, whose
@@ -169,6 +172,8 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         if name is None:
             raise ValueError(f"cannot map tensor {hf_name}")
         data = t.to(torch.float32).numpy()
+        if arch == gguf.MODEL_ARCH.GEMMA3 and hf_name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's converter stores Gemma's norms as the scale itself
         if arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_q." in name:
             data = _permute(data, n_head)
         elif arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_k." in name:

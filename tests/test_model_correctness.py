@@ -12,9 +12,13 @@ MAX_TOKENS = 12
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_and_logprobs_match_transformers(arch, tiny_models):
+    assert_matches_transformers(tiny_models[arch])
+
+
+def assert_matches_transformers(path: str) -> None:
+    """Greedy tokens equal, token and prompt logprobs within fp32 tolerance, on prompts of mixed lengths."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_models[arch]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory="64MiB")
     prompts = prompts_of_mixed_lengths(hf.config.vocab_size, seed=1)

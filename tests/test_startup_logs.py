@@ -26,6 +26,7 @@ def test_offline_llm_logs_kv_cache_once_and_no_carriage_returns(llama_dir):
     assert text.count("KV cache:") == 1, text
     assert b"\r" not in stderr
     assert "Loading weights" in text and "Loaded " in text, text  # plain lines in place of the bar
+    assert "Model: LlamaForCausalLM (llama), Hugging Face folder, quantization none" in text, text
 
 
 def test_cli_prints_each_line_once_beside_its_basic_config(llama_dir):

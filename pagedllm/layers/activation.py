@@ -1,4 +1,5 @@
-"""SiLU-and-mul: the gated MLP's activation, fused where the C++ kernels are at hand."""
+"""The gated MLP's activations: SiLU-and-mul (fused where the C++ kernels are at hand) and
+GELU(tanh)-and-mul (Gemma's)."""
 from __future__ import annotations
 
 import torch
@@ -21,3 +22,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[.., 2n] -> [.., n]: gelu(first half, tanh approximation) * second half (Gemma's MLP)."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

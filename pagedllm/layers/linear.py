@@ -221,16 +221,20 @@ class QKVLinear(Linear):
         self.shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
 
 
-class SiluAndMulLinear(Linear):
-    """A gated MLP's gate and up projections as one layer, [.., in] -> silu(x Wg^T) * (x Wu^T),
-    [.., out_features / 2]; the checkpoint's gate_proj and up_proj are its shards 0 and 1."""
-    _interleaved = False  # PackedBF16LinearMethod: gate and up interleaved in the packed weight
+class GateUpLinear(Linear):
+    """A gated MLP's gate and up projections as one layer, [.., in] -> [.., out_features]: gate's
+    outputs, then up's; the checkpoint's gate_proj and up_proj are its shards 0 and 1."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  method: LinearMethodBase | None = None) -> None:
         super().__init__(in_features, out_features, bias, method)
         half = out_features // 2
         self.shards = {0: (0, half), 1: (half, half)}
+
+
+class SiluAndMulLinear(GateUpLinear):
+    """GateUpLinear with SiLU-and-mul applied: [.., in] -> silu(x Wg^T) * (x Wu^T), [.., out_features / 2]."""
+    _interleaved = False  # PackedBF16LinearMethod: gate and up interleaved in the packed weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply_silu_and_mul(self, x)

@@ -49,3 +49,18 @@ def add_rms_norm_reference(residual: torch.Tensor, delta: torch.Tensor, weight: 
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual + delta
     return residual, rms_norm_reference(residual, weight, eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1, and the scaling is done in fp32
+    before the cast back (Llama's casts first, then scales in the model dtype)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

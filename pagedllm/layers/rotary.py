@@ -8,9 +8,13 @@ from torch import nn
 
 
 
-def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale for the config's rope type (llama3, linear, yarn...)."""
+def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale for the config's rope type (llama3, linear, yarn...).
+    `layer_type`: for configs with rope parameters per kind of layer (Gemma 3's "sliding_attention"
+    and "full_attention", each with its own base)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -21,20 +25,22 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}")
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(factor)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
+        self.layer_type = layer_type
         self.build_tables("cpu")
 
     def build_tables(self, device: torch.device | str) -> None:
         # Its own device context: the model may be under construction on "meta".
         with torch.device(device):
-            inv_freq, scale = rope_inv_freq(self.config, self.head_dim)
+            inv_freq, scale = rope_inv_freq(self.config, self.head_dim, self.layer_type)
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
         # [max_positions, head_dim]: cos and sin laid out for rotate-half.
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -191,13 +191,18 @@ class DecoderForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         cfg = self.decoder_config = DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm)
-        self.model = DecoderModel(config, cfg, max_positions, quant_config)
+        self.model = self.build_model(config, cfg, max_positions, quant_config)
         embedding = self.model.embed_tokens
         if cfg.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
             self.lm_head = TiedHead(embedding)
         else:
             head_method = None if cfg.tie_word_embeddings else linear_method(quant_config, "", "lm_head")
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=head_method)
+
+    @staticmethod
+    def build_model(config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
+        """The body (embeddings, layers, final norm); a family with other layers builds its own."""
+        return DecoderModel(config, cfg, max_positions, quant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -23,9 +23,14 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
+# Gemma 3 names its four norms otherwise: its "ffn_norm" is the norm before the MLP.
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # llama.cpp's converter interleaves Q/K rows for its rotary layout on these architectures only.
 _PERMUTED_ARCHS = {"llama", "mistral"}
-SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3"}
+# ... and stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the weight as it is).
+_NORM_PLUS_ONE_ARCHS = {"gemma3"}
+SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma3"}
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +91,33 @@ def load_gguf_config(path: str):
     window = _field(reader, f"{arch}.attention.sliding_window")
     if window:
         values["sliding_window"] = int(window)
-    config = gguf_config(values)
+    if arch == "gemma3":
+        values["eos_token_id"] = _gemma3_eos(reader, values.get("eos_token_id"))
+    config = _gemma3_config(values) if arch == "gemma3" else gguf_config(values)
     config.name_or_path = _folder(path)
     return config
+
+
+def _gemma3_eos(reader, eos: int | None) -> list[int]:
+    """Gemma's chat turns end with <end_of_turn>, which its generation config lists beside <eos> and
+    llama.cpp stops on; the GGUF file names only <eos>."""
+    ids = [] if eos is None else [int(eos)]
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is not None:
+        tokens = field.contents()
+        if "<end_of_turn>" in tokens:
+            ids.append(tokens.index("<end_of_turn>"))
+    return ids
+
+
+def _gemma3_config(values: dict):
+    """Gemma 3's config class, as transformers reads such a file: what GGUF does not say (the
+    pattern of sliding and full layers, the local rotary base, query_pre_attn_scalar) takes the
+    class's defaults, which are llama.cpp's too."""
+    from transformers import Gemma3TextConfig
+
+    values = {k: v for k, v in values.items() if k != "model_type"}
+    return Gemma3TextConfig(**values, architectures=["Gemma3ForCausalLM"])
 
 
 def _config_values(reader, arch: str) -> dict:
@@ -191,7 +220,7 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
     reader = _reader(path)
     arch = gguf_architecture(path)
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
         type_name = tensor.tensor_type.name
         if keep_quantized and type_name in FORMATS and len(shape) == 2:
@@ -204,6 +233,8 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
         weight = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = unpermute_qk(weight, _heads(config, name))
+        if arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            weight = weight - 1
         yield name, weight
 
 
@@ -213,7 +244,8 @@ def _heads(config, name: str) -> int:
 
 def tensor_types(path: str) -> dict[str, str]:
     """Each tensor's GGUF type (F32, Q4_K, ...) by its Hugging Face name."""
-    return {hf_name(t.name): t.tensor_type.name for t in _reader(path).tensors}
+    arch = gguf_architecture(path)
+    return {hf_name(t.name, arch): t.tensor_type.name for t in _reader(path).tensors}
 
 
 def release_readers() -> None:
@@ -226,14 +258,15 @@ def num_tensors(path: str) -> int:
     return len(_reader(path).tensors)
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if not match or match.group(2) not in _LAYER_NAMES:
+    if not match or match.group(2) not in names:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

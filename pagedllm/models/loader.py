@@ -173,19 +173,29 @@ def _generation_config(path: str, is_gguf: bool) -> dict:
 
 
 def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
+    """The model's tokenizer (or the named one). One without a chat template takes its family's
+    default where the family has one (Gemma's turn format: its GGUF files may carry none)."""
     from transformers import AutoTokenizer
 
     if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer)
-    if model_config.is_gguf:
-        return gguf_file.load_gguf_tokenizer(model_config.path, model_config.hf_config)
-    return AutoTokenizer.from_pretrained(model_config.path)
+        loaded = AutoTokenizer.from_pretrained(tokenizer)
+    elif model_config.is_gguf:
+        loaded = gguf_file.load_gguf_tokenizer(model_config.path, model_config.hf_config)
+    else:
+        loaded = AutoTokenizer.from_pretrained(model_config.path)
+    fallback = getattr(model_class(model_config.hf_config), "default_chat_template", None)
+    if not getattr(loaded, "chat_template", None) and fallback:
+        logger.info("The tokenizer has no chat template: using %s's default", model_class(model_config.hf_config).__name__)
+        loaded.chat_template = fallback
+    return loaded
 
 
 def load_model(model_config: ModelConfig, device: str) -> CausalLM:
     heap.map_large_blocks()
     cls = model_class(model_config.hf_config)
     quant_config = _quant_config(model_config)
+    logger.info("Model: %s (%s), %s, quantization %s", cls.__name__, model_config.hf_config.model_type,
+                "GGUF file" if model_config.is_gguf else "Hugging Face folder", model_config.quantization or "none")
     with torch.device("meta"):
         model = cls(model_config.hf_config, model_config.max_model_len, quant_config)
     _materialize(model, device, model_config.dtype)

@@ -1,0 +1,121 @@
+"""Gemma 3 (text): the shared attention and linear layers in Gemma's own layer.
+
+What differs from the Llama-like decoder: RMSNorms whose weight is an offset from 1, scaled in
+fp32 (GemmaRMSNorm); a norm after attention and after the MLP as well as before each, with the
+residual added after them; a GELU(tanh)-gated MLP; embeddings scaled by sqrt(hidden_size); per-head
+q/k norms; attention scaled by query_pre_attn_scalar ** -0.5; sliding-window layers interleaved
+with full ones (config.layer_types), each kind with its own rotary base; optional tanh soft-capping
+of the final logits. Its layers run op by op (the C++ decoder stack knows none of this)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import gelu_tanh_and_mul
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.linear import GateUpLinear, Linear
+from pagedllm.layers.norm import GemmaRMSNorm
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.quantization.gguf import QuantizedEmbedding
+from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
+from pagedllm.models.decoder import Attention, DecoderConfig, DecoderForCausalLM, linear_method
+from pagedllm.models.interface import KVCache
+
+# Gemma's turn format, for files that carry no template (the GGUF of Gemma 3 270M): a system
+# message goes at the head of the first user turn; the assistant's role is "model".
+CHAT_TEMPLATE = (
+    '{{- bos_token -}}'
+    '{%- set first_is_system = messages and messages[0].role in ("system", "developer") -%}'
+    '{%- set ns = namespace(prefix=(messages[0].content ~ "\\n\\n") if first_is_system else "") -%}'
+    '{%- for message in messages -%}'
+    '{%- if not (loop.first and first_is_system) -%}'
+    '{{- "<start_of_turn>" ~ ("model" if message.role == "assistant" else "user") ~ "\\n" ~ ns.prefix'
+    ' ~ (message.content | trim) ~ "<end_of_turn>\\n" -}}'
+    '{%- set ns.prefix = "" -%}'
+    '{%- endif -%}'
+    '{%- endfor -%}'
+    '{%- if add_generation_prompt -%}{{- "<start_of_turn>model\\n" -}}{%- endif -%}')
+
+
+class Gemma3Attention(Attention):
+    def __init__(self, config, cfg: DecoderConfig, window: int | None, quant: QuantizationConfig | None,
+                 prefix: str) -> None:
+        super().__init__(cfg, window, quant, prefix)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = config.query_pre_attn_scalar ** -0.5
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
+                                         linear_method(quant, prefix, "gate_proj", "up_proj"))
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, cfg: DecoderConfig, window: int | None, quant: QuantizationConfig | None,
+                 prefix: str) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, cfg, window, quant, f"{prefix}.self_attn")
+        self.mlp = Gemma3MLP(cfg, quant, f"{prefix}.mlp")
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> None:
+        super().__init__()
+        quantized = quant is not None and quant.quantized_embedding("model.embed_tokens")
+        self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.hidden_size ** 0.5
+        self.layer_types = list(config.layer_types)
+        # Each kind of layer rotates with its own base (Gemma 3: 10k local, 1M global).
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(config, cfg.head_dim, max_positions, kind)
+                                     for kind in sorted(set(self.layer_types))})
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, cfg, window, quant, f"model.layers.{i}")
+                                    for i, window in enumerate(cfg.sliding_windows))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    qk_norm = True
+    default_chat_template = CHAT_TEMPLATE
+
+    def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(config, max_positions, quant_config)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    @staticmethod
+    def build_model(config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
+        return Gemma3Model(config, cfg, max_positions, quant)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        x = x * torch.tensor(self.model.embed_scale).to(x.dtype)  # an fp32 scalar in the model's dtype, as HF rounds it
+        ropes = {kind: rotary.tables(positions) for kind, rotary in self.model.rotary.items()}
+        for layer, kind, kv_cache in zip(self.model.layers, self.model.layer_types, kv_caches):
+            x = layer(x, ropes[kind], kv_cache, attn_metadata)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _stack_blocker(self, ops) -> str | None:
+        return "Gemma's layers (norms after attention and MLP, GELU) have no kernel in the C++ decoder stack"
