@@ -4,7 +4,7 @@ model body, and DecoderForCausalLM, which each family's file subclasses with its
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import ClassVar
@@ -15,7 +15,8 @@ from torch import nn
 from pagedllm.config import head_dim
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
-from pagedllm.layers.linear import Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, default_weight_loader
+from pagedllm.layers.linear import (GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear,
+                                    default_weight_loader)
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.gguf import QuantizedEmbedding, TiedHead
@@ -116,20 +117,32 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, quant: QuantizationConfig | None, prefix: str) -> None:
+    """down(act(gate(x)) * up(x)). `activation`: None for SiLU, fused into the gate/up layer (and
+    the C++ kernels); else a function of gate/up's [.., 2n] output (Gemma's GELU-tanh-and-mul)."""
+
+    def __init__(self, cfg: DecoderConfig, quant: QuantizationConfig | None, prefix: str,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = SiluAndMulLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
-                                             linear_method(quant, prefix, "gate_proj", "up_proj"))
+        method = linear_method(quant, prefix, "gate_proj", "up_proj")
+        if activation is None:
+            self.gate_up_proj = SiluAndMulLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, method)
+        else:
+            self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, method)
+        self.activation = activation
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MLP_ROWS or x.device.type != "cpu":
-            return self.down_proj(self.gate_up_proj(x))
+            return self._rows(x)
         out = x.new_empty(x.shape)
         for start in range(0, x.shape[0], MLP_ROWS):
             rows = slice(start, start + MLP_ROWS)
-            out[rows] = self.down_proj(self.gate_up_proj(x[rows]))
+            out[rows] = self._rows(x[rows])
         return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        gated = self.gate_up_proj(x)
+        return self.down_proj(gated if self.activation is None else self.activation(gated))
 
 
 class DecoderLayer(nn.Module):

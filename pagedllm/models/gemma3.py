@@ -13,12 +13,11 @@ from torch import nn
 
 from pagedllm.layers.activation import gelu_tanh_and_mul
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.linear import GateUpLinear, Linear
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.gguf import QuantizedEmbedding
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
-from pagedllm.models.decoder import Attention, DecoderConfig, DecoderForCausalLM, linear_method
+from pagedllm.models.decoder import Attention, DecoderConfig, DecoderForCausalLM, GatedMLP
 from pagedllm.models.interface import KVCache
 
 # Gemma's turn format, for files that carry no template (the GGUF of Gemma 3 270M): a system
@@ -46,23 +45,12 @@ class Gemma3Attention(Attention):
         self.scale = config.query_pre_attn_scalar ** -0.5
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, quant: QuantizationConfig | None, prefix: str) -> None:
-        super().__init__()
-        self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
-                                         linear_method(quant, prefix, "gate_proj", "up_proj"))
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config, cfg: DecoderConfig, window: int | None, quant: QuantizationConfig | None,
                  prefix: str) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(config, cfg, window, quant, f"{prefix}.self_attn")
-        self.mlp = Gemma3MLP(cfg, quant, f"{prefix}.mlp")
+        self.mlp = GatedMLP(cfg, quant, f"{prefix}.mlp", gelu_tanh_and_mul)
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
