@@ -29,7 +29,7 @@ def test_the_four_classes_are_distinct():
 
 def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones():
     with pytest.raises(ValueError, match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: "
-                                         r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                         r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
                                          r"Qwen3ForCausalLM$"):
         model_class(SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
 

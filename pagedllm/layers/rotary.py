@@ -8,17 +8,43 @@ from torch import nn
 
 
 
-def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale for the config's rope type (llama3, linear, yarn...).
-    `layer_type`: for configs with rope parameters per kind of layer (Gemma 3's "sliding_attention"
-    and "full_attention", each with its own base)."""
+def _rope_params(config, layer_type: str | None) -> dict:
     params = dict(getattr(config, "rope_parameters", None) or {})
-    if layer_type is not None:
-        params = dict(params[layer_type])
+    return dict(params[layer_type]) if layer_type is not None else params
+
+
+def rotary_dim(config, head_dim: int, layer_type: str | None = None) -> int:
+    """How many of a head's dims rotate (Phi-4-mini's partial_rotary_factor: the first 3/4)."""
+    factor = _rope_params(config, layer_type).get("partial_rotary_factor",
+                                                  getattr(config, "partial_rotary_factor", None) or 1.0)
+    return int(head_dim * factor)
+
+
+def partial_rotary_order(head_dim: int, rotated: int) -> list[int]:
+    """For partial rotary: the order of a head's dims that lets the full-width rotate-half rotation
+    compute it. Each half of the head starts with its half of the rotated dims (rotate-half pairs
+    dim i with dim i + head_dim / 2, a partial rotation pairs i with i + rotated / 2); the dims that
+    do not rotate fill the rest, where the tables rotate by angle 0. q and k rows permuted alike
+    leave every q.k, so attention, unchanged."""
+    half, rotated_half = head_dim // 2, rotated // 2
+    passing = list(range(rotated, head_dim))
+    return (list(range(rotated_half)) + passing[:half - rotated_half]
+            + list(range(rotated_half, rotated)) + passing[half - rotated_half:])
+
+
+def rope_inv_freq(config, head_dim: int, layer_type: str | None = None,
+                  max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (one per pair of rotated dims) and the cos/sin scale for the config's
+    rope type (llama3, linear, yarn, longrope...). `layer_type`: for configs with rope parameters per
+    kind of layer (Gemma 3's "sliding_attention" and "full_attention", each with its own base).
+    LongRoPE takes its long factors when `max_positions` passes the original context (vLLM's
+    choice, fixed for the engine; transformers switches per forward pass by the sequence's length)."""
+    params = _rope_params(config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        dim = rotary_dim(config, head_dim, layer_type)
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK rope scaling depends on the sequence length and is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -26,6 +52,8 @@ def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}")
     extra = {} if layer_type is None else {"layer_type": layer_type}
+    if rope_type == "longrope":
+        extra["seq_len"] = max_positions
     inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(factor)
 
@@ -40,12 +68,15 @@ class RotaryEmbedding(nn.Module):
     def build_tables(self, device: torch.device | str) -> None:
         # Its own device context: the model may be under construction on "meta".
         with torch.device(device):
-            inv_freq, scale = rope_inv_freq(self.config, self.head_dim, self.layer_type)
+            inv_freq, scale = rope_inv_freq(self.config, self.head_dim, self.layer_type, self.max_positions)
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
+            # Dims that do not rotate (partial rotary, in partial_rotary_order's layout): angle 0, unscaled.
+            still = torch.zeros(self.max_positions, self.head_dim // 2 - freqs.shape[1])
+            cos = torch.cat([freqs.cos() * scale, still.cos()], dim=-1)
+            sin = torch.cat([freqs.sin() * scale, still.sin()], dim=-1)
         # [max_positions, head_dim]: cos and sin laid out for rotate-half.
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([sin, sin], dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> RopeTables:
         return RopeTables(self.cos[positions], self.sin[positions])
