@@ -21,6 +21,7 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
+    "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
 }
 _QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 _Q = gguf.GGMLQuantizationType
@@ -148,6 +149,12 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
     w.add_vocab_size(cfg["vocab_size"])
     if arch == gguf.MODEL_ARCH.LLAMA:
         w.add_rope_dimension_count(head_dim)  # llama.cpp's llama reads head size from here
+    if arch == gguf.MODEL_ARCH.PHI3:  # the rotated dims; LongRoPE's factors as tensors, as llama.cpp writes them
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        if rope.get("rope_type") == "longrope":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if cfg.get("head_dim"):  # explicit head_dim (e.g. Qwen3) may differ from hidden/heads
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -48,6 +48,9 @@ class DecoderConfig:
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # per layer: the attention window, or None for full attention
     tie_word_embeddings: bool
+    # The checkpoint's names for the parts of our fused layers (Phi-3's checkpoint fuses them itself).
+    qkv_parts: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    gate_up_parts: tuple[str, ...] = ("gate_proj", "up_proj")
 
     @property
     def q_size(self) -> int:
@@ -58,14 +61,15 @@ class DecoderConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def of(cls, config, always_qkv_bias: bool, qk_norm: bool) -> DecoderConfig:
+    def of(cls, config, always_qkv_bias: bool, qk_norm: bool, fused_checkpoint: bool = False) -> DecoderConfig:
         attention_bias = bool(getattr(config, "attention_bias", False))
+        fused = {"qkv_parts": ("qkv_proj",), "gate_up_parts": ("gate_up_proj",)} if fused_checkpoint else {}
         return cls(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    vocab_size=config.vocab_size, num_heads=config.num_attention_heads,
                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim(config),
                    rms_norm_eps=config.rms_norm_eps, qkv_bias=always_qkv_bias or attention_bias,
                    o_bias=attention_bias, qk_norm=qk_norm, sliding_windows=_sliding_windows(config),
-                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), **fused)
 
 
 def _sliding_windows(config) -> tuple[int | None, ...]:
@@ -88,7 +92,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.qkv_bias,
-                                  linear_method(quant, prefix, "q_proj", "k_proj", "v_proj"))
+                                  linear_method(quant, prefix, *cfg.qkv_parts))
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, linear_method(quant, prefix, "o_proj"))
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
@@ -123,7 +127,7 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, quant: QuantizationConfig | None, prefix: str,
                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
-        method = linear_method(quant, prefix, "gate_proj", "up_proj")
+        method = linear_method(quant, prefix, *cfg.gate_up_parts)
         if activation is None:
             self.gate_up_proj = SiluAndMulLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, method)
         else:
@@ -187,6 +191,8 @@ class DecoderForCausalLM(CausalLM):
     always_qkv_bias: ClassVar[bool] = False
     # RMSNorm of each q and k head before rotary (Qwen3).
     qk_norm: ClassVar[bool] = False
+    # The checkpoint holds q/k/v and gate/up fused already (Phi-3), loaded whole.
+    fused_checkpoint: ClassVar[bool] = False
     # (our fused parameter, the checkpoint's name for one shard of it, that shard's id).
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
         ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
@@ -203,7 +209,7 @@ class DecoderForCausalLM(CausalLM):
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        cfg = self.decoder_config = DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm)
+        cfg = self.decoder_config = DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm, self.fused_checkpoint)
         self.model = self.build_model(config, cfg, max_positions, quant_config)
         embedding = self.model.embed_tokens
         if cfg.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):

@@ -26,11 +26,16 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 # Gemma 3 names its four norms otherwise: its "ffn_norm" is the norm before the MLP.
 _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's checkpoint fuses q/k/v and gate/up, and llama.cpp keeps them so (gate/up as "ffn_up").
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+# Tensors that are config, not weights: LongRoPE's factors (read into the config).
+_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # llama.cpp's converter interleaves Q/K rows for its rotary layout on these architectures only.
 _PERMUTED_ARCHS = {"llama", "mistral"}
 # ... and stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the weight as it is).
 _NORM_PLUS_ONE_ARCHS = {"gemma3"}
-SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma3"}
+SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"}
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +98,34 @@ def load_gguf_config(path: str):
         values["sliding_window"] = int(window)
     if arch == "gemma3":
         values["eos_token_id"] = _gemma3_eos(reader, values.get("eos_token_id"))
-    config = _gemma3_config(values) if arch == "gemma3" else gguf_config(values)
+    if arch == "gemma3":
+        config = _gemma3_config(values)
+    elif arch == "phi3":
+        config = _phi3_config(reader, values)
+    else:
+        config = gguf_config(values)
     config.name_or_path = _folder(path)
     return config
+
+
+def _phi3_config(reader, values: dict):
+    """Phi-3's config class with its rope parameters from the file: the rotated share of a head
+    (rope.dimension_count; Phi-4-mini rotates 3/4) and, where the file has them, LongRoPE's factors
+    (tensors) and original context."""
+    from transformers import Phi3Config
+
+    values = {k: v for k, v in values.items() if k != "model_type"}
+    head_dim = values["hidden_size"] // values["num_attention_heads"]
+    rope = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta", 10000.0)),
+            "partial_rotary_factor": (_field(reader, "phi3.rope.dimension_count") or head_dim) / head_dim}
+    factors = {_ROPE_FACTORS[t.name]: [float(x) for x in np.asarray(t.data, dtype=np.float32)]
+               for t in reader.tensors if t.name in _ROPE_FACTORS}
+    if factors:
+        original = _field(reader, "phi3.rope.scaling.original_context_length")
+        rope.update(rope_type="longrope", original_max_position_embeddings=int(original), **factors)
+        if _field(reader, "phi3.rope.scaling.attn_factor") is not None:
+            rope["attention_factor"] = float(_field(reader, "phi3.rope.scaling.attn_factor"))
+    return Phi3Config(**values, rope_parameters=rope, architectures=["Phi3ForCausalLM"])
 
 
 def _gemma3_eos(reader, eos: int | None) -> list[int]:
@@ -220,6 +250,8 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
     reader = _reader(path)
     arch = gguf_architecture(path)
     for tensor in reader.tensors:
+        if tensor.name in _ROPE_FACTORS:
+            continue  # in the config
         name = hf_name(tensor.name, arch)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
         type_name = tensor.tensor_type.name
@@ -245,7 +277,7 @@ def _heads(config, name: str) -> int:
 def tensor_types(path: str) -> dict[str, str]:
     """Each tensor's GGUF type (F32, Q4_K, ...) by its Hugging Face name."""
     arch = gguf_architecture(path)
-    return {hf_name(t.name, arch): t.tensor_type.name for t in _reader(path).tensors}
+    return {hf_name(t.name, arch): t.tensor_type.name for t in _reader(path).tensors if t.name not in _ROPE_FACTORS}
 
 
 def release_readers() -> None:
@@ -261,7 +293,7 @@ def num_tensors(path: str) -> int:
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if not match or match.group(2) not in names:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")

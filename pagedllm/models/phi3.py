@@ -13,6 +13,7 @@ from pagedllm.models.decoder import DecoderForCausalLM
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
+    fused_checkpoint = True
     stacked_params = ()  # the checkpoint's qkv_proj and gate_up_proj are ours, whole
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -25,9 +26,17 @@ class Phi3ForCausalLM(DecoderForCausalLM):
     def _reorder_qk(self, weights: Iterable[tuple[str, torch.Tensor]], order: list[int]) -> Iterator:
         cfg = self.decoder_config
         index = torch.tensor(order)
+        heads = cfg.num_heads + cfg.num_kv_heads
         for name, tensor in weights:
-            if name.endswith("self_attn.qkv_proj.weight") or name.endswith("self_attn.qkv_proj.bias"):
-                heads = cfg.num_heads + cfg.num_kv_heads
-                qk = tensor[:heads * cfg.head_dim].reshape(heads, cfg.head_dim, *tensor.shape[1:])
-                tensor = torch.cat([qk[:, index].reshape(-1, *tensor.shape[1:]), tensor[heads * cfg.head_dim:]])
+            if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
+                if isinstance(tensor, torch.Tensor):
+                    tensor = _reorder_rows(tensor, heads, cfg.head_dim, index)
+                else:  # a GGUF file's quantized rows, as raw blocks: rows move whole
+                    tensor.raw = _reorder_rows(tensor.raw, heads, cfg.head_dim, index)
             yield name, tensor
+
+
+def _reorder_rows(rows: torch.Tensor, heads: int, head_dim: int, index: torch.Tensor) -> torch.Tensor:
+    """The q and k rows of a fused q/k/v weight, each head's in `index` order; v's as they are."""
+    qk = rows[:heads * head_dim].reshape(heads, head_dim, *rows.shape[1:])[:, index]
+    return torch.cat([qk.reshape(-1, *rows.shape[1:]), rows[heads * head_dim:]])
