@@ -29,8 +29,9 @@ def test_the_four_classes_are_distinct():
 
 def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones():
     with pytest.raises(ValueError, match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: "
-                                         r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
-                                         r"Qwen3ForCausalLM$"):
+                                         r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
+                                         r"Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+                                         r"Qwen3ForCausalLM, Qwen3MoeForCausalLM$"):
         model_class(SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
 
 

@@ -149,12 +149,17 @@ class GatedMLP(nn.Module):
         return self.down_proj(gated if self.activation is None else self.activation(gated))
 
 
+# A layer's MLP, made from (its index, its checkpoint prefix): the gated MLP, or a family's own
+# (mixture-of-experts blocks).
+MakeMLP = Callable[[int, str], nn.Module]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, sliding_window: int | None, quant: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, sliding_window, quant, f"{prefix}.self_attn")
-        self.mlp = GatedMLP(cfg, quant, f"{prefix}.mlp")
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -173,13 +178,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The body: embeddings, rotary tables, decoder layers, final norm."""
 
-    def __init__(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> None:
+    def __init__(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None,
+                 make_mlp: MakeMLP | None = None) -> None:
         super().__init__()
         quantized = quant is not None and quant.quantized_embedding("model.embed_tokens")
         self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(config, cfg.head_dim, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, window, quant, f"model.layers.{i}")
-                                    for i, window in enumerate(cfg.sliding_windows))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, window, quant, f"model.layers.{i}", make_mlp(i, f"model.layers.{i}.mlp") if make_mlp else None)
+            for i, window in enumerate(cfg.sliding_windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -218,8 +225,7 @@ class DecoderForCausalLM(CausalLM):
             head_method = None if cfg.tie_word_embeddings else linear_method(quant_config, "", "lm_head")
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=head_method)
 
-    @staticmethod
-    def build_model(config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
+    def build_model(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
         """The body (embeddings, layers, final norm); a family with other layers builds its own."""
         return DecoderModel(config, cfg, max_positions, quant)
 
@@ -274,6 +280,8 @@ class DecoderForCausalLM(CausalLM):
             return "per-head q/k RMSNorm has no kernel in the C++ decoder stack"
         if self.model.norm.weight.dtype not in (torch.bfloat16, torch.float32):
             return f"the C++ decoder stack computes in bf16 or fp32, the weights are {self.model.norm.weight.dtype}"
+        if any(not isinstance(layer.mlp, GatedMLP) or layer.mlp.activation is not None for layer in self.model.layers):
+            return "the C++ decoder stack runs only SiLU-gated MLPs (not mixtures of experts, not GELU)"
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, Linear) and module.kernel_spec() is None:
                 return (f"{name} ({type(module).__name__} with {type(module.method).__name__}) has no kernel "

@@ -85,8 +85,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         super().__init__(config, max_positions, quant_config)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
-    @staticmethod
-    def build_model(config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
+    def build_model(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
         return Gemma3Model(config, cfg, max_positions, quant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -16,6 +16,9 @@ _MODELS = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # For configs that name no architecture (a GGUF file's: models/gguf.py sets its model_type).
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

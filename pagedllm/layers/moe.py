@@ -1,0 +1,73 @@
+"""A mixture-of-experts MLP: a router picks each token's top-k experts; each expert then runs once
+on the tokens routed to it (grouped, never every expert on every token) and their outputs, weighted
+by the router, are summed per token. Each expert is a gated MLP of the shared linear layers, so
+whatever method a linear layer has (bf16 packed, GGUF quantized, int8/int4) its experts have too.
+Optionally a shared expert every token goes through, scaled by a sigmoid gate (Qwen2-MoE)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.linear import Linear, SiluAndMulLinear
+from pagedllm.layers.quantization import QuantizationConfig
+
+
+def _method(quant: QuantizationConfig | None, prefix: str, *parts: str):
+    return quant.linear_method([f"{prefix}.{part}" for part in parts]) if quant is not None else None
+
+
+class Expert(nn.Module):
+    """One expert: down(silu(gate(x)) * up(x)) (the checkpoint's gate_proj and up_proj fused)."""
+
+    def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = SiluAndMulLinear(hidden, 2 * intermediate, False, _method(quant, prefix, "gate_proj", "up_proj"))
+        self.down_proj = Linear(intermediate, hidden, False, _method(quant, prefix, "down_proj"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """`renormalize`: the top-k probabilities rescaled to sum to 1 (Qwen3-MoE's norm_topk_prob,
+    Mixtral); else the full softmax's values are kept (Qwen2-MoE's default)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
+                 quant: QuantizationConfig | None, prefix: str, shared_intermediate: int = 0) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Linear(hidden, num_experts, bias=False)  # the router, unquantized as llama.cpp keeps it
+        self.experts = nn.ModuleList(Expert(hidden, intermediate, quant, f"{prefix}.experts.{e}")
+                                     for e in range(num_experts))
+        self.shared_expert = Expert(hidden, shared_intermediate, quant, f"{prefix}.shared_expert") \
+            if shared_intermediate else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_intermediate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        # (token, expert) pairs grouped by expert: each expert computes its own tokens at once.
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = order[start:start + count]
+                picked = tokens[start:start + count]
+                y = expert(x[picked]) * weights.flatten()[rows, None]
+                out.index_add_(0, picked, y)
+                start += count
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k (weights in x's dtype, expert ids), from the router's softmax in fp32."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts

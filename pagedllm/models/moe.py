@@ -1,0 +1,45 @@
+"""What the mixture-of-experts families share: the Llama-like decoder whose MLP, on the layers the
+config says, is a SparseMoE (layers/moe.py); the families (qwen2_moe.py, qwen3_moe.py, mixtral.py)
+set its options and their checkpoint's names."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from pagedllm.layers.moe import SparseMoE
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderModel, GatedMLP
+
+
+class SparseMoEForCausalLM(DecoderForCausalLM):
+    # A shared expert beside the routed ones (Qwen2-MoE).
+    shared_expert: ClassVar[bool] = False
+    # Top-k probabilities rescaled to sum to 1 whatever the config says (Mixtral).
+    always_renormalize: ClassVar[bool] = False
+
+    def build_model(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
+        def make_mlp(index: int, prefix: str) -> nn.Module:
+            if not self.is_sparse(config, index):
+                return GatedMLP(cfg, quant, prefix)
+            shared = getattr(config, "shared_expert_intermediate_size", 0) if self.shared_expert else 0
+            return SparseMoE(cfg.hidden_size, self.expert_size(config), self.num_experts(config),
+                             config.num_experts_per_tok,
+                             self.always_renormalize or bool(getattr(config, "norm_topk_prob", False)),
+                             quant, prefix, shared)
+
+        return DecoderModel(config, cfg, max_positions, quant, make_mlp)
+
+    @staticmethod
+    def is_sparse(config, index: int) -> bool:
+        """Qwen's configs keep some layers dense: mlp_only_layers, and all but every decoder_sparse_step-th."""
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return index not in (getattr(config, "mlp_only_layers", None) or []) and (index + 1) % step == 0
+
+    @staticmethod
+    def num_experts(config) -> int:
+        return config.num_experts
+
+    @staticmethod
+    def expert_size(config) -> int:
+        return config.moe_intermediate_size
