@@ -62,3 +62,24 @@ def test_gemma3_gguf_loads_as_its_hf_folder(tmp_path, tokenizer_dir):
         torch.testing.assert_close(torch.tensor([e[t].logprob for e, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]),
                                    torch.tensor([e[t].logprob for e, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]),
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_gemma2_matches_transformers(tmp_path, tokenizer_dir):
+    """Gemma 2 on the same code: no q/k norms, one rotary base, attention and final logits soft-capped."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                          max_position_embeddings=512, sliding_window=8, attn_logit_softcapping=2.0,
+                          final_logit_softcapping=5.0, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                          initializer_range=0.2)
+    torch.manual_seed(13)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert_matches_transformers(str(tmp_path))

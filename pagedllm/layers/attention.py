@@ -80,16 +80,18 @@ def from_cache(cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.T
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None, scales: KVScales = KVScales()) -> torch.Tensor:
+                    sliding_window: int | None, scales: KVScales = KVScales(),
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> same shape; k, v: this step's keys and values.
 
     The kernel reads the paged cache for every token. Where it has no query-tile variant (only
     bf16 with AVX512-BF16 has one), prompts computed whole in this step (no cached context, no
     window) take PyTorch's fused causal attention on their own K/V instead; not where the cache is
-    fp8, whose rounded values every token reads."""
+    fp8, whose rounded values every token reads. Scores soft-capped (Gemma 2: tanh(s / cap) * cap)
+    go the torch reference's way: the kernels have no cap."""
     ops = cpu_ops() if q.device.type == "cpu" else None
-    if ops is None:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales)
+    if ops is None or softcap:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales, softcap)
     out = torch.empty_like(q)
     # An fp8 cache is read for every token, fresh prompts too: all paths attend to the same values.
     skip_fresh = not sliding_window and k_cache.dtype not in FP8_DTYPES
@@ -119,7 +121,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float,
-                              sliding_window: int | None, scales: KVScales = KVScales()) -> torch.Tensor:
+                              sliding_window: int | None, scales: KVScales = KVScales(),
+                              softcap: float | None = None) -> torch.Tensor:
     """Pure-torch attention, one sequence at a time: the oracle for the kernel and its fallback."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
@@ -137,7 +140,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         qs = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
         ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
         vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        if softcap:
+            scores = torch.tanh(qs @ ks.transpose(1, 2) * scale / softcap) * softcap
+            out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float).to(vs.dtype) @ vs
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         outputs.append(out.transpose(0, 1))
         start += q_len
     return torch.cat(outputs, dim=0)

@@ -100,6 +100,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
         self.scale = self.head_dim ** -0.5
+        self.logit_softcap: float | None = None  # Gemma 2's attention scores: tanh(s / cap) * cap
         # Of an fp8 KV cache: 1.0, as vLLM takes them where the checkpoint gives none.
         self.kv_scales = KVScales()
 
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         q, k, v = rotary_and_write_kv(qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
                                       self.kv_scales)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                              self.kv_scales)
+                              self.kv_scales, self.logit_softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:

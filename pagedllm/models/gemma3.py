@@ -1,4 +1,4 @@
-"""Gemma 3 (text): the shared attention and linear layers in Gemma's own layer.
+"""Gemma 3 (text) and Gemma 2: the shared attention and linear layers in Gemma's own layer.
 
 What differs from the Llama-like decoder: RMSNorms whose weight is an offset from 1, scaled in
 fp32 (GemmaRMSNorm); a norm after attention and after the MLP as well as before each, with the
@@ -40,9 +40,11 @@ class Gemma3Attention(Attention):
     def __init__(self, config, cfg: DecoderConfig, window: int | None, quant: QuantizationConfig | None,
                  prefix: str) -> None:
         super().__init__(cfg, window, quant, prefix)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = config.query_pre_attn_scalar ** -0.5
+        self.logit_softcap = getattr(config, "attn_logit_softcapping", None)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -69,8 +71,10 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size ** 0.5
         self.layer_types = list(config.layer_types)
-        # Each kind of layer rotates with its own base (Gemma 3: 10k local, 1M global).
-        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(config, cfg.head_dim, max_positions, kind)
+        # Each kind of layer rotates with its own base (Gemma 3: 10k local, 1M global); Gemma 2's
+        # config has one set of rope parameters for all.
+        per_kind = all(kind in (config.rope_parameters or {}) for kind in self.layer_types)
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(config, cfg.head_dim, max_positions, kind if per_kind else None)
                                      for kind in sorted(set(self.layer_types))})
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, cfg, window, quant, f"model.layers.{i}")
                                     for i, window in enumerate(cfg.sliding_windows))
@@ -106,3 +110,9 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
     def _stack_blocker(self, ops) -> str | None:
         return "Gemma's layers (norms after attention and MLP, GELU) have no kernel in the C++ decoder stack"
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's layer without q/k norms, one rotary base for all layers, attention scores
+    soft-capped (tanh(s / cap) * cap, computed by the torch attention: the kernels have no cap)."""
+    qk_norm = False

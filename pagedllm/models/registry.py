@@ -15,6 +15,7 @@ _MODELS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma2ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
