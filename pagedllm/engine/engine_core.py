@@ -116,7 +116,7 @@ class EngineCore:
         should have prevented it: min_tokens barring the only token the grammar allows can)."""
         manager = self.structured_output
         refused: dict[str, EngineCoreOutput] = {}
-        if manager is None:
+        if manager is None or not manager.num_constrained:
             return refused
         for request in updated:
             request_id = request.request_id

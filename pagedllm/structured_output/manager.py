@@ -95,8 +95,14 @@ class StructuredOutputManager:
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._matchers
 
+    @property
+    def num_constrained(self) -> int:
+        return len(self._matchers)
+
     def bitmask(self, scheduled: list[ScheduledRequest]) -> TokenBitmask | None:
         """The step's mask: a row for each constrained request that samples."""
+        if not self._matchers:  # the usual step: nothing to look through
+            return None
         ids = [s.request_id for s in scheduled if s.sample and s.request_id in self._matchers]
         if not ids:
             return None
