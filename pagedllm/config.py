@@ -11,6 +11,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_CHOICES = ("auto", "gguf", "none", "int8", "int4", "int4_g32")
 # --kv-cache-dtype, as vLLM spells it: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --runner, as vLLM spells it: auto, generate (completions and chat), pooling (embeddings)
+RUNNER_CHOICES = ("auto", "generate", "pooling")
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the server's default request body limit
 
 
@@ -19,6 +21,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # False for encoder-only models: a prompt attends to all of itself, so it is computed in one step.
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -44,6 +48,8 @@ class EngineArgs:
     engine_core_process: bool = False  # the engine core in a process of its own (engine/core_client.py)
     quantization: str | None = None  # one of QUANTIZATION_CHOICES; None: auto
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPE_CHOICES
+    runner: str = "auto"  # one of RUNNER_CHOICES: which requests the engine serves (models/loader.py)
+    pooler_config: dict | None = None  # {"pooling_type": "MEAN"|"CLS"|"LAST", "normalize": bool}
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -53,9 +53,12 @@ class EngineMetrics:
         stream.num_generated += count
         self.generation_tokens.inc(count)
 
-    def observe_finished(self, stream, output: RequestOutput, now: float) -> None:
+    def observe_finished(self, stream, output: RequestOutput | EmbeddingRequestOutput, now: float) -> None:
         self.e2e.observe(now - stream.arrival)
         self.prompt_tokens.inc(stream.num_prompt_tokens)
+        if isinstance(output, EmbeddingRequestOutput):  # ends in one step: no tokens, no queue time kept
+            self._success.labels(self.model_name, "stop" if output.error is None else "error").inc()
+            return
         queue_time = output.metrics.get("queue_time")
         if queue_time is not None:
             self.queue_time.observe(queue_time)

@@ -1,4 +1,5 @@
-"""What the engine returns: RequestOutput with one CompletionOutput per sample (vLLM's shapes)."""
+"""What the engine returns: RequestOutput with one CompletionOutput per sample, and an embedding
+request's EmbeddingRequestOutput (vLLM's shapes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -55,3 +56,22 @@ class BeamSearchOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[BeamSearchSequence]  # best first
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result: one vector for its prompt (LLM.embed, the server's /v1/embeddings)."""
+    request_id: str
+    outputs: EmbeddingOutput | None  # None only when the request failed
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None

@@ -44,6 +44,12 @@ def test_same_outputs_in_a_process_of_its_own(engines, params):
             assert [p.logprob for p in a.values()] == pytest.approx([p.logprob for p in b.values()], abs=1e-4)
 
 
+def test_embeddings_in_a_process_of_its_own(engines):
+    thread, process = (llm.embed(PROMPTS, use_tqdm=False) for llm in engines)
+    for a, b in zip(thread, process):
+        assert a.outputs.embedding == pytest.approx(b.outputs.embedding, abs=1e-5)
+
+
 def test_beam_search_in_a_process_of_its_own(engines):
     params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
     thread, process = (llm.beam_search([PROMPTS[0]], params)[0] for llm in engines)

@@ -29,7 +29,7 @@ def test_the_four_classes_are_distinct():
 
 
 def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones():
-    supported = ("Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+    supported = ("BertModel, Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
                  "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")
     with pytest.raises(ValueError, match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: "
                                          + re.escape(supported) + "$"):

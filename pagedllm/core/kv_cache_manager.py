@@ -40,13 +40,19 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     # -- prefix cache ---------------------------------------------------------------------------
+    def _caches(self, request: Request) -> bool:
+        """Whether a request takes part in prefix caching. Embedding requests do not: pooling reads
+        every prompt position's hidden state, which cached blocks do not hold, and an encoder's
+        K/V depend on the tokens after them."""
+        return self.enable_prefix_caching and request.pooling_params is None
+
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks holding the start of a request that has none yet.
 
         The last token is always left to compute, so that the first sampled token has logits. A
         request that asks for prompt logprobs computes its whole prompt (as in vLLM): cached blocks
         hold K/V, not the logits of the positions they cover."""
-        if (not self.enable_prefix_caching or request.num_computed_tokens or self.req_blocks.get(request.request_id)
+        if (not self._caches(request) or request.num_computed_tokens or self.req_blocks.get(request.request_id)
                 or request.sampling_params.prompt_logprobs is not None):
             return []
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
@@ -70,21 +76,21 @@ class KVCacheManager:
     def uncached_prompt_hashes(self, request: Request) -> list[int]:
         """Hashes of the request's full prompt blocks not in the prefix cache yet: the ones it
         computes in this step or a later one."""
-        if not self.enable_prefix_caching:
+        if not self._caches(request):
             return []
         num_full = request.num_prompt_tokens // self.block_size
         return self._block_hashes(request, num_full)[self._num_cached.get(request.request_id, 0):]
 
     def next_block_hash(self, request: Request, num_hits: int) -> int | None:
         """The hash of the full block right after `num_hits` cached ones (None if there is none)."""
-        if not self.enable_prefix_caching:
+        if not self._caches(request):
             return None
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
         return hashes[num_hits] if num_hits < len(hashes) else None
 
     def cache_full_blocks(self, request: Request) -> None:
         """After a step: make the request's newly full, computed blocks findable."""
-        if not self.enable_prefix_caching:
+        if not self._caches(request):
             return
         blocks = self.req_blocks.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
@@ -107,7 +113,7 @@ class KVCacheManager:
         revived = sum(1 for b in computed if self.pool.is_free(b))  # hits that leave the free queue
         if max(needed, 0) + copy > self.pool.num_free_blocks - revived:
             return False
-        if self.enable_prefix_caching and not blocks:  # a first allocation: count the lookup
+        if self._caches(request) and not blocks:  # a first allocation: count the lookup
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(computed) * bs
         if computed:

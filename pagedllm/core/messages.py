@@ -9,7 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedllm.core.step import TokenLogprobs
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -26,6 +29,9 @@ class EngineCoreRequest:
     # A held request whose computed tokens begin this prompt: start from its blocks.
     fork_of: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # An embedding request: its prompt is computed (never from the prefix cache) and pooled, and it
+    # ends there (max_tokens 0), keeping no KV.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -39,3 +45,4 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduled, once known
     error: str | None = None  # with finish_reason "error": why
+    pooled: np.ndarray | None = None  # an embedding request's vector (float32), with its finish

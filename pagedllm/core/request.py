@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -59,6 +60,7 @@ class Request:
     # (replaces) them before each schedule(); the scheduler clears them once scheduled.
     spec_token_ids: list[int] = field(default_factory=list)
     num_reported_tokens: int = 0  # output tokens already sent out in an EngineCoreOutput
+    pooling_params: PoolingParams | None = None  # an embedding request (prompt only, pooled)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

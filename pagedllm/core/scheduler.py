@@ -123,6 +123,8 @@ class Scheduler:
                 continue
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.config.chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+                break  # an encoder's prompt goes in one step: it waits for a step with room for all of it
             if not self.kv.allocate_slots(request, num_new, computed):
                 if not self.running and self._drop_held_blocks():
                     continue  # nothing runs: held requests must make room, or no one moves
@@ -204,7 +206,8 @@ class Scheduler:
             new_block_ids=new_block_ids,
             sample=start + num_new >= request.num_tokens,
             new_request=NewRequestData(request.prompt_token_ids, list(request.output_token_ids),
-                                       request.sampling_params, request.eos_token_ids) if new else None,
+                                       request.sampling_params, request.eos_token_ids,
+                                       request.pooling_params) if new else None,
             spec_token_ids=drafts,
         )
 

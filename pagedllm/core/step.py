@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -20,6 +21,7 @@ class NewRequestData:
     output_token_ids: list[int]  # generated so far (before a preemption, or a fork's); the worker appends the rest
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
+    pooling_params: PoolingParams | None = None  # an embedding request: pooled at its prompt's end, not sampled
 
 
 @dataclass
@@ -100,9 +102,12 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> (index of the first prompt token covered, one entry per prompt token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # request id -> its embedding (float32), for embedding requests whose prompt the step finished
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
     def merge(self, other: ModelRunnerOutput) -> None:
         """Take in another run's results for other requests (a step rerun request by request)."""
         self.sampled_token_ids.update(other.sampled_token_ids)
         self.logprobs.update(other.logprobs)
         self.prompt_logprobs.update(other.prompt_logprobs)
+        self.pooler_output.update(other.pooler_output)

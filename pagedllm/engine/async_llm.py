@@ -25,7 +25,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
 from pagedllm.metrics import EngineMetrics
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -117,7 +118,7 @@ class AsyncLLM:
         return self.error is not None or not self._thread.is_alive()
 
     # -- the event loop's side ------------------------------------------------------------------
-    def process_inputs(self, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
+    def process_inputs(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> ProcessedRequest:
         return self.engine.process_inputs(prompt, params)
 
     def add_request(self, request_id: str, processed: ProcessedRequest) -> RequestStream:
@@ -134,7 +135,9 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = dataclasses.replace(processed.params, output_kind=RequestOutputKind.DELTA)
+        params = processed.params
+        if isinstance(params, SamplingParams):
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = _Stream(num_prompt_tokens=len(processed.prompt_token_ids))
         self._streams[request_id] = stream
         with self._adds_lock:
@@ -147,18 +150,24 @@ class AsyncLLM:
         async for output in self.add_request(request_id, self.process_inputs(prompt, params)):
             yield output
 
+    async def encode(self, prompt: str | list[int], params: PoolingParams, request_id: str) -> EmbeddingRequestOutput:
+        """An embedding request's result (raises RequestFailedError if the engine failed it)."""
+        async for output in self.add_request(request_id, self.process_inputs(prompt, params)):
+            return output
+        raise RuntimeError(f"request {request_id} ended without an output")
+
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             self._commands.put(("abort", request_id))
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
         now = time.monotonic()
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted while the step ran
-            new_tokens = sum(len(o.token_ids) for o in output.outputs)
+            new_tokens = sum(len(o.token_ids) for o in output.outputs) if isinstance(output, RequestOutput) else 0
             if new_tokens:
                 self.metrics.observe_tokens(stream, new_tokens, now)
             if output.finished:

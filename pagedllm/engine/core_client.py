@@ -51,9 +51,13 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
     executor.load_model()
     executor.initialize_cache(num_blocks)
     batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
+    if not model_config.is_causal and batched < model_config.max_model_len:
+        raise ValueError(f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
+                         f"must be at least max_model_len ({model_config.max_model_len})")
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                         debug=os.environ.get("PAGEDLLM_DEBUG") == "1")
-    scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, model_config.max_model_len), kv)
+    scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, model_config.max_model_len,
+                                          chunked_prefill=model_config.is_causal), kv)
     backend = XgrammarBackend((lambda: tokenizer) if tokenizer is not None else
                               (lambda: load_tokenizer(model_config, args.tokenizer)),
                               model_config.vocab_size, sorted(model_config.eos_token_ids))
@@ -61,6 +65,9 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
 
 
 def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) -> int:
+    if per_block == 0:  # an encoder: blocks are only the scheduler's count of each request's tokens
+        logger.info("KV cache: none (an encoder computes each prompt whole)")
+        return args.max_num_seqs * -(-model_config.max_model_len // args.block_size)
     budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
     num_blocks = budget // per_block
     tokens = num_blocks * args.block_size

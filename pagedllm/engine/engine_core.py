@@ -42,7 +42,8 @@ class EngineCore:
     def add_request(self, message: EngineCoreRequest) -> None:
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           message.max_tokens, message.eos_token_ids, arrival_time=message.arrival_time,
-                          cache_salt=message.cache_salt, hold=message.hold)
+                          cache_salt=message.cache_salt, hold=message.hold,
+                          pooling_params=message.pooling_params)
         constraint = message.sampling_params.structured_outputs
         if constraint is None:
             self.scheduler.add_request(request, message.fork_of)
@@ -183,4 +184,4 @@ def _output(request: Request, result: ModelRunnerOutput) -> EngineCoreOutput:
         queue_time = request.first_scheduled_time - request.arrival_time
     return EngineCoreOutput(request.request_id, new, result.logprobs.get(request.request_id) if new else None,
                             result.prompt_logprobs.get(request.request_id), request.status.finish_reason,
-                            request.stop_reason, queue_time)
+                            request.stop_reason, queue_time, pooled=result.pooler_output.get(request.request_id))

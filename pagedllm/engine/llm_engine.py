@@ -7,6 +7,10 @@ only through messages: requests in (add, finish), outputs out of each step.
 Parallel samples share their prompt's KV blocks: a held request computes the prompt but its last
 token, then each sample forks from it (core/scheduler.py) and computes that token itself, which
 gives it logits to draw its own first token from.
+
+An embedding request (PoolingParams in place of SamplingParams) is a core request with
+max_tokens 0 that carries its pooling parameters: the core computes its prompt, the worker pools
+it, and its one output is an EmbeddingRequestOutput.
 """
 from __future__ import annotations
 
@@ -25,19 +29,23 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.models.loader import load_model_config, load_tokenizer
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
+# What the core and worker hold as an embedding request's sampling parameters: nothing is sampled.
+_POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=0, detokenize=False)
+_TASK_NAMES = {"generate": "text generation (completions, chat)", "embed": "embeddings"}
 
 
 @dataclass
 class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     max_tokens: int
     cache_salt: str | None = None
 
@@ -46,7 +54,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.device,
-                                              args.quantization, args.kv_cache_dtype)
+                                              args.quantization, args.kv_cache_dtype, args.runner,
+                                              args.pooler_config)
         self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
         self.max_model_len = self.model_config.max_model_len
         self.engine_core: EngineCore | EngineCoreProcClient = (
@@ -79,31 +88,69 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> str:
+                    params: SamplingParams | PoolingParams | None = None) -> str:
         """Validate and queue one request (n > 1 becomes n sequences); returns its id."""
         return self.add_processed(request_id, self.process_inputs(prompt, params))
 
-    def process_inputs(self, prompt: str | list[int], params: SamplingParams | None = None) -> ProcessedRequest:
+    def process_inputs(self, prompt: str | list[int],
+                       params: SamplingParams | PoolingParams | None = None) -> ProcessedRequest:
         """Tokenize and validate; raises ValueError. Touches no engine state, so any thread may call it."""
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(prompt, params)
         params = params or self.default_sampling_params()
-        text, token_ids = self._tokenize(prompt)
         self.check_params(params)
+        text, token_ids = self._tokenize(prompt)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return ProcessedRequest(text, token_ids, params, max_tokens)
 
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against the vocabulary, and that a
-        structured output's constraint compiles (raises ValueError saying why)."""
+    def _process_pooling(self, prompt: str | list[int], params: PoolingParams) -> ProcessedRequest:
+        self.check_params(params)
+        text, token_ids = self._tokenize(prompt, params)
+        return ProcessedRequest(text, token_ids, params, 0)
+
+    def check_task(self, task: str) -> None:
+        """Raises ValueError if this engine does not serve `task` ("generate" or "embed")."""
+        if task not in self.model_config.supported_tasks:
+            served = " and ".join(_TASK_NAMES[t] for t in self.model_config.supported_tasks)
+            hint = {"embed": " (start it with --runner pooling, or serve an embedding model)",
+                    "generate": ""}[task]
+            raise ValueError(f"this model does not serve {_TASK_NAMES[task]}: it serves {served}{hint}")
+
+    def check_params(self, params: SamplingParams | PoolingParams) -> None:
+        """What the parameters cannot check alone: that the engine serves their task, token ids
+        against the vocabulary, that a structured output's constraint compiles, that `dimensions`
+        is a size the model may be cut to (raises ValueError saying why)."""
+        if isinstance(params, PoolingParams):
+            self.check_task("embed")
+            self._check_dimensions(params.dimensions)
+            return
+        self.check_task("generate")
         params.check_vocab(self.model_config.vocab_size)
         if params.structured_outputs is not None:
             XgrammarBackend.check(params.structured_outputs)
 
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is None:
+            return
+        allowed = self.model_config.matryoshka_dimensions
+        if allowed is None:
+            raise ValueError("this model does not support matryoshka representation: dimensions cannot be set")
+        if dimensions not in allowed:
+            raise ValueError(f"dimensions {dimensions} is not one this model takes "
+                             f"({allowed[0]}..{allowed[-1]}" + (")" if len(allowed) == allowed[-1] else f": {allowed})"))
+
     def add_processed(self, request_id: str | None, processed: ProcessedRequest) -> str:
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.output_processor.parents:
+        if self.output_processor.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         params = processed.params
+        if isinstance(params, PoolingParams):
+            self.output_processor.add_pooling(request_id, processed.prompt_token_ids)
+            self.engine_core.add_request(EngineCoreRequest(
+                request_id, processed.prompt_token_ids, _POOLING_SAMPLING, 0, cache_salt=processed.cache_salt,
+                pooling_params=params))
+            return request_id
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add(request_id, processed.prompt, processed.prompt_token_ids, params, child_ids)
         samples = [self.core_request(child_id, processed, params if params.seed is None else
@@ -139,7 +186,9 @@ class LLMEngine:
             self._drivers.pop(request_id, None)
         self.engine_core.finish_requests(request_ids)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int], pooling: PoolingParams | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's ids, checked. A prompt to generate from leaves a token of room; one to embed
+        may fill max_model_len, and is cut to its last truncate_prompt_tokens (-1: max_model_len)."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
@@ -153,9 +202,19 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of vocabulary (size {self.model_config.vocab_size}): {bad[:5]}")
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
-                             "which leaves no room to generate")
+        if pooling is None:
+            if len(token_ids) >= self.max_model_len:
+                raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                                 "which leaves no room to generate")
+            return text, token_ids
+        truncate = pooling.truncate_prompt_tokens
+        if truncate is not None:
+            if truncate > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens {truncate} exceeds max_model_len ({self.max_model_len})")
+            token_ids = token_ids[-(self.max_model_len if truncate == -1 else truncate):]
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(token_ids)} tokens; this model takes at most {self.max_model_len} "
+                             "(truncate_prompt_tokens cuts it)")
         return text, token_ids
 
     def abort_request(self, request_id: str) -> None:
@@ -175,7 +234,7 @@ class LLMEngine:
         return SamplingParams(**{ours: gen[theirs] for theirs, ours in fields.items() if gen.get(theirs) is not None})
 
     # -- one step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One step of the core, its outputs turned into RequestOutputs. A request the core failed
         ends with all of its samples (finish reason "error", the reason in RequestOutput.error)."""
         core_outputs = [o for o in self.engine_core.step() if not self._to_frontend(o)]

@@ -2,7 +2,7 @@
 
 It owns each request's detokenizer; a stop string found here ends the request, which the engine
 then tells the scheduler. Parallel samples (n > 1) are n scheduler requests gathered back into
-one RequestOutput.
+one RequestOutput. An embedding request's one output carries its vector.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pagedllm.core.messages import EngineCoreOutput
 from pagedllm.core.step import TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -54,6 +54,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, _Parent] = {}
         self.parent_of: dict[str, str] = {}  # scheduler request id -> parent id
+        self.embeddings: dict[str, list[int]] = {}  # embedding request id -> its prompt's ids
+
+    def in_use(self, request_id: str) -> bool:
+        return request_id in self.parents or request_id in self.embeddings
+
+    def add_pooling(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.embeddings[request_id] = prompt_token_ids
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams, child_ids: list[str]) -> None:
@@ -79,12 +86,15 @@ class OutputProcessor:
         return list(parent.samples) if parent else []
 
     def abort(self, request_id: str) -> None:
+        self.embeddings.pop(request_id, None)
         parent = self.parents.pop(request_id, None)
         for cid in parent.samples if parent else ():
             self.parent_of.pop(cid, None)
 
-    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+    def fail(self, request_id: str, error: str) -> RequestOutput | EmbeddingRequestOutput | None:
         """The final output of a request that failed: every unfinished sample ends with "error"."""
+        if request_id in self.embeddings:
+            return EmbeddingRequestOutput(request_id, None, self.embeddings.pop(request_id), error=error)
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -96,11 +106,17 @@ class OutputProcessor:
             output.error = error
         return output
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, core_outputs: list[EngineCoreOutput]
+                ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Returns the outputs to hand out and the core's request ids that a stop string finished."""
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
+        embedded: list[EmbeddingRequestOutput] = []
         for core in core_outputs:
+            if core.request_id in self.embeddings:
+                if core.finish_reason is not None:
+                    embedded.append(self._embedding(core))
+                continue
             parent = self.parents.get(self.parent_of.get(core.request_id, core.request_id))
             if parent is None:
                 continue
@@ -117,7 +133,14 @@ class OutputProcessor:
                 continue  # a prefill chunk: nothing to tell yet
             touched[parent.request_id] = parent
         outputs = [self._output(p) for p in touched.values()]
-        return [o for o in outputs if o is not None], stopped
+        return [o for o in outputs if o is not None] + embedded, stopped
+
+    def _embedding(self, core: EngineCoreOutput) -> EmbeddingRequestOutput:
+        prompt_token_ids = self.embeddings.pop(core.request_id)
+        if core.pooled is None:  # ended without being computed (aborted in the core)
+            return EmbeddingRequestOutput(core.request_id, None, prompt_token_ids,
+                                          error=f"the request ended ({core.finish_reason}) before its prompt was pooled")
+        return EmbeddingRequestOutput(core.request_id, EmbeddingOutput(core.pooled.tolist()), prompt_token_ids)
 
     def _record_tokens(self, sample: _Sample, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
         """True if a stop string ended the sample (the tokens after it are dropped)."""

@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 
-from pagedllm.config import KV_CACHE_DTYPE_CHOICES, MAX_BODY_BYTES, QUANTIZATION_CHOICES, EngineArgs
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES, MAX_BODY_BYTES, QUANTIZATION_CHOICES, RUNNER_CHOICES, EngineArgs
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.reasoning import REASONING_PARSERS
 
@@ -38,8 +38,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="what the KV cache holds: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3, scale 1), "
                              "fp8_e5m2: one byte a value, twice the tokens in the same memory, half the bytes "
                              "decode attention reads")
+    parser.add_argument("--runner", default=defaults.runner, choices=list(RUNNER_CHOICES),
+                        help="which requests to serve: generate (completions, chat), pooling (embeddings), or auto "
+                             "(an encoder or a sentence-transformers folder: embeddings; other decoders: both)")
+    parser.add_argument("--pooler-config", type=_json_object, default=None,
+                        help='how embeddings pool, as JSON: {"pooling_type": "MEAN"|"CLS"|"LAST", "normalize": '
+                             "true|false} (default: the model folder's sentence-transformers modules, else the family's)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
+
+
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("a JSON object is needed")
+    return parsed
 
 
 def _port(value: str) -> int:

@@ -10,7 +10,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.beam_search import BeamSearch
-from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
@@ -42,6 +43,28 @@ class LLM:
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         return self._run(normalized, params, use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`output.outputs.embedding`), in the order of the prompts. The
+        model's pooling (sentence-transformers' modules, else its family's default) applies;
+        `pooling_params` may ask for fewer dimensions (Matryoshka models) or no normalization."""
+        prompts = [_prompt_input(p) for p in _as_prompt_list(prompts)]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        params = list(pooling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} pooling params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        for p in params:
+            self.engine.check_params(p)
+        outputs = self._run(prompts, params, use_tqdm)
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
+        return outputs
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
@@ -60,13 +83,14 @@ class LLM:
         prompts = [_prompt_input(p) for p in _as_prompt_list(prompts)]
         return BeamSearch(self.engine, params).run(prompts)
 
-    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams] | list[PoolingParams],
+             use_tqdm: bool) -> list:
         engine = self.engine
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(engine.add_request(None, prompt, p))
-            done: dict[str, RequestOutput] = {}
+            done: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
                 while engine.has_unfinished_requests():
                     for output in engine.step():

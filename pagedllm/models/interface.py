@@ -5,18 +5,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.pooler import PoolerConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-class CausalLM(nn.Module, ABC):
-    """A causal language model on a flat token batch. Its class is called as cls(hf_config,
-    max_positions) on the meta device, then materialized and loaded."""
+class Model(nn.Module, ABC):
+    """A model on a flat token batch. Its class is called as cls(hf_config, max_positions,
+    quant_config) on the meta device, then materialized and loaded."""
+    # False for an encoder (BERT): each prompt attends to all of itself, in one step, with no KV
+    # cache; it embeds and does not generate.
+    is_causal: ClassVar[bool] = True
+    # How its hidden states pool into an embedding where the model folder does not say.
+    default_pooler: ClassVar[PoolerConfig] = PoolerConfig("LAST", normalize=True)
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -36,3 +43,7 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> fp32 [rows, vocab]."""
+
+
+class CausalLM(Model):
+    """A causal language model: it generates, and embeds by pooling its final hidden states."""

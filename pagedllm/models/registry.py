@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedllm.models.interface import CausalLM
+    from pagedllm.models.interface import Model
 
 # Architecture name -> the module under pagedllm.models whose class of that name serves it.
 _MODELS = {
@@ -20,6 +20,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "BertModel": "bert",
 }
 # For configs that name no architecture (a GGUF file's: models/gguf.py sets its model_type).
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -27,7 +28,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "phi3": "Phi3ForCausalLM"}
 
 
-def model_class(config) -> type[CausalLM]:
+def model_class(config) -> type[Model]:
     names = list(getattr(config, "architectures", None) or [])
     if not names and getattr(config, "model_type", None) in _MODEL_TYPES:
         names = [_MODEL_TYPES[config.model_type]]

@@ -16,6 +16,8 @@ import torch
 
 from pagedllm.core.step import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.pooler import PoolingState
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -30,6 +32,8 @@ class RequestState:
     row: int = 0  # of the batch's block table array
     block_ids: list[int] = field(default_factory=list)  # its block table, also in that row of the array
     num_computed_tokens: int = 0  # before the last step scheduled, as the scheduler counted them
+    pooling_params: PoolingParams | None = None  # an embedding request: pooled, not sampled
+    pooling: PoolingState = field(default_factory=PoolingState)  # its chunks' hidden states so far
 
     @property
     def num_output_tokens(self) -> int:
@@ -70,7 +74,8 @@ class InputBatch:
     def _add(self, request_id: str, data: NewRequestData) -> RequestState:
         self._remove(request_id)  # sent again: a rerun of the step
         state = RequestState(request_id, data.sampling_params, data.eos_token_ids, len(data.prompt_token_ids),
-                             data.prompt_token_ids + data.output_token_ids, row=self._take_row())
+                             data.prompt_token_ids + data.output_token_ids, row=self._take_row(),
+                             pooling_params=data.pooling_params)
         self.requests[request_id] = state
         return state
 

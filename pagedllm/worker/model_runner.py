@@ -9,6 +9,7 @@ from pagedllm.config import head_dim
 from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.pooler import Pooler
 from pagedllm.layers.sampler import Sampler, token_logprobs
 from pagedllm.models.loader import ModelConfig
 from pagedllm.worker.input_batch import InputBatch, RequestState
@@ -19,6 +20,9 @@ TRIM_AFTER_TOKENS = 512
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+    """0 for an encoder, which keeps no KV cache (its blocks are only the scheduler's bookkeeping)."""
+    if not config.is_causal:
+        return 0
     hf = config.hf_config
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim(hf) * config.cache_dtype.itemsize
     return per_token * block_size
@@ -30,11 +34,12 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         hf = model_config.hf_config
-        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf))
+        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf)) if model_config.is_causal else ()
         self.kv_caches = [(torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
                            torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device))
-                          for _ in range(hf.num_hidden_layers)]
+                          for _ in range(hf.num_hidden_layers if model_config.is_causal else 0)]
         self.sampler = Sampler()
+        self.pooler = Pooler(model_config.pooler_config)
         self.input_batch = InputBatch(block_size, self.device)
         if self.device.type == "cpu":
             cpu_ops()  # build (or load) the kernels now, not inside the first request's time
@@ -48,6 +53,7 @@ class ModelRunner:
         input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         result = ModelRunnerOutput()
+        self._pool(hidden, output.scheduled, states, meta, result)
         self._sample(hidden, output, states, meta, result)
         self._prompt_logprobs(hidden, output.scheduled, states, meta, result)
         # Last, once nothing can raise: a failed step appends nothing, so its rerun does not append twice.
@@ -67,7 +73,7 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, states: list[RequestState],
                 meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
-        rows = [i for i, r in enumerate(output.scheduled) if r.sample]
+        rows = [i for i, r in enumerate(output.scheduled) if r.sample and states[i].pooling_params is None]
         samplers = [states[i] for i in rows]
         if not rows:
             return
@@ -78,6 +84,19 @@ class ModelRunner:
             result.sampled_token_ids[r.request_id] = [token]
             if logprobs is not None:
                 result.logprobs[r.request_id] = [logprobs]
+
+    def _pool(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], states: list[RequestState],
+              meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
+        """Embedding requests: fold the step's rows into each one's pooling state; the one whose
+        prompt this step finished gets its embedding."""
+        first_row = 0
+        for r, state, num_rows in zip(scheduled, states, meta.query_lens_list):
+            if state.pooling_params is not None:
+                self.pooler.accumulate(state.pooling, hidden[first_row:first_row + r.num_new_tokens],
+                                       r.num_computed_tokens)
+                if r.sample:
+                    result.pooler_output[r.request_id] = self.pooler.finish(state.pooling, state.pooling_params)
+            first_row += num_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], states: list[RequestState],
                          meta: AttentionMetadata, result: ModelRunnerOutput) -> None:

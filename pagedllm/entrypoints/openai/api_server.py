@@ -22,10 +22,12 @@ import pagedllm
 from pagedllm.config import MAX_BODY_BYTES, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, TokenizeRequest, error_response)
+                                                  DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
+                                                  error_response)
 from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving import api_error, off_loop
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
 logger = logging.getLogger("pagedllm")
 
@@ -51,6 +53,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     completions = OpenAIServingCompletion(engine, model_name, limits.request_timeout)
     chat = OpenAIServingChat(engine, model_name, chat_options, limits.request_timeout)
+    embeddings = OpenAIServingEmbedding(engine, model_name, limits.request_timeout)
     _install_guards(app, api_key, limits)
 
     @app.post("/v1/completions")
@@ -60,6 +63,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         return await _until_disconnect(raw, chat.create(body))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw: Request):
+        return await _until_disconnect(raw, embeddings.create(body))
 
     @app.get("/v1/models")
     async def models():

@@ -302,6 +302,17 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, Any] | None = None
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's embeddings request; `truncate_prompt_tokens` and `normalize` are vLLM's extras."""
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    normalize: bool | None = None
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None

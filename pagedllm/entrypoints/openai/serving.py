@@ -86,6 +86,13 @@ class OpenAIServing:
         if name is not None and name != self.model_name:
             raise APIError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
+    def check_task(self, task: str) -> None:
+        """400 if the model does not serve `task` (embeddings from a generation-only engine, or the reverse)."""
+        try:
+            self.engine.engine.check_task(task)
+        except ValueError as exc:
+            raise APIError(str(exc), param="model") from exc
+
     async def admit(self, prompts: list[str | list[int]], params: SamplingParams, requested_max_tokens: int | None,
                     cache_salt: str | None = None, constraint_field: str | None = None) -> list[ProcessedRequest]:
         """Tokenize (off the event loop) and validate every prompt before any is queued.

@@ -64,6 +64,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest):
         self.check_model(request.model)
+        self.check_task("generate")
         max_tokens = request.max_completion_tokens or request.max_tokens
         top = request.top_logprobs if request.logprobs else None
         if request.logprobs and top is None:

@@ -12,6 +12,7 @@ from pagedllm.outputs import Logprob
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest):
         self.check_model(request.model)
+        self.check_task("generate")
         if request.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if request.best_of not in (None, request.n):

@@ -1,0 +1,70 @@
+"""Pooling a prompt's hidden states into one embedding: the mean of its tokens, its first token
+([CLS]) or its last one, then optionally cut to fewer dimensions (Matryoshka) and scaled to unit
+length. A prompt may be computed in chunks over several steps: each chunk's rows are folded into a
+small running state, so no step keeps another's hidden states."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.pooling_params import PoolingParams
+
+POOLING_TYPES = ("MEAN", "CLS", "LAST")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """The model's pooling: `pooling_type` one of POOLING_TYPES, `normalize` its default."""
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"unknown pooling_type {self.pooling_type!r}; choose from {', '.join(POOLING_TYPES)}")
+
+
+@dataclass
+class PoolingState:
+    """What one request's chunks so far leave for its embedding: an fp32 sum and count (MEAN), the
+    first row (CLS) or the latest row (LAST); `seen`: the prompt positions folded in."""
+    total: torch.Tensor | None = None
+    count: int = 0
+    seen: int = 0
+
+
+class Pooler:
+    def __init__(self, config: PoolerConfig) -> None:
+        self.config = config
+
+    def accumulate(self, state: PoolingState, rows: torch.Tensor, first_position: int) -> None:
+        """Fold a chunk's hidden states (prompt positions first_position...) into the state. Positions
+        already folded are skipped: a failed step is rerun with the same chunk."""
+        skip = max(state.seen - first_position, 0)
+        rows, first_position = rows[skip:], first_position + skip
+        if rows.shape[0] == 0:
+            return
+        state.seen = first_position + rows.shape[0]
+        kind = self.config.pooling_type
+        if kind == "MEAN":
+            chunk = rows.float().sum(dim=0)
+            state.total = chunk if state.total is None else state.total + chunk
+            state.count += rows.shape[0]
+        elif kind == "CLS":
+            if first_position == 0:
+                state.total, state.count = rows[0].float(), 1
+        else:
+            state.total, state.count = rows[-1].float(), 1
+
+    def finish(self, state: PoolingState, params: PoolingParams) -> np.ndarray:
+        """The embedding: pooled, cut to `dimensions`, normalized unless the request or model says not."""
+        if state.total is None:
+            raise RuntimeError("pooling a prompt none of whose hidden states were seen")
+        vector = state.total / state.count
+        if params.dimensions is not None:
+            vector = vector[:params.dimensions]
+        normalize = self.config.normalize if params.normalize is None else params.normalize
+        if normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.cpu().numpy().astype(np.float32, copy=False)

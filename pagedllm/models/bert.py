@@ -1,0 +1,172 @@
+"""BERT encoders (all-MiniLM-L6-v2 and the other sentence-transformers BERTs): embeddings of words,
+absolute positions and token type 0, then post-norm layers of bidirectional attention and a GELU
+MLP. An encoder only embeds: each prompt attends to all of itself, so it is computed in one step,
+with no KV cache (the scheduler still counts its blocks, which the runner never allocates)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.linear import Linear, QKVLinear, default_weight_loader
+from pagedllm.layers.pooler import PoolerConfig
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.models.decoder import linear_method
+from pagedllm.models.interface import KVCache, Model
+
+logger = logging.getLogger(__name__)
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# Checkpoint tensors an encoder that embeds has no use for: BERT's own pooler (a dense layer over
+# [CLS], sentence-transformers pools without it), masked-LM heads, and a buffer of position ids.
+_UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Every token is of type 0: a prompt here is one segment.
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        self.qkv = QKVLinear(config.hidden_size, config.hidden_size, config.hidden_size, True,
+                             linear_method(quant, prefix, "query", "key", "value"))
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Each sequence of the step attends to all of itself (no mask inside it, nothing across)."""
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        out = torch.empty_like(q)
+        start = 0
+        for length in meta.query_lens_list:
+            span = slice(start, start + length)
+            heads = [t[span].transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, L, D]
+            out[span] = F.scaled_dot_product_attention(*heads)[0].transpose(0, 1)
+            start += length
+        return out.view(x.shape[0], -1)
+
+
+class BertDenseNorm(nn.Module):
+    """A sublayer's output: LayerNorm(residual + dense(x)) (BERT's post-norm)."""
+
+    def __init__(self, in_features: int, config, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.dense = Linear(in_features, config.hidden_size, True, linear_method(quant, prefix, "dense"))
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config, quant, f"{prefix}.self")
+        self.output = BertDenseNorm(config.hidden_size, config, quant, f"{prefix}.output")
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.output(self.self(x, meta), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.intermediate_size, True, linear_method(quant, prefix, "dense"))
+        self.activation = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.attention = BertAttention(config, quant, f"{prefix}.attention")
+        self.intermediate = BertIntermediate(config, quant, f"{prefix}.intermediate")
+        self.output = BertDenseNorm(config.intermediate_size, config, quant, f"{prefix}.output")
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.attention(x, meta)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config, quant: QuantizationConfig | None) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, quant, f"encoder.layer.{i}") for i in range(config.num_hidden_layers))
+
+
+class BertModel(Model):
+    """The encoder; its output is the last layer's hidden states, which the pooler reduces (mean for
+    sentence-transformers' MiniLM models, as their folder says; [CLS] where none does)."""
+    is_causal = False
+    default_pooler = PoolerConfig("CLS", normalize=True)
+    # The checkpoint's q, k and v -> our fused layer's shards.
+    _qkv_shards = {"query": "q", "key": "k", "value": "v"}
+
+    def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__()
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"BERT with {config.position_embedding_type!r} positions is not supported (absolute only)")
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"BERT activation {config.hidden_act!r} is not supported; known: {', '.join(_ACTIVATIONS)}")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config, quant_config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions)
+        for layer in self.encoder.layer:
+            x = layer(x, attn_metadata)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a BERT encoder embeds; it has no language-model head")
+
+    def bind_kernels(self) -> None:
+        logger.info("BertModel runs op by op (its linear layers through their methods)")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        missing = {(name, shard) for name in params
+                   for shard in (("q", "k", "v") if ".qkv." in name else (None,))}
+        for name, tensor in weights:
+            name = name.removeprefix("bert.")
+            if name.startswith(_UNUSED):
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in BertModel")
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
+            missing.discard((target, shard))
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {sorted(n for n, _ in missing)[:5]}")
+
+    def _target(self, name: str) -> tuple[str, str | None]:
+        """A checkpoint name -> (our parameter's name, the q/k/v shard it fills or None)."""
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[-3] == "self" and parts[-2] in self._qkv_shards:
+            return ".".join(parts[:-2] + ["qkv", parts[-1]]), self._qkv_shards[parts[-2]]
+        return name, None
