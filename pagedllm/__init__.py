@@ -12,7 +12,9 @@ from pagedllm.logger import configure_logging  # noqa: E402
 configure_logging()  # before the imports below, so a line logged while they load is shown
 
 from pagedllm.config import EngineArgs  # noqa: E402
-from pagedllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from pagedllm.outputs import (BeamSearchOutput, CompletionOutput, EmbeddingOutput,  # noqa: E402
+                              EmbeddingRequestOutput, Logprob, RequestOutput)
+from pagedllm.pooling_params import PoolingParams  # noqa: E402
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 
@@ -26,6 +28,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "EngineArgs", "RequestOutput", "CompletionOutput",
-           "Logprob", "BeamSearchOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "PoolingParams", "EngineArgs",
+           "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "EmbeddingRequestOutput", "EmbeddingOutput"]
 __version__ = "0.1.0"

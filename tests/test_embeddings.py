@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.pooling_params import PoolingParams
+from pagedllm import PoolingParams
 
 WORDS = ("the a of cat dog runs over lazy fox river bank money paged attention cache block token server "
          "request memory batch quick brown jumps engine model").split()
