@@ -16,8 +16,8 @@ from server_utils import Server
 
 EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "20"))
 STATUSES: Counter = Counter()  # (route, status) -> requests, printed at the end (pytest -s)
-ROUTES = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
-          "GET /v1/models", "GET /health", "GET /version", "GET /metrics"]
+ROUTES = ["POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "POST /tokenize",
+          "POST /detokenize", "GET /v1/models", "GET /health", "GET /version", "GET /metrics"]
 
 
 @pytest.fixture(scope="module")
