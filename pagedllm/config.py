@@ -67,6 +67,23 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def sliding_windows(hf_config) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full attention), from a config's sliding_window and,
+    where it has them, its layer_types."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (window,) * hf_config.num_hidden_layers
+
+
+def uniform_sliding_window(hf_config) -> int | None:
+    """The window every layer shares (Mistral's), whose blocks the KV cache manager can free as a
+    request moves past them; None where some layer attends to everything (or layers differ)."""
+    windows = set(sliding_windows(hf_config))
+    return windows.pop() if len(windows) == 1 else None
+
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 

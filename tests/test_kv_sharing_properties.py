@@ -2,8 +2,9 @@
 
 A fake model runner writes each token id into the slot the block tables give it (doing the
 copies the scheduler asks for first). Then whatever a request attends to must be its own tokens:
-that checks prefix hits, forks and copy-on-write at once. The manager runs in debug mode, so a
-write into a shared or cached block fails loudly.
+that checks prefix hits, forks and copy-on-write at once, and with a sliding window, that the
+blocks freed behind it were never still needed. The manager runs in debug mode, so a write into a
+shared or cached block fails loudly.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import FREED, KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -25,6 +26,7 @@ class FakeRunner:
     def __init__(self, kv: KVCacheManager, seed: int) -> None:
         self.slots: dict[int, int] = {}  # slot -> token id written there
         self.bs = kv.block_size
+        self.window = kv.sliding_window
         self.seed = seed
         self.logprobs: dict[str, TokenLogprobs] = {}  # request id -> its last sample's
         self.batch = InputBatch(kv.block_size)  # the worker's copy of the requests, from the step messages
@@ -40,9 +42,11 @@ class FakeRunner:
             blocks = state.block_ids
             for pos in range(r.num_computed_tokens, end):
                 self.slots[blocks[pos // self.bs] * self.bs + pos % self.bs] = state.all_token_ids[pos]
-            # Attention reads positions [0, end): they must hold exactly this request's tokens.
-            seen = [self.slots.get(blocks[p // self.bs] * self.bs + p % self.bs) for p in range(end)]
-            assert seen == state.all_token_ids[:end], f"{r.request_id} reads foreign KV"
+            # Attention reads positions [0, end), or from the first query's window on: they must hold
+            # exactly this request's tokens.
+            first = max(r.num_computed_tokens - self.window + 1, 0) if self.window else 0
+            seen = [self.slots.get(blocks[p // self.bs] * self.bs + p % self.bs) for p in range(first, end)]
+            assert seen == state.all_token_ids[first:end], f"{r.request_id} reads foreign KV"
             if r.sample:
                 token = (sum(state.all_token_ids) * 31 + len(r.request_id) + self.seed) % 50 + 3
                 result.sampled_token_ids[r.request_id] = [token]
@@ -57,7 +61,8 @@ def _check_pool(kv: KVCacheManager, scheduler: Scheduler, runner: FakeRunner) ->
     holders: dict[int, int] = {}
     for blocks in kv.req_blocks.values():
         for block in blocks:
-            holders[block.block_id] = holders.get(block.block_id, 0) + 1
+            if block is not FREED:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
     for block in kv.pool.blocks:
         assert block.ref_cnt == holders.get(block.block_id, 0)
         assert kv.pool.is_free(block) == (block.ref_cnt == 0)
@@ -102,6 +107,7 @@ workload = st.fixed_dictionaries({
     "budget": st.integers(4, 40),
     "caching": st.booleans(),
     "seed": st.integers(0, 5),
+    "window": st.sampled_from([None, None, 1, 3, 8, 17]),
 })
 
 
@@ -109,7 +115,8 @@ workload = st.fixed_dictionaries({
 @given(workload)
 def test_sharing_never_leaks_and_reads_only_own_tokens(w):
     bs = w["block_size"]
-    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, enable_prefix_caching=w["caching"], debug=True)
+    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, enable_prefix_caching=w["caching"], debug=True,
+                        sliding_window=w["window"])
     scheduler = Scheduler(SchedulerConfig(8, w["budget"], MAX_MODEL_LEN), kv)
     runner = FakeRunner(kv, w["seed"])
     common = list(range(100, 120))
@@ -162,6 +169,9 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
             continue
         output = scheduler.schedule()
         assert output.num_scheduled_tokens <= w["budget"]
+        for s in output.scheduled if w["window"] else ():  # nothing behind the window is held
+            behind = max(s.num_computed_tokens - w["window"] + 1, 0) // bs
+            assert all(b is FREED for b in kv.req_blocks[s.request_id][:behind])
         if w["caching"]:
             _check_prefix_computed_once(kv, scheduler, output)
         scheduler.update(output, runner.execute(output))

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import FREED, KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step import ModelRunnerOutput
@@ -23,6 +23,7 @@ workload_st = st.fixed_dictionaries({
     "budget": st.integers(1, 48),
     "max_num_seqs": st.integers(1, 6),
     "eos_every": st.integers(3, 50),
+    "window": st.sampled_from([None, None, 2, 9]),  # a sliding window: blocks behind it are freed
 })
 
 
@@ -30,7 +31,8 @@ def _check_blocks(kv: KVCacheManager, scheduler: Scheduler) -> None:
     holders: dict[int, int] = {}
     for blocks in kv.req_blocks.values():
         for block in blocks:
-            holders[block.block_id] = holders.get(block.block_id, 0) + 1
+            if block is not FREED:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
     free_ids = set(kv.pool._free)
     for block in kv.pool.blocks:
         # Every block is in exactly one place: free, or held by ref_cnt requests.
@@ -42,7 +44,8 @@ def _check_blocks(kv: KVCacheManager, scheduler: Scheduler) -> None:
 
 def make_scheduler(w: dict) -> tuple[KVCacheManager, SchedulerConfig, Scheduler]:
     """A scheduler over a pool that holds one max_model_len request plus the workload's spare blocks."""
-    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, w["block_size"]) + w["spare_blocks"], w["block_size"])
+    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, w["block_size"]) + w["spare_blocks"], w["block_size"],
+                        sliding_window=w.get("window"))
     config = SchedulerConfig(w["max_num_seqs"], w["budget"], MAX_MODEL_LEN)
     return kv, config, Scheduler(config, kv)
 

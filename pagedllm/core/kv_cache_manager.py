@@ -5,6 +5,12 @@ each full block is known by a hash chained over its parent's hash and its tokens
 request's cache salt), so a new request starts from the longest run of blocks already holding
 its prefix. Forked requests (parallel samples, beams) share blocks by reference count; the first
 write into a shared block copies it.
+
+Where every layer attends through the same sliding window (Mistral's), the blocks a request's
+queries can no longer see (wholly before its next query's window) are freed as it grows, so a long
+request holds about a window's worth of blocks. Their entries stay in its table as FREED, so that
+positions keep their indices; the worker keeps the ids it had there (or reads block 0 for them)
+and never attends to them.
 """
 from __future__ import annotations
 
@@ -16,16 +22,22 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# A table entry whose block was freed because it left the sliding window (sent as block id 0).
+FREED = KVBlock(0)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 debug: bool = False) -> None:
+                 debug: bool = False, sliding_window: int | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.debug = debug  # assert that no shared or cached block is ever written
+        self.sliding_window = sliding_window  # every layer's window: blocks behind it are freed
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_freed: dict[str, int] = {}  # leading entries of a request's table that are FREED
         self._num_cached: dict[str, int] = {}  # blocks of a request already in the prefix cache
         # Leading entries of a request's table the worker holds unchanged, where blocks were appended
         # or copied on write since it last heard (else all of them: a table cut back is told by its
@@ -98,7 +110,8 @@ class KVCacheManager:
         if num_full <= start:
             return
         for block, block_hash in zip(blocks[start:num_full], self._block_hashes(request, num_full)[start:]):
-            self.pool.cache_block(block, block_hash)
+            if block is not FREED:
+                self.pool.cache_block(block, block_hash)
         self._num_cached[request.request_id] = num_full
 
     # -- allocation -----------------------------------------------------------------------------
@@ -108,18 +121,21 @@ class KVCacheManager:
         bs = self.block_size
         blocks = self.req_blocks.setdefault(request.request_id, [])
         start = request.num_computed_tokens + len(computed) * bs  # first position written
+        computed = self._free_behind_window(request.request_id, blocks, computed, start)
         needed = cdiv(start + num_new_tokens, bs) - len(blocks) - len(computed)
         copy = self._shared_block_at(blocks, start)
-        revived = sum(1 for b in computed if self.pool.is_free(b))  # hits that leave the free queue
+        taken = [b for b in computed if b is not FREED]
+        revived = sum(1 for b in taken if self.pool.is_free(b))  # hits that leave the free queue
         if max(needed, 0) + copy > self.pool.num_free_blocks - revived:
             return False
         if self._caches(request) and not blocks:  # a first allocation: count the lookup
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(computed) * bs
         if computed:
-            self.pool.touch(list(computed))
+            self.pool.touch(taken)
             blocks.extend(computed)
             self._num_cached[request.request_id] = len(computed)
+            self._num_freed[request.request_id] = len(computed) - len(taken)
         if copy:
             self._changed(request.request_id, start // bs)
             self._copy_on_write(blocks, start // bs)
@@ -129,6 +145,23 @@ class KVCacheManager:
         if self.debug:
             self._check_writable(blocks, start, num_new_tokens)
         return True
+
+    def _free_behind_window(self, request_id: str, blocks: list[KVBlock], computed: list[KVBlock],
+                            start: int) -> list[KVBlock]:
+        """With a sliding window: free the request's blocks that no query from position `start` on
+        can see, and leave prefix hits there untaken (FREED in their place); returns the hits."""
+        if self.sliding_window is None:
+            return list(computed)
+        first_seen = max(start - self.sliding_window + 1, 0) // self.block_size  # the first block still read
+        done = self._num_freed.get(request_id, 0)
+        for i in range(done, min(first_seen, len(blocks))):
+            if blocks[i] is not FREED:
+                self.pool.free_blocks([blocks[i]])
+                blocks[i] = FREED
+        if blocks:
+            self._num_freed[request_id] = max(done, min(first_seen, len(blocks)))
+        skip = min(max(first_seen - len(blocks), 0), len(computed))
+        return [FREED] * skip + list(computed[skip:])
 
     def _shared_block_at(self, blocks: list[KVBlock], position: int) -> bool:
         index = position // self.block_size
@@ -152,8 +185,9 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request.request_id, [])
         keep = cdiv(request.num_computed_tokens, self.block_size)
         if len(blocks) > keep:
-            self.pool.free_blocks(list(reversed(blocks[keep:])))
+            self.pool.free_blocks([b for b in reversed(blocks[keep:]) if b is not FREED])
             del blocks[keep:]
+            self._num_freed[request.request_id] = min(self._num_freed.get(request.request_id, 0), keep)
 
     def _changed(self, request_id: str, index: int) -> None:
         """Entry `index` of the request's table is replaced or appended."""
@@ -176,9 +210,10 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """The child holds the parent's blocks too (one more reference each)."""
         blocks = self.req_blocks[parent.request_id]
-        self.pool.touch(blocks)
+        self.pool.touch([b for b in blocks if b is not FREED])
         self.req_blocks[child.request_id] = list(blocks)
         self._num_cached[child.request_id] = self._num_cached.get(parent.request_id, 0)
+        self._num_freed[child.request_id] = self._num_freed.get(parent.request_id, 0)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
@@ -189,7 +224,14 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
         self._num_unchanged.pop(request.request_id, None)
-        self.pool.free_blocks(list(reversed(blocks)))
+        self._num_freed.pop(request.request_id, None)
+        self.pool.free_blocks([b for b in reversed(blocks) if b is not FREED])
 
     def num_allocated_slots(self) -> int:
-        return sum(len(blocks) for blocks in self.req_blocks.values()) * self.block_size
+        return sum(len(blocks) - self._num_freed.get(request_id, 0)
+                   for request_id, blocks in self.req_blocks.items()) * self.block_size
+
+    def num_stored_tokens(self, request: Request) -> int:
+        """Tokens of the request whose K/V its blocks hold (its computed ones less those freed
+        behind the window)."""
+        return max(request.num_computed_tokens - self._num_freed.get(request.request_id, 0) * self.block_size, 0)

@@ -271,7 +271,7 @@ class Scheduler:
         total = self.kv.pool.num_blocks
         free = self.kv.num_free_blocks
         slots = self.kv.num_allocated_slots()
-        held = sum(r.num_computed_tokens for r in self.running)
+        held = sum(self.kv.num_stored_tokens(r) for r in self.running)
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),

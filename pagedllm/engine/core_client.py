@@ -21,7 +21,7 @@ from multiprocessing.connection import Client, Connection, Listener
 import psutil
 import torch
 
-from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory
+from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory, uniform_sliding_window
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
@@ -55,7 +55,8 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
         raise ValueError(f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
                          f"must be at least max_model_len ({model_config.max_model_len})")
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                        debug=os.environ.get("PAGEDLLM_DEBUG") == "1")
+                        debug=os.environ.get("PAGEDLLM_DEBUG") == "1",
+                        sliding_window=uniform_sliding_window(model_config.hf_config) if model_config.is_causal else None)
     scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, model_config.max_model_len,
                                           chunked_prefill=model_config.is_causal), kv)
     backend = XgrammarBackend((lambda: tokenizer) if tokenizer is not None else

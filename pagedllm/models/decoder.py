@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from pagedllm.config import head_dim
+from pagedllm.config import head_dim, sliding_windows
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
 from pagedllm.layers.linear import (GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear,
@@ -68,16 +68,8 @@ class DecoderConfig:
                    vocab_size=config.vocab_size, num_heads=config.num_attention_heads,
                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim(config),
                    rms_norm_eps=config.rms_norm_eps, qkv_bias=always_qkv_bias or attention_bias,
-                   o_bias=attention_bias, qk_norm=qk_norm, sliding_windows=_sliding_windows(config),
+                   o_bias=attention_bias, qk_norm=qk_norm, sliding_windows=sliding_windows(config),
                    tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), **fused)
-
-
-def _sliding_windows(config) -> tuple[int | None, ...]:
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    return (window,) * config.num_hidden_layers
 
 
 def linear_method(quant: QuantizationConfig | None, prefix: str, *parts: str) -> LinearMethodBase | None:
