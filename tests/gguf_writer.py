@@ -22,7 +22,12 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
     "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
+    "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
+    "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+    "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,  # as llama.cpp writes Mixtral: a llama with experts
 }
+# Kept F32 whatever the file's type, as llama.cpp keeps them: the routers.
+_KEEP_F32 = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.")
 _QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 _Q = gguf.GGMLQuantizationType
 
@@ -72,6 +77,27 @@ def _encode(w: np.ndarray, qt: gguf.GGMLQuantizationType) -> tuple[np.ndarray, g
         return gguf.quants.quantize(w, qt), qt
     except gguf.QuantError:  # rows not a multiple of the block size: llama.cpp falls back to F16
         return gguf.quants.quantize(w, _Q.F16), _Q.F16
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's routed experts as one [experts, rows, columns] tensor a projection, named as
+    llama.cpp's converter names it before mapping ("...mlp.experts.gate_proj.weight"); Mixtral's
+    block_sparse_moe/w1/w3/w2 names read as Qwen's mlp/gate_proj/up_proj/down_proj."""
+    renames = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            stacks.setdefault(".".join(parts[:i + 1] + parts[i + 2:]), {})[int(parts[i + 1])] = t
+        else:
+            out[name] = t
+    for name, by_expert in stacks.items():
+        out[name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
 
 
 def _pre_tokenizer_name(tok_json: dict) -> str:
@@ -160,6 +186,14 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         w.add_value_length(head_dim)
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     file_types = {"Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qt == _Q.F32 else gguf.LlamaFileType[file_types.get(qtype, f"MOSTLY_{qtype}")])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -170,6 +204,7 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
+    tensors = _stack_experts(tensors)
     for hf_name, t in tensors.items():
         if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue  # tied: llama.cpp omits output.weight and reuses token_embd
@@ -186,6 +221,8 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         elif arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_k." in name:
             data = _permute(data, n_kv)
         tensor_qt = next((_Q[t] for part, t in overrides.items() if part in name), qt)
+        if any(part in name for part in _KEEP_F32):
+            tensor_qt = _Q.F32
         data, dtype = _encode(data, tensor_qt)
         w.add_tensor(name, data, raw_dtype=dtype)
 

@@ -3,6 +3,8 @@ logprobs close): Qwen3-MoE (renormalized top-k, a dense layer among sparse ones)
 expert, top-k not renormalized), Mixtral; and the experts compute only the tokens routed to them."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -12,12 +14,13 @@ COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_ke
               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
 
 
-def _config(family: str, vocab: int):
+def _config(family: str, vocab: int, dense_layers: list[int]):
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family == "qwen3_moe":
         return Qwen3MoeConfig(vocab_size=vocab, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                              num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, mlp_only_layers=[1], **COMMON)
+                              num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, mlp_only_layers=dense_layers,
+                              **COMMON)
     if family == "qwen2_moe":
         return Qwen2MoeConfig(vocab_size=vocab, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
                               num_experts_per_tok=3, norm_topk_prob=False, shared_expert_intermediate_size=48,
@@ -25,12 +28,13 @@ def _config(family: str, vocab: int):
     return MixtralConfig(vocab_size=vocab, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **COMMON)
 
 
-def make_moe(family: str, path, tokenizer_dir: str) -> str:
+def make_moe(family: str, path, tokenizer_dir: str, dense_layers: tuple[int, ...] = (1,)) -> str:
+    """`dense_layers`: Qwen3-MoE's mlp_only_layers (llama.cpp's qwen3moe has no dense layers)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(_config(family, len(tokenizer)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(family, len(tokenizer), list(dense_layers)), dtype=torch.float32)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -65,3 +69,39 @@ def test_experts_compute_only_their_tokens(tmp_path, tokenizer_dir, monkeypatch)
     llm.generate([{"prompt_token_ids": list(range(5, 45))}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert sum(calls) == sum(routed) == 2 * 40 * 2  # two sparse layers, 40 tokens, top-2
     assert len(calls) <= 2 * 8 and max(calls) < 40  # at most one call per expert per layer
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_from_gguf(tmp_path, tokenizer_dir, family):
+    """A tiny MoE written as llama.cpp's converter writes it (experts stacked a projection, routers
+    F32; Mixtral as a llama with experts): in F32 greedy-equal to the folder it came from; in Q8_0
+    its experts run quantized, each position's logprob close to the file dequantized."""
+    from gguf_writer import write_gguf
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.models.loader import describe_weights
+    from test_gguf_quantized import teacher_forced
+
+    folder = make_moe(family, tmp_path / "hf", tokenizer_dir, dense_layers=())
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 19, 40)]
+    args = dict(dtype="float32", kv_cache_memory="16MiB", block_size=4)
+
+    theirs = LLM(folder, **args).generate(prompts, params, use_tqdm=False)
+    write_gguf(folder, str(tmp_path / "f32.gguf"), "F32", tokenizer_dir)
+    ours = LLM(str(tmp_path / "f32.gguf"), **args).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [e[t].logprob for e, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == pytest.approx(
+            [e[t].logprob for e, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)], abs=1e-4)
+    # Quantized: every expert routed (top-k = all), so that the int8 activations' rounding cannot
+    # flip a token's choice of experts, which moves its logprob by far more than the rounding does.
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["num_experts_per_tok"] = config.get("num_experts") or config["num_local_experts"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    write_gguf(folder, str(tmp_path / "q8.gguf"), "Q8_0", tokenizer_dir)
+    quantized = LLM(str(tmp_path / "q8.gguf"), **args)
+    assert "gate_up_proj Q8_0" in describe_weights(quantized.engine.model_runner.model)
+    dequantized = LLM(str(tmp_path / "q8.gguf"), **args, quantization="none")
+    sequences = [p["prompt_token_ids"] for p in prompts]
+    delta = (torch.cat(teacher_forced(quantized, sequences)) - torch.cat(teacher_forced(dequantized, sequences))).abs()
+    assert delta.mean() < 0.04 and delta.max() < 0.3, (delta.mean(), delta.max())

@@ -20,7 +20,16 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # Mixtures of experts: the router, a shared expert and its gate (Qwen2-MoE)...
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# ... and the routed experts, stacked in one [experts, rows, columns] tensor a projection: each
+# expert's rows become its own tensor, "mlp.experts.E.<projection>".
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Matrices that load unquantized whatever their type in the file: routers (llama.cpp keeps them F32).
+_ALWAYS_DEQUANTIZED = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 # Gemma 3 names its four norms otherwise: its "ffn_norm" is the norm before the MLP.
@@ -35,7 +44,9 @@ _ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.
 _PERMUTED_ARCHS = {"llama", "mistral"}
 # ... and stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the weight as it is).
 _NORM_PLUS_ONE_ARCHS = {"gemma3"}
-SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"}
+SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe"}
+# The model_type transformers keys a GGUF architecture's config by, where it is not the name itself.
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +107,7 @@ def load_gguf_config(path: str):
     window = _field(reader, f"{arch}.attention.sliding_window")
     if window:
         values["sliding_window"] = int(window)
+    values.update(_moe_values(reader, arch, values))
     if arch == "gemma3":
         values["eos_token_id"] = _gemma3_eos(reader, values.get("eos_token_id"))
     if arch == "gemma3":
@@ -106,6 +118,21 @@ def load_gguf_config(path: str):
         config = gguf_config(values)
     config.name_or_path = _folder(path)
     return config
+
+
+def _moe_values(reader, arch: str, values: dict) -> dict:
+    """A mixture of experts' fields: the expert size, a shared expert's, and for a Llama file with
+    experts (llama.cpp writes Mixtral so), Mixtral's model type and names."""
+    count = _field(reader, f"{arch}.expert_count")
+    if not count:
+        return {}
+    extra = {"moe_intermediate_size": _field(reader, f"{arch}.expert_feed_forward_length"),
+             "shared_expert_intermediate_size": _field(reader, f"{arch}.expert_shared_feed_forward_length")}
+    extra = {key: int(value) for key, value in extra.items() if value is not None}
+    if arch == "llama":
+        extra.update(model_type="mixtral", num_local_experts=int(count),
+                     num_experts_per_tok=int(_field(reader, "llama.expert_used_count")))
+    return extra
 
 
 def _phi3_config(reader, values: dict):
@@ -156,6 +183,7 @@ def _config_values(reader, arch: str) -> dict:
 
     # transformers takes a llama file whose name is exactly "mistral" for a Mistral model.
     model_type = "mistral" if arch == "llama" and _field(reader, "general.name") == "mistral" else arch
+    model_type = _MODEL_TYPES.get(arch, model_type)
     # llama.cpp writes the output projection only when it is not the embedding matrix.
     values: dict = {"tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}).items():
@@ -252,10 +280,18 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
     for tensor in reader.tensors:
         if tensor.name in _ROPE_FACTORS:
             continue  # in the config
-        name = hf_name(tensor.name, arch)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
         type_name = tensor.tensor_type.name
-        if keep_quantized and type_name in FORMATS and len(shape) == 2:
+        expert_names = _expert_names(tensor.name, shape)
+        if expert_names is not None:  # stacked experts: one tensor each (the same rows, raw or not)
+            quantized = keep_quantized and type_name in FORMATS
+            data = tensor.data if quantized else gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            for e, name in enumerate(expert_names):
+                yield name, (gguf_tensor(data[e], type_name, shape[2]) if quantized else
+                             torch.from_numpy(np.array(data[e], dtype=np.float32)).reshape(shape[1:]))
+            continue
+        name = hf_name(tensor.name, arch)
+        if keep_quantized and type_name in FORMATS and len(shape) == 2 and not name.endswith(_ALWAYS_DEQUANTIZED):
             weight = gguf_tensor(tensor.data, type_name, shape[1])
             if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
                 weight.raw = unpermute_qk(weight.raw, _heads(config, name))
@@ -267,7 +303,18 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
             weight = unpermute_qk(weight, _heads(config, name))
         if arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
             weight = weight - 1
+        if name.endswith("shared_expert_gate.weight"):
+            weight = weight.reshape(1, -1)  # one output row, however the file shapes it
         yield name, weight
+
+
+def _expert_names(gguf_name: str, shape: tuple[int, ...]) -> list[str] | None:
+    """The per-expert Hugging Face names of a stacked expert tensor; None for any other tensor."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if not match or match.group(2) not in _EXPERT_NAMES:
+        return None
+    layer, projection = match.group(1), _EXPERT_NAMES[match.group(2)]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight" for e in range(shape[0])]
 
 
 def _heads(config, name: str) -> int:
@@ -275,9 +322,15 @@ def _heads(config, name: str) -> int:
 
 
 def tensor_types(path: str) -> dict[str, str]:
-    """Each tensor's GGUF type (F32, Q4_K, ...) by its Hugging Face name."""
+    """Each tensor's GGUF type (F32, Q4_K, ...) by its Hugging Face name (each expert's, for stacked experts)."""
     arch = gguf_architecture(path)
-    return {hf_name(t.name, arch): t.tensor_type.name for t in _reader(path).tensors if t.name not in _ROPE_FACTORS}
+    types = {}
+    for t in _reader(path).tensors:
+        if t.name in _ROPE_FACTORS:
+            continue
+        names = _expert_names(t.name, tuple(int(n) for n in reversed(t.shape))) or [hf_name(t.name, arch)]
+        types.update((name, t.tensor_type.name) for name in names)
+    return types
 
 
 def release_readers() -> None:

@@ -16,7 +16,7 @@ from transformers import PreTrainedConfig
 MODEL_TYPE_DEFAULTS: dict[str, dict] = {"mistral": {"sliding_window": 4096}}
 # Types whose configs window attention only where `use_sliding_window` says so, which GGUF files
 # cannot carry: transformers reads such a file with full attention on every layer, as llama.cpp runs it.
-FULL_ATTENTION_TYPES = frozenset({"qwen2", "qwen3"})
+FULL_ATTENTION_TYPES = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 
 
 @strict(accept_kwargs=True)
