@@ -21,6 +21,7 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
+    "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
     "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
     "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
@@ -186,6 +187,9 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         w.add_value_length(head_dim)
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+    if arch == gguf.MODEL_ARCH.GEMMA2:
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:
         w.add_expert_count(experts)
@@ -214,7 +218,7 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         if name is None:
             raise ValueError(f"cannot map tensor {hf_name}")
         data = t.to(torch.float32).numpy()
-        if arch == gguf.MODEL_ARCH.GEMMA3 and hf_name.endswith("norm.weight"):
+        if arch in (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3) and hf_name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's converter stores Gemma's norms as the scale itself
         if arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_q." in name:
             data = _permute(data, n_head)

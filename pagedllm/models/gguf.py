@@ -37,14 +37,14 @@ _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_la
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3's checkpoint fuses q/k/v and gate/up, and llama.cpp keeps them so (gate/up as "ffn_up").
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 # Tensors that are config, not weights: LongRoPE's factors (read into the config).
 _ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # llama.cpp's converter interleaves Q/K rows for its rotary layout on these architectures only.
 _PERMUTED_ARCHS = {"llama", "mistral"}
 # ... and stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the weight as it is).
-_NORM_PLUS_ONE_ARCHS = {"gemma3"}
-SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe"}
+_NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
+SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe"}
 # The model_type transformers keys a GGUF architecture's config by, where it is not the name itself.
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
@@ -108,10 +108,12 @@ def load_gguf_config(path: str):
     if window:
         values["sliding_window"] = int(window)
     values.update(_moe_values(reader, arch, values))
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         values["eos_token_id"] = _gemma3_eos(reader, values.get("eos_token_id"))
     if arch == "gemma3":
         config = _gemma3_config(values)
+    elif arch == "gemma2":
+        config = _gemma2_config(reader, values)
     elif arch == "phi3":
         config = _phi3_config(reader, values)
     else:
@@ -175,6 +177,19 @@ def _gemma3_config(values: dict):
 
     values = {k: v for k, v in values.items() if k != "model_type"}
     return Gemma3TextConfig(**values, architectures=["Gemma3ForCausalLM"])
+
+
+def _gemma2_config(reader, values: dict):
+    """Gemma 2's config class with the file's soft-caps. The file does not say how queries are
+    scaled: as llama.cpp does, by the head size, but for the 27B model (46 layers) by hidden / heads."""
+    from transformers import Gemma2Config
+
+    values = {k: v for k, v in values.items() if k != "model_type"}
+    caps = {name: float(_field(reader, f"gemma2.{name}")) for name in ("attn_logit_softcapping", "final_logit_softcapping")
+            if _field(reader, f"gemma2.{name}") is not None}
+    per_head = values["hidden_size"] // values["num_attention_heads"]
+    scalar = per_head if values["num_hidden_layers"] == 46 else values.get("head_dim", per_head)
+    return Gemma2Config(**values, **caps, query_pre_attn_scalar=scalar, architectures=["Gemma2ForCausalLM"])
 
 
 def _config_values(reader, arch: str) -> dict:
