@@ -1,6 +1,7 @@
 """Engine configuration: EngineArgs (what a user sets) resolved into the configs each part reads."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, fields
 
@@ -77,11 +78,38 @@ def sliding_windows(hf_config) -> tuple[int | None, ...]:
     return (window,) * hf_config.num_hidden_layers
 
 
-def uniform_sliding_window(hf_config) -> int | None:
-    """The window every layer shares (Mistral's), whose blocks the KV cache manager can free as a
-    request moves past them; None where some layer attends to everything (or layers differ)."""
-    windows = set(sliding_windows(hf_config))
-    return windows.pop() if len(windows) == 1 else None
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """How a model's layers share KV blocks. Layers of one kind of attention (a window, or none) go
+    in groups of equal size, each group with its own block tables, so that the blocks behind a
+    window can be freed for the sliding layers while the full layers keep theirs (Gemma's mix):
+    `windows[g]` is group g's window; layer l is in group `layer_group[l]` and keeps its K/V in cache
+    tensor `layer_slot[l]`, which one layer of every group shares (a block id is a block of each of
+    the `num_slots` tensors, owned by one group). Models whose layers are all alike: one group."""
+    windows: tuple[int | None, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+
+    @property
+    def num_slots(self) -> int:
+        return max(self.layer_slot) + 1
+
+
+def kv_cache_groups(hf_config) -> KVCacheGroups:
+    """Groups of gcd(layers of each kind) layers: Gemma 3 270M's 15 sliding and 3 full layers make
+    five sliding groups and one full group of three."""
+    windows = sliding_windows(hf_config)
+    kinds = list(dict.fromkeys(windows))  # in order of first appearance
+    size = math.gcd(*(windows.count(kind) for kind in kinds))
+    group_windows: list[int | None] = []
+    layer_group, layer_slot = [0] * len(windows), [0] * len(windows)
+    for kind in kinds:
+        layers = [i for i, window in enumerate(windows) if window == kind]
+        for start in range(0, len(layers), size):
+            for slot, layer in enumerate(layers[start:start + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(kind)
+    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot))
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,

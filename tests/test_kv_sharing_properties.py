@@ -3,8 +3,9 @@
 A fake model runner writes each token id into the slot the block tables give it (doing the
 copies the scheduler asks for first). Then whatever a request attends to must be its own tokens:
 that checks prefix hits, forks and copy-on-write at once, and with a sliding window, that the
-blocks freed behind it were never still needed. The manager runs in debug mode, so a write into a
-shared or cached block fails loudly.
+blocks freed behind it were never still needed; with two groups of layers (a sliding one and a
+full one sharing the pool, HybridKVCacheManager), each group's tables alike. The managers run in
+debug mode, so a write into a shared or cached block fails loudly.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import FREED, KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -22,11 +24,17 @@ from pagedllm.worker.input_batch import InputBatch
 MAX_MODEL_LEN = 64
 
 
+def managers(kv: KVCacheManager | HybridKVCacheManager) -> list[KVCacheManager]:
+    return kv.groups if isinstance(kv, HybridKVCacheManager) else [kv]
+
+
 class FakeRunner:
-    def __init__(self, kv: KVCacheManager, seed: int) -> None:
-        self.slots: dict[int, int] = {}  # slot -> token id written there
+    def __init__(self, kv: KVCacheManager | HybridKVCacheManager, seed: int) -> None:
+        # slot -> (group, token id) written there: a group's layers hold their own K/V, so a table
+        # that reads another group's block reads the wrong values even where the tokens agree.
+        self.slots: dict[int, tuple[int, int]] = {}
         self.bs = kv.block_size
-        self.window = kv.sliding_window
+        self.windows = [group.sliding_window for group in managers(kv)]
         self.seed = seed
         self.logprobs: dict[str, TokenLogprobs] = {}  # request id -> its last sample's
         self.batch = InputBatch(kv.block_size)  # the worker's copy of the requests, from the step messages
@@ -39,14 +47,14 @@ class FakeRunner:
         result = ModelRunnerOutput()
         for r, state in zip(output.scheduled, self.batch.update(output)):
             end = r.num_computed_tokens + r.num_new_tokens
-            blocks = state.block_ids
-            for pos in range(r.num_computed_tokens, end):
-                self.slots[blocks[pos // self.bs] * self.bs + pos % self.bs] = state.all_token_ids[pos]
-            # Attention reads positions [0, end), or from the first query's window on: they must hold
-            # exactly this request's tokens.
-            first = max(r.num_computed_tokens - self.window + 1, 0) if self.window else 0
-            seen = [self.slots.get(blocks[p // self.bs] * self.bs + p % self.bs) for p in range(first, end)]
-            assert seen == state.all_token_ids[first:end], f"{r.request_id} reads foreign KV"
+            for g, (window, blocks) in enumerate(zip(self.windows, [state.block_ids, *state.other_block_ids])):
+                for pos in range(r.num_computed_tokens, end):
+                    self.slots[blocks[pos // self.bs] * self.bs + pos % self.bs] = (g, state.all_token_ids[pos])
+                # Attention reads positions [0, end), or from the first query's window on: they must
+                # hold exactly this request's tokens, written by this group.
+                first = max(r.num_computed_tokens - window + 1, 0) if window else 0
+                seen = [self.slots.get(blocks[p // self.bs] * self.bs + p % self.bs) for p in range(first, end)]
+                assert seen == [(g, t) for t in state.all_token_ids[first:end]], f"{r.request_id} reads foreign KV"
             if r.sample:
                 token = (sum(state.all_token_ids) * 31 + len(r.request_id) + self.seed) % 50 + 3
                 result.sampled_token_ids[r.request_id] = [token]
@@ -57,9 +65,9 @@ class FakeRunner:
         return result
 
 
-def _check_pool(kv: KVCacheManager, scheduler: Scheduler, runner: FakeRunner) -> None:
+def _check_pool(kv: KVCacheManager | HybridKVCacheManager, scheduler: Scheduler, runner: FakeRunner) -> None:
     holders: dict[int, int] = {}
-    for blocks in kv.req_blocks.values():
+    for blocks in (b for group in managers(kv) for b in group.req_blocks.values()):
         for block in blocks:
             if block is not FREED:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
@@ -71,10 +79,12 @@ def _check_pool(kv: KVCacheManager, scheduler: Scheduler, runner: FakeRunner) ->
     for request in list(scheduler.running) + list(scheduler.held.values()):
         # A cached block holds exactly the tokens its hash was made from.
         bs = kv.block_size
-        for i, (block, block_hash) in enumerate(zip(kv.req_blocks.get(request.request_id, []), request.block_hashes)):
-            if block.block_hash == block_hash:
-                held = [runner.slots.get(block.block_id * bs + o) for o in range(bs)]
-                assert held == request.all_token_ids[i * bs:(i + 1) * bs]
+        for g, group in enumerate(managers(kv)):
+            table = group.req_blocks.get(request.request_id, [])
+            for i, (block, block_hash) in enumerate(zip(table, request.block_hashes)):
+                if block.block_hash == group._pool_hash(block_hash):
+                    held = [runner.slots.get(block.block_id * bs + o) for o in range(bs)]
+                    assert held == [(g, t) for t in request.all_token_ids[i * bs:(i + 1) * bs]]
 
 
 def _check_prefix_computed_once(kv: KVCacheManager, scheduler: Scheduler, output: SchedulerOutput) -> None:
@@ -86,7 +96,7 @@ def _check_prefix_computed_once(kv: KVCacheManager, scheduler: Scheduler, output
         request = scheduler.requests[s.request_id]
         num_full = (request.num_prompt_tokens - 1) // kv.block_size
         end = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens)
-        for index, block_hash in enumerate(kv._block_hashes(request, num_full)):
+        for index, block_hash in enumerate(managers(kv)[0]._block_hashes(request, num_full)):
             if s.num_computed_tokens < (index + 1) * kv.block_size and index * kv.block_size < end:
                 assert block_hash not in written, f"{s.request_id} recomputes a block another request computes now"
                 written.add(block_hash)
@@ -108,6 +118,7 @@ workload = st.fixed_dictionaries({
     "caching": st.booleans(),
     "seed": st.integers(0, 5),
     "window": st.sampled_from([None, None, 1, 3, 8, 17]),
+    "hybrid": st.booleans(),  # a sliding group (the window, else 5) and a full group sharing the pool
 })
 
 
@@ -115,8 +126,12 @@ workload = st.fixed_dictionaries({
 @given(workload)
 def test_sharing_never_leaks_and_reads_only_own_tokens(w):
     bs = w["block_size"]
-    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, enable_prefix_caching=w["caching"], debug=True,
-                        sliding_window=w["window"])
+    if w["hybrid"]:
+        kv = HybridKVCacheManager(2 * cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, (w["window"] or 5, None),
+                                  w["caching"], debug=True)
+    else:
+        kv = KVCacheManager(cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, enable_prefix_caching=w["caching"], debug=True,
+                            sliding_window=w["window"])
     scheduler = Scheduler(SchedulerConfig(8, w["budget"], MAX_MODEL_LEN), kv)
     runner = FakeRunner(kv, w["seed"])
     common = list(range(100, 120))
@@ -169,15 +184,17 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
             continue
         output = scheduler.schedule()
         assert output.num_scheduled_tokens <= w["budget"]
-        for s in output.scheduled if w["window"] else ():  # nothing behind the window is held
-            behind = max(s.num_computed_tokens - w["window"] + 1, 0) // bs
-            assert all(b is FREED for b in kv.req_blocks[s.request_id][:behind])
+        for s in output.scheduled:  # nothing behind a window is held
+            for group in managers(kv):
+                if group.sliding_window:
+                    behind = max(s.num_computed_tokens - group.sliding_window + 1, 0) // bs
+                    assert all(b is FREED for b in group.req_blocks[s.request_id][:behind])
         if w["caching"]:
             _check_prefix_computed_once(kv, scheduler, output)
         scheduler.update(output, runner.execute(output))
         _check_pool(kv, scheduler, runner)
     else:
         raise AssertionError("the workload never finished")
-    assert not scheduler.held and not kv.req_blocks
+    assert not scheduler.held and not any(group.req_blocks for group in managers(kv))
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)

@@ -1,7 +1,9 @@
 """Sliding-window KV freeing on a tiny Mistral (window 8, blocks of 4): a long request holds about a
 window of blocks, and what it generates is what transformers generates, on the C++ kernels and on
 the torch path (which reads the freed entries' stale blocks and masks them); prefix hits, parallel
-samples and beams over freed blocks give what the engine gives without freeing."""
+samples and beams over freed blocks give what the engine gives without freeing. And a tiny Gemma 3
+(three sliding layers, one full): each group of layers has its own block tables, the sliding
+groups holding a window's worth while the full group holds everything."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +11,9 @@ import torch
 
 from conftest import greedy_without_kernels, hf_greedy, make_model
 from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import cdiv
+from test_gemma3 import make_gemma3
 
 WINDOW, BLOCK = 8, 4
 ARGS = dict(dtype="float32", block_size=BLOCK, kv_cache_memory="16MiB", max_num_batched_tokens=32)
@@ -18,6 +22,16 @@ ARGS = dict(dtype="float32", block_size=BLOCK, kv_cache_memory="16MiB", max_num_
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory, tokenizer_dir) -> str:
     return make_model("mistral", tmp_path_factory.mktemp("mistral"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, tokenizer_dir) -> str:
+    return make_gemma3(tmp_path_factory.mktemp("gemma3"), tokenizer_dir)
+
+
+def managers(llm: LLM) -> list:
+    kv = llm.engine.engine_core.scheduler.kv
+    return kv.groups if isinstance(kv, HybridKVCacheManager) else [kv]
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -53,13 +67,32 @@ def test_long_requests_hold_a_window_of_blocks_and_match_transformers(mistral):
     assert greedy_without_kernels(dict(model=mistral, **ARGS), batch, 30)[0] == [o.outputs[0].token_ids for o in outputs]
 
 
-def test_prefix_hits_samples_and_beams_over_freed_blocks(mistral):
+def test_gemma3_groups_hold_their_own_blocks(gemma3):
+    """Gemma 3's layers in groups with their own tables (here 3 sliding groups of one layer and one
+    full group): at 100 tokens each sliding group holds a window's blocks, the full group all 25."""
+    llm = LLM(gemma3, **ARGS)
+    kv = llm.engine.engine_core.scheduler.kv
+    assert isinstance(kv, HybridKVCacheManager) and [g.sliding_window for g in kv.groups] == [WINDOW] * 3 + [None]
+    core, held = llm.engine.engine_core, []
+    step = core.step
+    core.step = lambda: step() if not held.append([
+        len(g.req_blocks[r.request_id]) - g._num_freed.get(r.request_id, 0) for g in kv.groups
+        for r in core.scheduler.running]) else None
+    llm.generate([{"prompt_token_ids": prompts(llm.engine.model_config.vocab_size)[0]}],
+                 SamplingParams(temperature=0, max_tokens=31, ignore_eos=True), use_tqdm=False)
+    last = held[-1]  # before the last step: 100 tokens computed
+    assert last[3] == cdiv(100, BLOCK) and all(n <= cdiv(WINDOW, BLOCK) + 1 for n in last[:3])
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_prefix_hits_samples_and_beams_over_freed_blocks(family, request):
     """The same work with the blocks behind the window kept: every output equal."""
+    path = request.getfixturevalue(family)
     runs = []
     for free in (True, False):
-        llm = LLM(mistral, **ARGS)
-        if not free:
-            llm.engine.engine_core.scheduler.kv.sliding_window = None
+        llm = LLM(path, **ARGS)
+        for manager in managers(llm) if not free else ():
+            manager.sliding_window = None
         vocab = llm.engine.model_config.vocab_size
         shared = prompts(vocab)[0]
         greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -14,6 +14,8 @@ and never attends to them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.request import Request
 
@@ -26,13 +28,35 @@ def cdiv(a: int, b: int) -> int:
 FREED = KVBlock(0)
 
 
+@dataclass
+class Allocation:
+    """What allocate_slots would take for a request: planned, then committed if the pool has room."""
+    start: int  # the first position written
+    computed: list[KVBlock]  # prefix hits (FREED where behind the window)
+    taken: list[KVBlock]  # the hits that are blocks
+    needed: int  # new blocks
+    copy: bool  # a shared block at `start` to copy on write
+    revived: int  # hits that leave the free queue
+
+    @property
+    def num_blocks(self) -> int:
+        """Free blocks it takes."""
+        return max(self.needed, 0) + self.copy + self.revived
+
+
 class KVCacheManager:
+    """`pool` and `group`: a manager of one group of layers whose blocks come from a pool it shares
+    with the other groups' managers (core/hybrid_kv_cache_manager.py); its prefix-cache entries
+    are told apart from theirs by the group's number."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 debug: bool = False, sliding_window: int | None = None) -> None:
+                 debug: bool = False, sliding_window: int | None = None, pool: BlockPool | None = None,
+                 group: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
+        self.group = group
         self.enable_prefix_caching = enable_prefix_caching
         self.debug = debug  # assert that no shared or cached block is ever written
         self.sliding_window = sliding_window  # every layer's window: blocks behind it are freed
@@ -70,11 +94,16 @@ class KVCacheManager:
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
         hits = []
         for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
+            block = self.pool.lookup(self._pool_hash(block_hash))
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def _pool_hash(self, block_hash: int) -> int:
+        """A block's key in the pool's prefix cache: its hash, and for groups past the first, the
+        group (the same tokens in another group's layers are another block)."""
+        return block_hash if self.group == 0 else hash((self.group, block_hash))
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Hashes of the request's first `num_blocks` full blocks, extended on demand."""
@@ -111,40 +140,51 @@ class KVCacheManager:
             return
         for block, block_hash in zip(blocks[start:num_full], self._block_hashes(request, num_full)[start:]):
             if block is not FREED:
-                self.pool.cache_block(block, block_hash)
+                self.pool.cache_block(block, self._pool_hash(block_hash))
         self._num_cached[request.request_id] = num_full
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
         """Room for `num_new_tokens` more tokens after the computed ones (plus `computed` prefix
-        hits for a request that has no blocks yet); False, changing nothing, if the pool is short."""
-        bs = self.block_size
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        start = request.num_computed_tokens + len(computed) * bs  # first position written
-        computed = self._free_behind_window(request.request_id, blocks, computed, start)
-        needed = cdiv(start + num_new_tokens, bs) - len(blocks) - len(computed)
-        copy = self._shared_block_at(blocks, start)
-        taken = [b for b in computed if b is not FREED]
-        revived = sum(1 for b in taken if self.pool.is_free(b))  # hits that leave the free queue
-        if max(needed, 0) + copy > self.pool.num_free_blocks - revived:
+        hits for a request that has no blocks yet); False, changing nothing, if the pool is short
+        (but for freeing its blocks behind the window, which it no longer needs in any case)."""
+        plan = self.plan(request, num_new_tokens, computed)
+        if plan.num_blocks > self.pool.num_free_blocks:
             return False
+        self.commit(request, num_new_tokens, plan)
+        return True
+
+    def plan(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> Allocation:
+        """What allocating would take (after freeing the request's blocks behind the window)."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        start = request.num_computed_tokens + len(computed) * self.block_size
+        computed = self._free_behind_window(request.request_id, blocks, computed, start)
+        taken = [b for b in computed if b is not FREED]
+        return Allocation(start, computed, taken,
+                          needed=cdiv(start + num_new_tokens, self.block_size) - len(blocks) - len(computed),
+                          copy=self._shared_block_at(blocks, start),
+                          revived=sum(1 for b in taken if self.pool.is_free(b)))
+
+    def commit(self, request: Request, num_new_tokens: int, plan: Allocation) -> None:
+        """Take what `plan` planned; the pool must have room."""
+        bs, start, computed = self.block_size, plan.start, plan.computed
+        blocks = self.req_blocks[request.request_id]
         if self._caches(request) and not blocks:  # a first allocation: count the lookup
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(computed) * bs
         if computed:
-            self.pool.touch(taken)
+            self.pool.touch(plan.taken)
             blocks.extend(computed)
             self._num_cached[request.request_id] = len(computed)
-            self._num_freed[request.request_id] = len(computed) - len(taken)
-        if copy:
+            self._num_freed[request.request_id] = len(computed) - len(plan.taken)
+        if plan.copy:
             self._changed(request.request_id, start // bs)
             self._copy_on_write(blocks, start // bs)
-        if needed > 0:
+        if plan.needed > 0:
             self._changed(request.request_id, len(blocks))
-            blocks.extend(self.pool.get_new_blocks(needed, after=blocks[-1] if blocks else None))
+            blocks.extend(self.pool.get_new_blocks(plan.needed, after=blocks[-1] if blocks else None))
         if self.debug:
             self._check_writable(blocks, start, num_new_tokens)
-        return True
 
     def _free_behind_window(self, request_id: str, blocks: list[KVBlock], computed: list[KVBlock],
                             start: int) -> list[KVBlock]:
@@ -202,6 +242,10 @@ class KVCacheManager:
         if whole:
             num_kept = 0
         return num_kept, [b.block_id for b in blocks[num_kept:]]
+
+    def take_other_group_block_ids(self, request_id: str, whole: bool = False) -> list[tuple[int, list[int]]]:
+        """The other groups' take_new_block_ids (HybridKVCacheManager): none here, one group."""
+        return []
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []

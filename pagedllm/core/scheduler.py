@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -39,7 +40,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
@@ -209,6 +210,7 @@ class Scheduler:
                                        request.sampling_params, request.eos_token_ids,
                                        request.pooling_params) if new else None,
             spec_token_ids=drafts,
+            other_group_blocks=self.kv.take_other_group_block_ids(request.request_id, whole=new),
         )
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:

@@ -44,6 +44,9 @@ class ScheduledRequest:
     # Draft tokens to verify (speculative decoding), which only the scheduler knows: the runner
     # answers with the drafts it accepts, in order, then one token of its own.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Models whose layers keep K/V in several groups (config.KVCacheGroups): the block tables of
+    # groups 1.. as (num_kept_blocks, new_block_ids) each; the fields above are group 0's.
+    other_group_blocks: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def num_spec_tokens(self) -> int:

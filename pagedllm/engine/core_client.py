@@ -21,7 +21,8 @@ from multiprocessing.connection import Client, Connection, Listener
 import psutil
 import torch
 
-from pagedllm.config import EngineArgs, SchedulerConfig, parse_memory, uniform_sliding_window
+from pagedllm.config import EngineArgs, SchedulerConfig, kv_cache_groups, parse_memory
+from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
@@ -54,15 +55,26 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
     if not model_config.is_causal and batched < model_config.max_model_len:
         raise ValueError(f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
                          f"must be at least max_model_len ({model_config.max_model_len})")
-    kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                        debug=os.environ.get("PAGEDLLM_DEBUG") == "1",
-                        sliding_window=uniform_sliding_window(model_config.hf_config) if model_config.is_causal else None)
+    kv = _kv_cache_manager(args, model_config, num_blocks)
     scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, model_config.max_model_len,
                                           chunked_prefill=model_config.is_causal), kv)
     backend = XgrammarBackend((lambda: tokenizer) if tokenizer is not None else
                               (lambda: load_tokenizer(model_config, args.tokenizer)),
                               model_config.vocab_size, sorted(model_config.eos_token_ids))
     return EngineCore(scheduler, executor, FaultInjector.from_env(), StructuredOutputManager(backend))
+
+
+def _kv_cache_manager(args: EngineArgs, model_config: ModelConfig,
+                      num_blocks: int) -> KVCacheManager | HybridKVCacheManager:
+    """One manager where the layers are alike (with their shared window, if any), a hybrid one over
+    a manager per group of layers where sliding and full layers mix (Gemma)."""
+    debug = os.environ.get("PAGEDLLM_DEBUG") == "1"
+    windows = kv_cache_groups(model_config.hf_config).windows if model_config.is_causal else (None,)
+    if len(windows) == 1:
+        return KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, debug, windows[0])
+    logger.info("KV cache: %d groups of layers with their own block tables (windows %s)", len(windows),
+                ", ".join(str(w or "none") for w in windows))
+    return HybridKVCacheManager(num_blocks, args.block_size, windows, args.enable_prefix_caching, debug)
 
 
 def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) -> int:

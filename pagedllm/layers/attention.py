@@ -3,7 +3,8 @@ through the block tables. The cache holds the model's dtype, or fp8 (--kv-cache-
 of value / scale, with a K and a V scale per layer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,16 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
     seq_lens_list: list[int]
     query_lens_list: list[int]
+    # Models with several groups of layers (config.KVCacheGroups): groups 1..'s (slot_mapping,
+    # block_tables); the fields above are group 0's.
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of `group` attends with: its group's slots and block tables."""
+        if group == 0:
+            return self
+        slot_mapping, block_tables = self.group_tables[group - 1]
+        return dataclasses.replace(self, slot_mapping=slot_mapping, block_tables=block_tables, group_tables=[])
 
     def has_fresh_prompt(self) -> bool:
         """Whether a sequence computes its whole prompt this step (several tokens, none cached)."""

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from pagedllm.config import head_dim, sliding_windows
+from pagedllm.config import head_dim, kv_cache_groups, sliding_windows
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
 from pagedllm.layers.linear import (GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear,
@@ -93,10 +93,12 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = self.head_dim ** -0.5
         self.logit_softcap: float | None = None  # Gemma 2's attention scores: tanh(s / cap) * cap
+        self.kv_group = 0  # the group of layers whose block tables it reads (config.KVCacheGroups)
         # Of an fp8 KV cache: 1.0, as vLLM takes them where the checkpoint gives none.
         self.kv_scales = KVScales()
 
     def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        meta = meta.for_group(self.kv_group)
         qkv = self.qkv_proj(x)
         if self.qk_norm:
             self._norm_qk(qkv)
@@ -211,6 +213,9 @@ class DecoderForCausalLM(CausalLM):
         self.config = config
         cfg = self.decoder_config = DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm, self.fused_checkpoint)
         self.model = self.build_model(config, cfg, max_positions, quant_config)
+        self.kv_groups = kv_cache_groups(config)
+        for layer, group in zip(self.model.layers, self.kv_groups.layer_group):
+            layer.self_attn.kv_group = group
         embedding = self.model.embed_tokens
         if cfg.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
             self.lm_head = TiedHead(embedding)
@@ -271,6 +276,8 @@ class DecoderForCausalLM(CausalLM):
             return "the C++ kernels are unavailable"
         if cfg.qk_norm:
             return "per-head q/k RMSNorm has no kernel in the C++ decoder stack"
+        if len(self.kv_groups.windows) > 1:
+            return "the C++ decoder stack reads one block table a step; the layers keep K/V in several groups"
         if self.model.norm.weight.dtype not in (torch.bfloat16, torch.float32):
             return f"the C++ decoder stack computes in bf16 or fp32, the weights are {self.model.norm.weight.dtype}"
         if any(not isinstance(layer.mlp, GatedMLP) or layer.mlp.activation is not None for layer in self.model.layers):

@@ -34,6 +34,7 @@ class RequestState:
     num_computed_tokens: int = 0  # before the last step scheduled, as the scheduler counted them
     pooling_params: PoolingParams | None = None  # an embedding request: pooled, not sampled
     pooling: PoolingState = field(default_factory=PoolingState)  # its chunks' hidden states so far
+    other_block_ids: list[list[int]] = field(default_factory=list)  # the block tables of groups 1.., if any
 
     @property
     def num_output_tokens(self) -> int:
@@ -69,6 +70,10 @@ class InputBatch:
         state.num_computed_tokens = s.num_computed_tokens
         if s.new_block_ids or s.num_kept_blocks != len(state.block_ids):
             self._set_blocks(state, s.num_kept_blocks, s.new_block_ids)
+        for g, (num_kept, new_ids) in enumerate(s.other_group_blocks):
+            if g == len(state.other_block_ids):
+                state.other_block_ids.append([])
+            state.other_block_ids[g][num_kept:] = new_ids
         return state
 
     def _add(self, request_id: str, data: NewRequestData) -> RequestState:
@@ -134,8 +139,26 @@ class InputBatch:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long), block_tables=self._block_tables(states),
             query_start_loc=self._tensor(query_start_loc, torch.int32), seq_lens=self._tensor(seq_lens, torch.int32),
-            seq_lens_list=seq_lens, query_lens_list=[s.num_new_tokens for s in scheduled])
+            seq_lens_list=seq_lens, query_lens_list=[s.num_new_tokens for s in scheduled],
+            group_tables=self._other_group_tables(scheduled, states))
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta
+
+    def _other_group_tables(self, scheduled: list[ScheduledRequest],
+                            states: list[RequestState]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slot mapping, block tables) of each group past the first, from lists (the models with
+        several groups, Gemma's, run op by op: a few lists a step are not what they wait on)."""
+        bs = self.block_size
+        tables = []
+        for g in range(len(states[0].other_block_ids) if states else 0):
+            slots: list[int] = []
+            for s, state in zip(scheduled, states):
+                blocks = state.other_block_ids[g]
+                slots += [blocks[p // bs] * bs + p % bs
+                          for p in range(state.num_computed_tokens, state.num_computed_tokens + s.num_new_tokens)]
+            width = max(len(state.other_block_ids[g]) for state in states)
+            rows = [state.other_block_ids[g] + [0] * (width - len(state.other_block_ids[g])) for state in states]
+            tables.append((self._tensor(slots, torch.long), self._tensor(rows, torch.int32)))
+        return tables
 
     def _block_tables(self, states: list[RequestState]) -> torch.Tensor:
         """The step's block tables, zero-padded to the longest. A few entries come from lists: numpy's

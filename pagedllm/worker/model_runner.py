@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import heap
-from pagedllm.config import head_dim
+from pagedllm.config import head_dim, kv_cache_groups
 from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
@@ -24,7 +24,9 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
     if not config.is_causal:
         return 0
     hf = config.hf_config
-    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim(hf) * config.cache_dtype.itemsize
+    # A block id is a block of each cache tensor: one a layer, or (several groups) one a layer of a group.
+    num_slots = kv_cache_groups(hf).num_slots
+    per_token = 2 * num_slots * hf.num_key_value_heads * head_dim(hf) * config.cache_dtype.itemsize
     return per_token * block_size
 
 
@@ -34,10 +36,14 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         hf = model_config.hf_config
-        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf)) if model_config.is_causal else ()
-        self.kv_caches = [(torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
-                           torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device))
-                          for _ in range(hf.num_hidden_layers if model_config.is_causal else 0)]
+        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf))
+        # One (K, V) pair of tensors a slot; each layer uses its slot's (config.KVCacheGroups: one
+        # a layer where all layers are alike; shared by one layer of each group otherwise).
+        slots = kv_cache_groups(hf).layer_slot if model_config.is_causal else ()
+        self.kv_slots = [(torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
+                          torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device))
+                         for _ in range(max(slots, default=-1) + 1)]
+        self.kv_caches = [self.kv_slots[slot] for slot in slots]
         self.sampler = Sampler()
         self.pooler = Pooler(model_config.pooler_config)
         self.input_batch = InputBatch(block_size, self.device)
@@ -67,7 +73,7 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in self.kv_slots:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
