@@ -36,10 +36,11 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         hf = model_config.hf_config
-        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf))
         # One (K, V) pair of tensors a slot; each layer uses its slot's (config.KVCacheGroups: one
-        # a layer where all layers are alike; shared by one layer of each group otherwise).
+        # a layer where all layers are alike; shared by one layer of each group otherwise). An
+        # encoder has none.
         slots = kv_cache_groups(hf).layer_slot if model_config.is_causal else ()
+        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf)) if slots else ()
         self.kv_slots = [(torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
                           torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device))
                          for _ in range(max(slots, default=-1) + 1)]
