@@ -6,7 +6,7 @@ import torch
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import silu_and_mul, silu_and_mul_reference
-from pagedllm.layers.norm import RMSNorm, rms_norm_reference
+from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm, gemma_rms_norm_reference, rms_norm_reference
 from pagedllm.layers.attention import rotary_and_write_kv
 from pagedllm.layers.rotary import RopeTables, apply_rotary
 
@@ -26,6 +26,18 @@ def test_rms_norm_and_residual_add(dtype):
     residual, normed = norm.add_and_norm(x.clone(), delta)
     torch.testing.assert_close(residual, x + delta, **TOLERANCE[dtype])
     torch.testing.assert_close(normed, rms_norm_reference(x + delta, norm.weight, norm.eps), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma_rms_norm(dtype):
+    """Gemma's (1 + weight) RMSNorm, scaled in fp32 and rounded once, on rows of Gemma 3 270M's
+    width and on q/k heads."""
+    g = torch.Generator().manual_seed(3)
+    for size, rows in ((640, 5), (256, 12)):
+        norm = GemmaRMSNorm(size, 1e-6)
+        norm.weight.data = (torch.randn(size, generator=g) * 0.5).to(dtype)
+        x = (torch.randn(rows, size, generator=g) * 3).to(dtype)
+        torch.testing.assert_close(norm(x), gemma_rms_norm_reference(x, norm.weight, norm.eps), **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

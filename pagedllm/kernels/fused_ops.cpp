@@ -29,7 +29,9 @@ template <typename T>
 inline T round_to(float v) { return static_cast<T>(v); }
 
 // out = w * to_dtype(x * rsqrt(mean(x^2) + eps)); with `residual`, x = residual += delta first.
-template <typename T>
+// Gemma's RMSNorm (kOffsetWeight): the weight is an offset from 1 and the scaling is done in fp32,
+// rounded once at the end; Llama's rounds the normalized value, then scales in the model's dtype.
+template <typename T, bool kOffsetWeight = false>
 void rms_rows(T* out, T* x, const T* delta, const T* w, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -44,8 +46,12 @@ void rms_rows(T* out, T* x, const T* delta, const T* w, int64_t rows, int64_t n,
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
       T* outr = out + r * n;
       for (int64_t i = 0; i < n; ++i) {
-        const T normed = round_to<T>(static_cast<float>(xr[i]) * inv);
-        outr[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+        if constexpr (kOffsetWeight) {
+          outr[i] = round_to<T>(static_cast<float>(xr[i]) * inv * (1.f + static_cast<float>(w[i])));
+        } else {
+          const T normed = round_to<T>(static_cast<float>(xr[i]) * inv);
+          outr[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+        }
       }
     }
   });
@@ -205,6 +211,16 @@ void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> d
            rms_rows<scalar>(out.data_ptr<scalar>(), x.data_ptr<scalar>(),
                             delta.has_value() ? delta->contiguous().data_ptr<scalar>() : nullptr,
                             weight.data_ptr<scalar>(), rows, n, static_cast<float>(eps)))
+}
+
+// out = Gemma's RMSNorm of x (weight an offset from 1, scaled in fp32).
+void gemma_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "contiguous tensors expected");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "the weight in x's dtype expected");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  DISPATCH(x.scalar_type(), "gemma_rms_norm",
+           (rms_rows<scalar, true>(out.data_ptr<scalar>(), x.data_ptr<scalar>(), nullptr, weight.data_ptr<scalar>(),
+                                   rows, n, static_cast<float>(eps))))
 }
 
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {

@@ -906,6 +906,7 @@ bool attention_has_query_tiles(int64_t head_dim, int64_t group) {
 
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
               double eps);
+void gemma_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, double k_scale, double v_scale);
@@ -925,6 +926,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)", release());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding delta into x (in place)", release());
+  m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm: the weight an offset from 1, scaled in fp32", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]", release());
   m.def("rotary_and_cache", &rotary_and_cache, "rotary on q and k of qkv rows in place, k and v into the cache",
         release());
