@@ -136,10 +136,11 @@ def _write_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, vocab_size: int) -> None
 
 
 def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: str | None = None,
-               overrides: dict[str, str] | None = None) -> None:
+               overrides: dict[str, str] | None = None, drop_keys: tuple[str, ...] = ()) -> None:
     """Convert `hf_dir` (config.json + *.safetensors) to a GGUF file at `out_path`, its matrices in
     `qtype` but those whose GGUF name contains a key of `overrides` (as a Q4_K_M file mixes Q4_K
-    with Q6_K for attn_v and ffn_down: {"attn_v": "Q6_K", "ffn_down": "Q6_K"})."""
+    with Q6_K for attn_v and ffn_down: {"attn_v": "Q6_K", "ffn_down": "Q6_K"}); metadata keys in
+    `drop_keys` left out (a damaged or incomplete file, for tests of the loader's errors)."""
     overrides = overrides or {}
     for name in {qtype, *overrides.values()}:
         if name not in _QTYPES:
@@ -230,6 +231,8 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         data, dtype = _encode(data, tensor_qt)
         w.add_tensor(name, data, raw_dtype=dtype)
 
+    for key in drop_keys:
+        del w.kv_data[0][key]
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

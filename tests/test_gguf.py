@@ -74,3 +74,12 @@ def test_gguf_tokenizer_and_chat_template(tmp_path, tiny_models, tokenizer_dir):
     assert output.prompt_token_ids == reference.apply_chat_template(messages, add_generation_prompt=True,
                                                                     tokenize=True, return_dict=False)
     assert 2 in llm.engine.model_config.eos_token_ids  # <|im_end|> ends generation
+
+
+@pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count", "llama.attention.head_count",
+                                 "llama.feed_forward_length"])
+def test_a_file_lacking_a_needed_field_is_refused_naming_it(tmp_path, tiny_models, tokenizer_dir, key):
+    path = str(tmp_path / "incomplete.gguf")
+    write_gguf(tiny_models["llama"], path, "F32", tokenizer_dir, drop_keys=(key,))
+    with pytest.raises(ValueError, match=f"the GGUF metadata lacks {key}, which a llama model needs"):
+        LLM(path, kv_cache_memory="16MiB")

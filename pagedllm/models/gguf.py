@@ -45,6 +45,9 @@ _PERMUTED_ARCHS = {"llama", "mistral"}
 # ... and stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the weight as it is).
 _NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
 SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe"}
+# Config fields every family needs, and the metadata key (after "<arch>.") each comes from.
+_REQUIRED_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+                  "num_attention_heads": "attention.head_count", "intermediate_size": "feed_forward_length"}
 # The model_type transformers keys a GGUF architecture's config by, where it is not the name itself.
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
@@ -100,6 +103,9 @@ def load_gguf_config(path: str):
 
     reader = _reader(path)
     values = _config_values(reader, arch)
+    missing = [f"{arch}.{key}" for name, key in _REQUIRED_KEYS.items() if name not in values]
+    if missing:
+        raise ValueError(f"{path}: the GGUF metadata lacks {', '.join(missing)}, which a {arch} model needs")
     # Keys transformers' GGUF mapping leaves out but the model depends on.
     head_dim = _field(reader, f"{arch}.attention.key_length")
     if head_dim:
