@@ -51,6 +51,13 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPE_CHOICES
     runner: str = "auto"  # one of RUNNER_CHOICES: which requests the engine serves (models/loader.py)
     pooler_config: dict | None = None  # {"pooling_type": "MEAN"|"CLS"|"LAST", "normalize": bool}
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    speculative_config: dict | None = None
+
+    def __post_init__(self) -> None:
+        from pagedllm.spec_decode import speculative_proposer
+
+        speculative_proposer(self.speculative_config)  # a bad config stops the start before anything loads
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

@@ -32,6 +32,9 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: draft proposals verified.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
@@ -41,7 +44,7 @@ class EngineMetrics:
         self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
 
     def observe_tokens(self, stream, count: int, now: float) -> None:
         """`count` tokens arrived for a request at `now` (one engine step's worth)."""
@@ -74,7 +77,10 @@ class EngineMetrics:
         # The engine keeps running totals; the counters take what is new since the last scrape.
         for key, counter, total in (("preemptions", self.preemptions, stats.num_preemptions),
                                     ("queries", self.prefix_queries, stats.prefix_cache_queries),
-                                    ("hits", self.prefix_hits, stats.prefix_cache_hits)):
+                                    ("hits", self.prefix_hits, stats.prefix_cache_hits),
+                                    ("drafts", self.spec_drafts, stats.spec_num_drafts),
+                                    ("draft_tokens", self.spec_draft_tokens, stats.spec_num_draft_tokens),
+                                    ("accepted", self.spec_accepted, stats.spec_num_accepted_tokens)):
             counter.inc(total - self._seen[key])
             self._seen[key] = total
         return generate_latest(self.registry)

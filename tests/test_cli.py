@@ -29,6 +29,8 @@ def test_generate_reports_bad_model_clearly(tmp_path):
     (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
     (["--reasoning-parser", "nope"], "invalid choice: 'nope'"),
     (["--chat-template", "/nonexistent/template.jinja"], "cannot read the chat template"),
+    (["--speculative-config", '{"method": "nope", "num_speculative_tokens": 2}'], "unknown method 'nope'"),
+    (["--speculative-config", "{not json"], "not JSON"),
 ])
 def test_serve_refuses_bad_chat_flags_before_loading(flags, message):
     result = _cli("serve", "/nonexistent/model", "--port", "0", *flags)

@@ -37,6 +37,9 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found cached
+    spec_num_drafts: int = 0  # steps that verified draft tokens (speculative decoding), a request each
+    spec_num_draft_tokens: int = 0  # draft tokens verified
+    spec_num_accepted_tokens: int = 0  # draft tokens accepted
 
 
 class Scheduler:
@@ -52,6 +55,7 @@ class Scheduler:
         # Requests the worker holds (sent whole once): their later steps carry only deltas.
         self._worker_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted tokens (SchedulerStats.spec_*)
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request, fork_of: str | None = None) -> None:
@@ -236,6 +240,9 @@ class Scheduler:
         rejected = scheduled.num_spec_tokens - accepted_drafts
         if rejected < 0:
             raise ValueError(f"{request.request_id}: {len(tokens)} tokens for {scheduled.num_spec_tokens} drafts")
+        if scheduled.num_spec_tokens:
+            for i, count in enumerate((1, scheduled.num_spec_tokens, accepted_drafts)):
+                self.spec_counts[i] += count
         if rejected:
             request.num_computed_tokens -= rejected
             self.kv.trim(request)
@@ -284,4 +291,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            spec_num_drafts=self.spec_counts[0],
+            spec_num_draft_tokens=self.spec_counts[1],
+            spec_num_accepted_tokens=self.spec_counts[2],
         )

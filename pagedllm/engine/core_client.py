@@ -31,6 +31,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
+from pagedllm.spec_decode import speculative_proposer
 from pagedllm.models.loader import ModelConfig, load_tokenizer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
@@ -61,7 +62,8 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
     backend = XgrammarBackend((lambda: tokenizer) if tokenizer is not None else
                               (lambda: load_tokenizer(model_config, args.tokenizer)),
                               model_config.vocab_size, sorted(model_config.eos_token_ids))
-    return EngineCore(scheduler, executor, FaultInjector.from_env(), StructuredOutputManager(backend))
+    return EngineCore(scheduler, executor, FaultInjector.from_env(), StructuredOutputManager(backend),
+                      speculative_proposer(args.speculative_config))
 
 
 def _kv_cache_manager(args: EngineArgs, model_config: ModelConfig,

@@ -22,6 +22,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.abstract import Executor
+from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,10 @@ GRAMMAR_WAIT_S = 0.05
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, faults: FaultInjector | None = None,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 proposer: NgramProposer | None = None) -> None:
         self.scheduler, self.executor = scheduler, executor
+        self.proposer = proposer  # speculative decoding's drafts, or None
         self.faults = faults or FaultInjector()
         self.structured_output = structured_output
         self._failed: list[EngineCoreOutput] = []  # requests ended between steps: sent with the next
@@ -94,6 +97,7 @@ class EngineCore:
         caller's engine cannot go on."""
         self._admit_constrained()
         ended, self._failed = self._failed, []
+        self._propose()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.scheduler.has_unfinished_requests():  # held blocks give way: this is a bug
@@ -110,6 +114,18 @@ class EngineCore:
         refused = self._advance_grammars(updated)
         return [_output(r, result) for r in updated if r.request_id not in refused] + list(refused.values()) \
             + failed + ended
+
+    def _propose(self) -> None:
+        """Draft tokens for each decoding request (the proposer's, up to what it may still
+        generate but one). Not yet for constrained requests: their drafts would need a mask row
+        each, and the matcher rolled back over the rejected ones."""
+        if self.proposer is None:
+            return
+        for request in self.scheduler.running:
+            if (request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None
+                    and request.sampling_params.structured_outputs is None):
+                limit = request.max_tokens - request.num_output_tokens - 1
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, limit)
 
     def _advance_grammars(self, updated: list[Request]) -> dict[str, EngineCoreOutput]:
         """Each constrained request's matcher takes the step's tokens; a complete grammar ends its

@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pooler-config", type=_json_object, default=None,
                         help='how embeddings pool, as JSON: {"pooling_type": "MEAN"|"CLS"|"LAST", "normalize": '
                              "true|false} (default: the model folder's sentence-transformers modules, else the family's)")
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (drafts from the request\'s own tokens)')
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
 

@@ -2,6 +2,8 @@
 sampled tokens and logprobs."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedllm import heap
@@ -53,8 +55,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        if any(r.spec_token_ids for r in output.scheduled):  # the scheduler can; verifying comes with a proposer
-            raise NotImplementedError("this runner samples one token a request: it cannot verify draft tokens yet")
         states = self.input_batch.update(output)
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
@@ -80,17 +80,38 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, states: list[RequestState],
                 meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
-        rows = [i for i, r in enumerate(output.scheduled) if r.sample and states[i].pooling_params is None]
-        samplers = [states[i] for i in rows]
+        """A token for each request that samples. A request with k draft tokens is sampled at its
+        last k + 1 positions, each as if the drafts before it were its output (penalties, min_tokens
+        and a seeded draw's index see them); drafts are accepted while they equal what was sampled,
+        and the first token that differs (or the one after all k) is its own. A draft here is one
+        token, not a distribution, so this keeps sampling exact: every token is drawn from the
+        target's own distribution, with the draw it would have had without drafts."""
+        rows: list[int] = []  # hidden rows to sample at
+        samplers: list[RequestState] = []  # the state each row samples as
+        spans: list[tuple[ScheduledRequest, int]] = []  # (request, its first entry in rows)
+        ends = (meta.query_start_loc[1:] - 1).tolist()
+        for i, (r, state) in enumerate(zip(output.scheduled, states)):
+            if not r.sample or state.pooling_params is not None:
+                continue
+            drafts = r.spec_token_ids
+            spans.append((r, len(rows)))
+            for j in range(len(drafts) + 1):
+                rows.append(ends[i] - len(drafts) + j)
+                samplers.append(state if j == 0 else
+                                dataclasses.replace(state, all_token_ids=state.all_token_ids + drafts[:j]))
         if not rows:
             return
-        ends = meta.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[ends[rows]])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         sampled = self.sampler(logits, samplers, output.token_bitmask)
-        for r, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
-            result.sampled_token_ids[r.request_id] = [token]
-            if logprobs is not None:
-                result.logprobs[r.request_id] = [logprobs]
+        for r, first in spans:
+            tokens: list[int] = []
+            for draft in [*r.spec_token_ids, None]:
+                tokens.append(sampled.token_ids[first + len(tokens)])
+                if tokens[-1] != draft:
+                    break
+            result.sampled_token_ids[r.request_id] = tokens
+            if sampled.logprobs[first] is not None:
+                result.logprobs[r.request_id] = sampled.logprobs[first:first + len(tokens)]
 
     def _pool(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], states: list[RequestState],
               meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
