@@ -39,6 +39,8 @@ def run(llm, conversations: list, max_tokens: int) -> tuple[float, list[list[int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="none: a GGUF file dequantized at load to --dtype")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -52,8 +54,8 @@ def main() -> None:
         conversations = [[{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}] for t in json.load(f)]
     spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
                    "prompt_lookup_min": args.lookup_min}
-    engines = {"plain": LLM(args.model, enable_prefix_caching=False),
-               "ngram": LLM(args.model, enable_prefix_caching=False, speculative_config=spec_config)}
+    common = dict(enable_prefix_caching=False, dtype=args.dtype, quantization=args.quantization)
+    engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec_config, **common)}
     for llm in engines.values():  # warm-up
         run(llm, conversations[:1], 8)
     rates: dict[str, list[float]] = {name: [] for name in engines}
