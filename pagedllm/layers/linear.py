@@ -81,6 +81,19 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     copy_checked(param.data, loaded)
 
 
+def load_weight(param: torch.Tensor, loaded: torch.Tensor, shard: str | int | None, name: str) -> None:
+    """A checkpoint tensor `name` into `param`, through the parameter's own loader (a linear layer's:
+    by shard), else a plain checked copy; a mismatch names the tensor."""
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        if shard is None:
+            loader(param, loaded)
+        else:
+            loader(param, loaded, shard)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
+
+
 class LinearMethodBase(ABC):
     """How a linear layer's weights are held and applied. Stateless: what a layer needs is set on
     the layer (parameters, buffers, attributes), so one method object may serve many layers."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.linear import Linear, QKVLinear, default_weight_loader
+from pagedllm.layers.linear import Linear, QKVLinear, load_weight
 from pagedllm.layers.pooler import PoolerConfig
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import linear_method
@@ -154,12 +154,7 @@ class BertModel(Model):
             target, shard = self._target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in BertModel")
-            param = params[target]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
-            except ValueError as exc:
-                raise ValueError(f"{name}: {exc}") from exc
+            load_weight(params[target], tensor, shard, name)
             missing.discard((target, shard))
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(n for n, _ in missing)[:5]}")

@@ -15,8 +15,7 @@ from torch import nn
 from pagedllm.config import head_dim, kv_cache_groups, sliding_windows
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
-from pagedllm.layers.linear import (GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear,
-                                    default_weight_loader)
+from pagedllm.layers.linear import GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, load_weight
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.gguf import QuantizedEmbedding, TiedHead
@@ -301,22 +300,10 @@ class DecoderForCausalLM(CausalLM):
             target, shard = self._target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            self._load(params[target], tensor, shard, name)
+            load_weight(params[target], tensor, shard, name)
             missing.discard((target, shard))
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(n for n, _ in missing)[:5]}")
-
-    @staticmethod
-    def _load(param: nn.Parameter, tensor: torch.Tensor, shard: str | int | None, name: str) -> None:
-        """Through the parameter's own loader (a linear layer's: by shard), else a plain copy."""
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        try:
-            if shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from exc
 
     def _shards_of(self, name: str) -> tuple[str | int | None, ...]:
         """The shards a parameter is filled from: its fused layer's, else (None,), whole."""
