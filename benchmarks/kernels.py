@@ -64,7 +64,7 @@ def main() -> None:
         q, k, v, meta = attention_case(64, context)
         out = torch.empty_like(q)
         seconds = best_seconds(lambda: ops.paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc,
-                                                           meta.seq_lens, 0.125, 0, True, 1.0, 1.0))
+                                                           meta.seq_lens, 0.125, 0, True, 1, 1.0, 1.0))
         kv_bytes = 2 * 64 * context * k.shape[2] * k.shape[3] * k.element_size()
         print(f"| {context} tokens of context | {seconds * 1000:.2f} | {kv_bytes / seconds / 1e9:.1f} |")
     print()
@@ -79,7 +79,7 @@ def main() -> None:
             for name, (kc, vc) in (("bf16", (k, v)), ("fp8", (k8, v8))):
                 seconds = best_seconds(lambda: ops.paged_attention(out, q, kc, vc, meta.block_tables,
                                                                    meta.query_start_loc, meta.seq_lens, 0.125, 0,
-                                                                   True, 1.0, 1.0))
+                                                                   True, 1, 1.0, 1.0))
                 times[name] = min(times.get(name, seconds), seconds)
         print(f"| {context} tokens of context | {times['bf16'] * 1000:.2f} | {times['fp8'] * 1000:.2f} | "
               f"{times['bf16'] / times['fp8']:.2f} |")
@@ -90,7 +90,7 @@ def main() -> None:
         q, k, v, meta = attention_case(seqs, length, prompts=True)
         out = torch.empty_like(q)
         seconds = best_seconds(lambda: ops.paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc,
-                                                           meta.seq_lens, 0.125, 0, True, 1.0, 1.0), inner=3)
+                                                           meta.seq_lens, 0.125, 0, True, 1, 1.0, 1.0), inner=3)
         flops = 4 * seqs * q.shape[1] * q.shape[2] * length * (length + 1) // 2
         print(f"| {seqs} x {length} tokens | {seconds * 1000:.2f} | {flops / seconds / 1e9:.0f} |")
     print()

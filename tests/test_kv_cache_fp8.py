@@ -21,7 +21,7 @@ def _kernel(q, k_cache, v_cache, meta, window, scales: KVScales) -> torch.Tensor
     """The C++ kernel over every token (no prompt left to the caller)."""
     out = torch.empty_like(q)
     cpu_ops().paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                              q.shape[-1] ** -0.5, window or 0, False, scales.k, scales.v)
+                              q.shape[-1] ** -0.5, window or 0, False, 1, scales.k, scales.v)
     return out
 
 

@@ -54,3 +54,33 @@ def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim, head
     got = paged_attention(q, fresh_k, fresh_v, k, v, meta, scale, window)
     want = paged_attention_reference(q.float(), k.float(), v.float(), meta, scale, window)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def _run_kernel(q, k, v, meta, walk_max_q: int) -> torch.Tensor:
+    out = torch.empty_like(q)
+    cpu_ops().paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                              q.shape[-1] ** -0.5, 0, False, walk_max_q, 1.0, 1.0)
+    return out
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 4, 2), (128, 8, 1), (32, 4, 2)])
+def test_short_query_runs_compute_what_decodes_would(head_dim, heads, kv_heads):
+    """A speculative verification's k + 1 query tokens (walk_max_q) attend token by token: each row
+    is bit for bit the one a decode step at that position computes; the query tiles, which longer
+    runs take, round otherwise (bf16, head sizes 64 and 128)."""
+    seq_lens, query_lens = [40, 77, 130], [5, 3, 5]
+    q, k, v, meta = _case(seq_lens, query_lens, block_size=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                          dtype=torch.bfloat16)
+    walked, tiled = _run_kernel(q, k, v, meta, walk_max_q=5), _run_kernel(q, k, v, meta, walk_max_q=1)
+    row = 0
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        for t in range(q_len):
+            decode = AttentionMetadata(meta.slot_mapping, meta.block_tables[b:b + 1], torch.tensor([0, 1], dtype=torch.int32),
+                                       torch.tensor([seq_len - q_len + t + 1], dtype=torch.int32),
+                                       [seq_len - q_len + t + 1], [1])
+            assert torch.equal(walked[row], _run_kernel(q[row:row + 1].contiguous(), k, v, decode, walk_max_q=1)[0])
+            row += 1
+    torch.testing.assert_close(walked.float(), tiled.float(), atol=2e-2, rtol=2e-2)
+    if head_dim in (64, 128):  # the tiles' own order of sums: why verification needs the walks
+        assert not torch.equal(walked, tiled)

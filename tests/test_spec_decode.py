@@ -108,10 +108,14 @@ def test_verification_changes_no_output(engines, params):
     """Drafts partly right, partly wrong, verified in one step: every output is the one without
     speculation, greedy and seeded sampling alike (each token drawn from the target's distribution
     with the draw it had), logprobs too; rejected drafts' blocks are given back."""
+    compare_with_scripted_drafts(*engines, [list(range(5 + i, 25 + 2 * i)) for i in range(4)], params)
+
+
+def compare_with_scripted_drafts(plain, spec, prompts: list[list[int]], params: dict) -> None:
+    """Generates with `plain`, then with `spec` drafting from plain's outputs (ScriptedProposer), and
+    asserts the outputs equal, some drafts accepted and some rejected, every block given back."""
     from pagedllm import SamplingParams
 
-    plain, spec = engines
-    prompts = [list(range(5 + i, 25 + 2 * i)) for i in range(4)]
     theirs = plain.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
     if "stop_token_ids" in params:  # stop at tokens the unstopped run made, some inside accepted drafts
         stops = [o.outputs[0].token_ids[7] for o in theirs]
@@ -136,6 +140,25 @@ def test_verification_changes_no_output(engines, params):
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     assert 0 < accepted < drafted
     assert after.kv_blocks_free == after.kv_blocks_total
+
+
+@pytest.fixture(scope="module")
+def bf16_engines(tmp_path_factory, tokenizer_dir):
+    """bf16 engines on a model of head size 64, whose attention has the C++ query tiles (AVX512-BF16)."""
+    from conftest import make_model
+    from pagedllm import LLM
+
+    path = make_model("llama", tmp_path_factory.mktemp("spec-bf16"), tokenizer_dir, hidden_size=256,
+                      intermediate_size=512)
+    args = {**ARGS, "dtype": "bfloat16"}
+    return LLM(path, **args), LLM(path, speculative_config=SPEC, **args)
+
+
+def test_bf16_verification_changes_no_greedy_output(bf16_engines):
+    """In bf16 a verification's positions go through the kernels' decode paths (attention token by
+    token: AttentionMetadata.walk_max_q), so near-ties tip as they do without drafts."""
+    prompts = [list(range(5 + 3 * i, 60 + 5 * i)) for i in range(6)]
+    compare_with_scripted_drafts(*bf16_engines, prompts, dict(temperature=0, max_tokens=48, ignore_eos=True))
 
 
 @pytest.mark.parametrize("config, message", [

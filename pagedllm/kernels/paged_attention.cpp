@@ -769,7 +769,7 @@ struct Unit {
 template <typename T, KvKind K>
 bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-         double scale, int64_t sliding_window, bool skip_fresh, KvScales kv) {
+         double scale, int64_t sliding_window, bool skip_fresh, int64_t walk_max_q, KvScales kv) {
   using C = CacheT<K, T>;
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -793,23 +793,25 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                                   ? num_kv_heads : 1;
   const int64_t heads_per_walk = walk_fn != nullptr ? kv_per_walk * group : served;
 
-  // Sequences with several query tokens go by query tiles where a tile kernel exists; else each
-  // token walks its context. Without tiles, prompts computed whole in this step (no cached
-  // context) are left to the caller when skip_fresh is set.
+  // Sequences with more than walk_max_q query tokens go by query tiles where a tile kernel exists;
+  // else each token walks its context, as a decode does, so that a speculative verification's
+  // tokens (walk_max_q: its k + 1) come out bit for bit as decode steps would compute them (the
+  // tiles sum scores and rescale the softmax in another order). Without tiles, prompts computed
+  // whole in this step (no cached context) are left to the caller when skip_fresh is set.
   std::vector<Unit> units;
   int64_t longest = 1;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b], pos0 = lens[b] - q_len;
     longest = std::max<int64_t>(longest, lens[b]);
     auto walked = [&](int64_t last) { return sliding_window > 0 ? std::min(last + 1, sliding_window) : last + 1; };
-    if (tile_fn != nullptr && q_len > 1) {
+    if (tile_fn != nullptr && q_len > std::max<int64_t>(1, walk_max_q)) {
       for (int64_t t = 0; t < q_len; t += tile_tokens) {
         const int64_t tokens = std::min(tile_tokens, q_len - t);
         for (int64_t h0 = 0; h0 < num_heads; h0 += group)
           units.push_back({b, {qsl[b] + t, pos0 + t, tokens, h0, sliding_window}, 1,
                            walked(pos0 + t + tokens - 1) * tokens * group / 2 + 16});
       }
-    } else if (!(skip_fresh && q_len > 1 && pos0 == 0)) {
+    } else if (!(tile_fn == nullptr && skip_fresh && q_len > 1 && pos0 == 0)) {
       for (int64_t t = 0; t < q_len; ++t)
         for (int64_t h0 = 0; h0 < num_heads; h0 += heads_per_walk)
           units.push_back({b, {qsl[b] + t, pos0 + t, 0, h0, sliding_window}, kv_per_walk,
@@ -865,12 +867,13 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 }  // namespace
 
 // Returns whether prompts computed whole in this step were left to the caller (skip_fresh and no
-// query-tile kernel for this dtype and shape). The caches hold q's dtype, or fp8 (fp32 and bf16
+// query-tile kernel for this dtype and shape). Sequences of at most walk_max_q query tokens are
+// computed token by token, as decodes (run's comment). The caches hold q's dtype, or fp8 (fp32 and bf16
 // queries) whose values are scaled by k_scale and v_scale.
 bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                     int64_t sliding_window, bool skip_fresh, double k_scale, double v_scale) {
+                     int64_t sliding_window, bool skip_fresh, int64_t walk_max_q, double k_scale, double v_scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs expected");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
@@ -879,7 +882,7 @@ bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(kv_kind(v_cache, q.scalar_type()) == kind, "K and V caches of one dtype expected");
   const KvScales kv{static_cast<float>(k_scale), static_cast<float>(v_scale)};
 #define RUN(T, K) return run<T, K>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, \
-                                   sliding_window, skip_fresh, kv)
+                                   sliding_window, skip_fresh, walk_max_q, kv)
   switch (q.scalar_type()) {
     case torch::kFloat:
       if (kind == KvKind::kE4M3) RUN(float, KvKind::kE4M3);

@@ -25,6 +25,9 @@ class AttentionMetadata:
     # Models with several groups of layers (config.KVCacheGroups): groups 1..'s (slot_mapping,
     # block_tables); the fields above are group 0's.
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Sequences of at most this many query tokens attend token by token, as decode steps do: a
+    # speculative verification's k + 1 tokens then compute exactly what k + 1 decodes would.
+    walk_max_q: int = 1
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of `group` attends with: its group's slots and block tables."""
@@ -107,7 +110,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # An fp8 cache is read for every token, fresh prompts too: all paths attend to the same values.
     skip_fresh = not sliding_window and k_cache.dtype not in FP8_DTYPES
     left_fresh = ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, scale, sliding_window or 0, skip_fresh, scales.k, scales.v)
+                                     meta.seq_lens, scale, sliding_window or 0, skip_fresh, meta.walk_max_q,
+                                     scales.k, scales.v)
     if left_fresh:
         start = 0
         for seq_len, q_len in zip(meta.seq_lens_list, meta.query_lens_list):

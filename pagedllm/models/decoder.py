@@ -233,7 +233,7 @@ class DecoderForCausalLM(CausalLM):
         if self._stack is not None and (self._stack_takes_fresh or not attn_metadata.has_fresh_prompt()):
             meta = attn_metadata
             return self._stack.forward(x, rope.cos, rope.sin, kv_caches, meta.slot_mapping, meta.block_tables,
-                                       meta.query_start_loc, meta.seq_lens)
+                                       meta.query_start_loc, meta.seq_lens, meta.walk_max_q)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
         return self.model.norm.add_and_norm(residual, x)[1]

@@ -140,7 +140,8 @@ class InputBatch:
             slot_mapping=self._tensor(slots, torch.long), block_tables=self._block_tables(states),
             query_start_loc=self._tensor(query_start_loc, torch.int32), seq_lens=self._tensor(seq_lens, torch.int32),
             seq_lens_list=seq_lens, query_lens_list=[s.num_new_tokens for s in scheduled],
-            group_tables=self._other_group_tables(scheduled, states))
+            group_tables=self._other_group_tables(scheduled, states),
+            walk_max_q=1 + max((len(s.spec_token_ids) for s in scheduled), default=0))
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta
 
     def _other_group_tables(self, scheduled: list[ScheduledRequest],
