@@ -1,21 +1,26 @@
-"""Speculative decoding (n-gram) on an input-grounded workload at batch 1: output tokens/s with and
-without speculation, alternated in one process, and the acceptance rate.
+"""Speculative decoding (n-gram): output tokens/s with and without speculation, alternated in one
+process, and the acceptance rate.
 
-    .venv/bin/python benchmarks/spec_decode.py --rounds 3          # the default model, ~2 minutes
+    .venv/bin/python benchmarks/spec_decode.py --rounds 3                              # grounded, batch 1
+    .venv/bin/python benchmarks/spec_decode.py --workload random --rounds 3            # random output, batch 1
+    .venv/bin/python benchmarks/spec_decode.py --workload random --batch 32 --rounds 3 # 32 at once
 
-The workload (benchmarks/data/grounded_tasks.json): requests that edit or quote a given text or
-code (rename a function, fix typos, add docstrings, make a table, quote a sentence), through the
-chat template, greedy, up to --max-tokens each, one request at a time. Both engines get the same
-requests; the script reports how many greedy outputs are equal with and without speculation, and
-where the others first differ (a verification step computes several positions at once, through
-other kernel paths than a decode step's: on bf16 and quantized weights their rounding can tip a
-near-tie).
+Workloads:
+- grounded (benchmarks/data/grounded_tasks.json): requests that edit or quote a given text or code
+  (rename a function, fix typos, add docstrings, make a table, quote a sentence), through the chat
+  template, greedy, up to --max-tokens each. The script reports how many greedy outputs are equal
+  with and without speculation, and where the others first differ.
+- random: prompts of random token ids, sampled at temperature 1 (seeded), EOS ignored: output that
+  seldom repeats itself, where n-gram drafts rarely exist or hold (speculation's cost, not its gain).
+
+--batch N submits N requests at once (continuous batching), else one at a time.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import statistics
 import time
 
@@ -23,17 +28,49 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TASKS = os.path.join(os.path.dirname(__file__), "data", "grounded_tasks.json")
 
 
-def run(llm, conversations: list, max_tokens: int) -> tuple[float, list[list[int]]]:
-    """Output tokens/s over the requests one at a time, and their tokens."""
+def workload(name: str, vocab: int, num_prompts: int, max_tokens: int) -> tuple[list, list]:
+    """(prompts, their SamplingParams) of a workload."""
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    tokens, outputs, start = 0, [], time.perf_counter()
-    for conversation in conversations:
-        output = llm.chat([conversation], params, use_tqdm=False)[0].outputs[0]
-        tokens += len(output.token_ids)
-        outputs.append(output.token_ids)
-    return tokens / (time.perf_counter() - start), outputs
+    if name == "grounded":
+        with open(TASKS) as f:
+            tasks = json.load(f)
+        prompts = [[{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}] for t in tasks]
+        return prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(64)]} for _ in range(num_prompts)]
+    return prompts, [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
+                     for i in range(num_prompts)]
+
+
+def run_chunk(llm, prompts: list, params: list) -> list[list[int]]:
+    """The output tokens of requests submitted together."""
+    if isinstance(prompts[0], list):  # conversations (one SamplingParams for all: the grounded workload's)
+        results = llm.chat(prompts, params[0], use_tqdm=False)
+    else:
+        results = llm.generate(prompts, params, use_tqdm=False)
+    return [r.outputs[0].token_ids for r in results]
+
+
+def run_round(engines: dict, prompts: list, params: list, batch: int, round_: int) -> tuple[dict, dict]:
+    """Each engine's output tokens/s over the requests and its outputs. The engines take each chunk
+    of `batch` requests in turn (which goes first alternates), so that the machine's drift between
+    them (its bandwidth swings within minutes) falls on both alike."""
+    seconds = {name: 0.0 for name in engines}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    for c, i in enumerate(range(0, len(prompts), batch)):
+        names = list(engines) if (round_ + c) % 2 == 0 else list(reversed(engines))
+        for name in names:
+            start = time.perf_counter()
+            outputs[name] += run_chunk(engines[name], prompts[i:i + batch], params[i:i + batch])
+            seconds[name] += time.perf_counter() - start
+    return {name: sum(map(len, outputs[name])) / seconds[name] for name in engines}, outputs
+
+
+def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+    """Per output pair: the first token index where they differ, None where equal."""
+    return [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None if len(x) == len(y) else min(len(x), len(y)))
+            for x, y in zip(a, b)]
 
 
 def main() -> None:
@@ -41,8 +78,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, help="none: a GGUF file dequantized at load to --dtype")
+    parser.add_argument("--workload", choices=("grounded", "random"), default="grounded")
+    parser.add_argument("--batch", type=int, default=1, help="requests submitted at once")
+    parser.add_argument("--num-prompts", type=int, default=None, help="random: default 6, or 2 x --batch")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 160 (grounded), 128 (random)")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
@@ -50,26 +90,25 @@ def main() -> None:
 
     from pagedllm import LLM
 
-    with open(TASKS) as f:
-        conversations = [[{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}] for t in json.load(f)]
     spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
                    "prompt_lookup_min": args.lookup_min}
     common = dict(enable_prefix_caching=False, dtype=args.dtype, quantization=args.quantization)
     engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec_config, **common)}
+    num_prompts = args.num_prompts or (6 if args.batch == 1 else 2 * args.batch)
+    max_tokens = args.max_tokens or (160 if args.workload == "grounded" else 128)
+    prompts, params = workload(args.workload, engines["plain"].engine.model_config.vocab_size, num_prompts, max_tokens)
     for llm in engines.values():  # warm-up
-        run(llm, conversations[:1], 8)
+        run_chunk(llm, prompts[:1], params[:1])
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for round_ in range(args.rounds):
-        outputs = {}
-        for name, llm in engines.items():
-            rate, outputs[name] = run(llm, conversations, args.max_tokens)
+        round_rates, outputs = run_round(engines, prompts, params, args.batch, round_)
+        for name, rate in round_rates.items():
             rates[name].append(rate)
-        first_diffs = [next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), None if len(a) == len(b) else
-                            min(len(a), len(b))) for a, b in zip(outputs["plain"], outputs["ngram"])]
+        diffs = first_differences(outputs["plain"], outputs["ngram"])
         print(f"round {round_}: plain {rates['plain'][-1]:.1f} tok/s, ngram {rates['ngram'][-1]:.1f} tok/s, "
               f"ratio {rates['ngram'][-1] / rates['plain'][-1]:.2f}; outputs equal "
-              f"{first_diffs.count(None)}/{len(first_diffs)}, the others first differ at tokens "
-              f"{[d for d in first_diffs if d is not None]}")
+              f"{diffs.count(None)}/{len(diffs)}, the others first differ at tokens "
+              f"{[d for d in diffs if d is not None]}")
     stats = engines["ngram"].engine.stats()
     ratios = [b / a for a, b in zip(rates["plain"], rates["ngram"])]
     print(f"median: plain {statistics.median(rates['plain']):.1f} tok/s, ngram {statistics.median(rates['ngram']):.1f} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import Request, RequestStatus
@@ -22,6 +23,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.abstract import Executor
+from pagedllm.spec_decode.adaptive import SpeculationController
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
 
@@ -34,9 +36,11 @@ GRAMMAR_WAIT_S = 0.05
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, faults: FaultInjector | None = None,
                  structured_output: StructuredOutputManager | None = None,
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: NgramProposer | None = None, adaptive: bool = True) -> None:
         self.scheduler, self.executor = scheduler, executor
         self.proposer = proposer  # speculative decoding's drafts, or None
+        # How many drafts each request gets (where they pay, measured); None: always up to k.
+        self.controller = SpeculationController(proposer.k) if proposer is not None and adaptive else None
         self.faults = faults or FaultInjector()
         self.structured_output = structured_output
         self._failed: list[EngineCoreOutput] = []  # requests ended between steps: sent with the next
@@ -107,7 +111,10 @@ class EngineCore:
             return ended
         if self.structured_output is not None:
             scheduler_output.token_bitmask = self.structured_output.bitmask(scheduler_output.scheduled)
+        start = time.perf_counter()
         result, failures = self._execute(scheduler_output)
+        if self.controller is not None:
+            self._observe_speculation(scheduler_output, result, time.perf_counter() - start)
         failed = [self._fail(request_id, error) for request_id, error in failures.items()]
         self.faults.after_execute()
         updated = self.scheduler.update(scheduler_output, result)
@@ -121,11 +128,29 @@ class EngineCore:
         each, and the matcher rolled back over the rejected ones."""
         if self.proposer is None:
             return
-        for request in self.scheduler.running:
-            if (request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None
-                    and request.sampling_params.structured_outputs is None):
-                limit = request.max_tokens - request.num_output_tokens - 1
+        decoding = [request for request in self.scheduler.running
+                    if (request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None
+                        and request.sampling_params.structured_outputs is None)]
+        lengths = None if self.controller is None else \
+            self.controller.draft_lengths([request.request_id for request in decoding])
+        for request in decoding:
+            limit = request.max_tokens - request.num_output_tokens - 1
+            if lengths is not None:
+                limit = min(limit, lengths[request.request_id])
+            if limit > 0:
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids, limit)
+
+    def _observe_speculation(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput,
+                             seconds: float) -> None:
+        """The controller learns each request's acceptance, and the step's time where every
+        request in it was decoding (a prompt chunk's step says nothing about a draft's cost)."""
+        assert self.controller is not None
+        scheduled = scheduler_output.scheduled
+        drafted = {r.request_id: (r.num_spec_tokens, len(result.sampled_token_ids.get(r.request_id, [])) - 1)
+                   for r in scheduled if r.num_spec_tokens}
+        decoding = all(r.sample and r.num_new_tokens == 1 + r.num_spec_tokens for r in scheduled)
+        self.controller.observe(drafted, scheduler_output.num_scheduled_tokens if decoding else None, seconds)
+        self.controller.retain({request.request_id for request in self.scheduler.running})
 
     def _advance_grammars(self, updated: list[Request]) -> dict[str, EngineCoreOutput]:
         """Each constrained request's matcher takes the step's tokens; a complete grammar ends its

@@ -29,12 +29,18 @@ class NgramProposer:
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            suffix = tokens[-n:]
-            # Windows of n tokens that end before the suffix starts: those with a token after them.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            matches = np.flatnonzero((windows == suffix).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n  # the latest occurrence, where its continuation starts
-                return tokens[start:start + k].tolist()
-        return []
+        # Earlier positions i whose token equals the last one (i < len - 1: a token follows them),
+        # then those among them where the n tokens before match too, n growing while any do: one
+        # pass over the sequence, then only over the candidates left (every step runs this).
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        n, longest = 1, min(self.max_n, len(tokens) - 1)
+        while n < longest and ends.size:
+            reach = ends[ends >= n]  # those with n tokens before them
+            extended = reach[tokens[reach - n] == tokens[-1 - n]]
+            if not extended.size:
+                break
+            ends, n = extended, n + 1
+        if n < self.min_n or not ends.size:
+            return []
+        start = int(ends[-1]) + 1  # the latest occurrence, where its continuation starts
+        return tokens[start:start + k].tolist()
