@@ -115,7 +115,8 @@ def main() -> None:
           f"tok/s, ratio {statistics.median(ratios):.2f}")
     print(f"drafts {stats.spec_num_drafts}, draft tokens {stats.spec_num_draft_tokens}, accepted "
           f"{stats.spec_num_accepted_tokens} ({stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1):.0%}), "
-          f"{stats.spec_num_accepted_tokens / max(stats.spec_num_drafts, 1):.2f} accepted a draft")
+          f"{stats.spec_num_accepted_tokens / max(stats.spec_num_drafts, 1):.2f} accepted a draft; accepted by "
+          f"position {list(stats.spec_accepted_per_position)}")
 
 
 if __name__ == "__main__":

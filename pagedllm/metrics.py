@@ -35,6 +35,10 @@ class EngineMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: draft proposals verified.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        # As vLLM's: a counter a draft position, labelled `position` (0: a draft's first token).
+        self._spec_per_position = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Speculative decoding: accepted draft tokens at each position.",
+                                          labels + ["position"], registry=r)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
@@ -45,6 +49,7 @@ class EngineMetrics:
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
+        self._seen_per_position: list[int] = []
 
     def observe_tokens(self, stream, count: int, now: float) -> None:
         """`count` tokens arrived for a request at `now` (one engine step's worth)."""
@@ -83,4 +88,9 @@ class EngineMetrics:
                                     ("accepted", self.spec_accepted, stats.spec_num_accepted_tokens)):
             counter.inc(total - self._seen[key])
             self._seen[key] = total
+        seen = self._seen_per_position
+        seen += [0] * (len(stats.spec_accepted_per_position) - len(seen))
+        for position, total in enumerate(stats.spec_accepted_per_position):
+            self._spec_per_position.labels(self.model_name, str(position)).inc(total - seen[position])
+            seen[position] = total
         return generate_latest(self.registry)

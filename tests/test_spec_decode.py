@@ -146,6 +146,7 @@ def compare_with_scripted_drafts(plain, spec, prompts: list[list[int]], params: 
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     assert 0 < accepted < drafted
+    assert sum(after.spec_accepted_per_position) == after.spec_num_accepted_tokens
     assert after.kv_blocks_free == after.kv_blocks_total
 
 
@@ -213,3 +214,9 @@ def test_server_streams_speculated_tokens_and_counts_them(llama_dir, engines, tm
     assert counts["pagedllm:spec_decode_num_draft_tokens_total"] > 0
     assert counts["pagedllm:spec_decode_num_drafts_total"] > 0
     assert counts["pagedllm:spec_decode_num_accepted_tokens_total"] <= counts["pagedllm:spec_decode_num_draft_tokens_total"]
+    per_position = {int(line.split('position="')[1].split('"')[0]): float(line.split()[-1])
+                    for line in metrics.splitlines()
+                    if line.startswith("pagedllm:spec_decode_num_accepted_tokens_per_pos_total")}
+    assert sum(per_position.values()) == counts["pagedllm:spec_decode_num_accepted_tokens_total"]
+    # A draft's token j is accepted only after token j - 1 was.
+    assert all(per_position[j] <= per_position[j - 1] for j in per_position if j)

@@ -40,6 +40,7 @@ class SchedulerStats:
     spec_num_drafts: int = 0  # steps that verified draft tokens (speculative decoding), a request each
     spec_num_draft_tokens: int = 0  # draft tokens verified
     spec_num_accepted_tokens: int = 0  # draft tokens accepted
+    spec_accepted_per_position: tuple[int, ...] = ()  # [j]: drafts whose token j + 1 was accepted
 
 
 class Scheduler:
@@ -56,6 +57,7 @@ class Scheduler:
         self._worker_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted tokens (SchedulerStats.spec_*)
+        self.spec_accepted_per_position: list[int] = []
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request, fork_of: str | None = None) -> None:
@@ -243,6 +245,10 @@ class Scheduler:
         if scheduled.num_spec_tokens:
             for i, count in enumerate((1, scheduled.num_spec_tokens, accepted_drafts)):
                 self.spec_counts[i] += count
+            per_position = self.spec_accepted_per_position
+            per_position += [0] * (scheduled.num_spec_tokens - len(per_position))
+            for position in range(accepted_drafts):
+                per_position[position] += 1
         if rejected:
             request.num_computed_tokens -= rejected
             self.kv.trim(request)
@@ -294,4 +300,5 @@ class Scheduler:
             spec_num_drafts=self.spec_counts[0],
             spec_num_draft_tokens=self.spec_counts[1],
             spec_num_accepted_tokens=self.spec_counts[2],
+            spec_accepted_per_position=tuple(self.spec_accepted_per_position),
         )
