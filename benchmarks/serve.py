@@ -6,7 +6,8 @@
 With --launch, it starts `pagedllm serve` itself (default model) on a free port and stops it
 after, and reports the server's resident memory (its RSS once ready, and the most it reached
 during the run, sampled every 0.2 s). Definitions follow vLLM's benchmark: TTFT is the time to the first streamed token; TPOT
-is (latency - TTFT) / (output tokens - 1) per request; ITL is every gap between streamed chunks.
+is (latency - TTFT) / (output tokens - 1) per request; ITL is every gap between streamed chunks
+(with speculative decoding a chunk may carry several tokens: TPOT is the per-token figure).
 It also polls GET /health every 50 ms during the run and reports that latency, the measure of
 whether the HTTP side stays responsive under load.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import resource
 import statistics
@@ -31,13 +33,19 @@ import urllib.request
 
 import aiohttp
 
+GROUNDED = os.path.join(os.path.dirname(__file__), "data", "grounded_tasks.json")
 
-async def one_request(client: aiohttp.ClientSession, model: str, prompt: list[int], output_len: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True, "temperature": 0,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+async def one_request(client: aiohttp.ClientSession, model: str, prompt: list[int] | list[dict],
+                      output_len: int) -> dict:
+    """A streamed greedy request: a completion of token ids (EOS ignored), or a chat (it may end early)."""
+    chat = isinstance(prompt[0], dict)
+    body = {"model": model, "max_tokens": output_len, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    body.update({"messages": prompt} if chat else {"prompt": prompt, "ignore_eos": True})
     start = time.perf_counter()
     arrivals, tokens = [], 0
-    async with client.post("/v1/completions", json=body) as response:
+    async with client.post("/v1/chat/completions" if chat else "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for raw in response.content:  # one SSE line at a time
             if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
@@ -45,7 +53,8 @@ async def one_request(client: aiohttp.ClientSession, model: str, prompt: list[in
             chunk = json.loads(raw[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            if choice.get("delta", {}).get("content") if chat else choice.get("text"):
                 arrivals.append(time.perf_counter())
     latency = time.perf_counter() - start
     ttft = arrivals[0] - start if arrivals else latency
@@ -67,7 +76,13 @@ async def poll_health(client: aiohttp.ClientSession, stop: asyncio.Event) -> lis
 
 async def run(args: argparse.Namespace, base_url: str) -> dict:
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(1000, 20000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    if args.dataset == "grounded":  # the input-grounded chats of benchmarks/spec_decode.py, in turn
+        with open(GROUNDED) as f:
+            tasks = json.load(f)
+        prompts = [[{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}]
+                   for t in (tasks[i % len(tasks)] for i in range(args.num_prompts))]
+    else:
+        prompts = [[rng.randrange(1000, 20000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     connector = aiohttp.TCPConnector(limit=args.num_prompts + 8)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as client:
@@ -159,6 +174,9 @@ def main() -> None:
     parser.add_argument("--launch", nargs=argparse.REMAINDER, default=None,
                         help="start `pagedllm serve` with these arguments instead of using --base-url")
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--dataset", choices=("random", "grounded"), default="random",
+                        help="random: token-id prompts of --input-len, EOS ignored; grounded: the chats of "
+                             "benchmarks/data/grounded_tasks.json (editing, quoting), ending where they end")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
