@@ -55,10 +55,11 @@ class ScheduledRequest:
 
 @dataclass
 class TokenBitmask:
-    """Which tokens each of some requests may sample this step: one row of packed 32-bit words per
-    request, bit t % 32 of word t // 32 set where token t is allowed (the layout grammar backends
-    such as xgrammar fill). Requests without a row are not constrained."""
-    rows: dict[str, int]  # request id -> row
+    """Which tokens each of some requests may sample this step: rows of packed 32-bit words, bit
+    t % 32 of word t // 32 set where token t is allowed (the layout grammar backends such as
+    xgrammar fill). A request with k drafts has k + 1 rows, one a position (its row + j: after
+    drafts[:j]). Requests without a row are not constrained."""
+    rows: dict[str, int]  # request id -> its (first) row
     words: np.ndarray  # int32 [rows, ceil(vocab / 32)]
 
     @staticmethod

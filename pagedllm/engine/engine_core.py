@@ -124,13 +124,12 @@ class EngineCore:
 
     def _propose(self) -> None:
         """Draft tokens for each decoding request (the proposer's, up to what it may still
-        generate but one). Not yet for constrained requests: their drafts would need a mask row
-        each, and the matcher rolled back over the rejected ones."""
+        generate but one). A constrained request's are cut where its grammar refuses one: each
+        that is scheduled gets a mask row of its own (StructuredOutputManager.bitmask)."""
         if self.proposer is None:
             return
         decoding = [request for request in self.scheduler.running
-                    if (request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None
-                        and request.sampling_params.structured_outputs is None)]
+                    if request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None]
         lengths = None if self.controller is None else \
             self.controller.draft_lengths([request.request_id for request in decoding])
         for request in decoding:
@@ -138,7 +137,11 @@ class EngineCore:
             if lengths is not None:
                 limit = min(limit, lengths[request.request_id])
             if limit > 0:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, limit)
+                drafts = self.proposer.propose(request.all_token_ids, limit)
+                if drafts and self.structured_output is not None and \
+                        self.structured_output.is_constrained(request.request_id):
+                    drafts = self.structured_output.valid_drafts(request.request_id, drafts)
+                request.spec_token_ids = drafts
 
     def _observe_speculation(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput,
                              seconds: float) -> None:

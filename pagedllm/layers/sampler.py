@@ -68,7 +68,8 @@ def apply_token_bitmask(logits: torch.Tensor, requests: list[RequestState],
     logprobs describe the model, the mask only what may be sampled)."""
     if bitmask is None:
         return logits
-    rows = [(i, bitmask.rows[r.request_id]) for i, r in enumerate(requests) if r.request_id in bitmask.rows]
+    rows = [(i, bitmask.rows[r.request_id] + r.spec_position) for i, r in enumerate(requests)
+            if r.request_id in bitmask.rows]
     if not rows:
         return logits
     words = np.ascontiguousarray(np.asarray(bitmask.words, dtype=np.int32)[[row for _, row in rows]])

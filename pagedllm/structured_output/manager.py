@@ -100,19 +100,49 @@ class StructuredOutputManager:
         return len(self._matchers)
 
     def bitmask(self, scheduled: list[ScheduledRequest]) -> TokenBitmask | None:
-        """The step's mask: a row for each constrained request that samples."""
+        """The step's mask: rows for each constrained request that samples, one a position: after
+        its tokens so far, then after each of its drafts (the matcher walks them, then rolls back:
+        the drafts were cut to what the grammar takes, `valid_drafts`)."""
         if not self._matchers:  # the usual step: nothing to look through
             return None
-        ids = [s.request_id for s in scheduled if s.sample and s.request_id in self._matchers]
-        if not ids:
+        constrained = [s for s in scheduled if s.sample and s.request_id in self._matchers]
+        if not constrained:
             return None
         start = time.perf_counter()
-        words = self.backend.allocate_bitmask(len(ids))
-        for row, request_id in enumerate(ids):
-            self._matchers[request_id].fill_bitmask(words, row)
-        self.stats.masks_filled += len(ids)
+        words = self.backend.allocate_bitmask(sum(1 + s.num_spec_tokens for s in constrained))
+        rows: dict[str, int] = {}
+        row = 0
+        for s in constrained:
+            matcher, rows[s.request_id] = self._matchers[s.request_id], row
+            matcher.fill_bitmask(words, row)
+            for token in s.spec_token_ids:
+                if not matcher.accept_token(token):
+                    raise RuntimeError(f"{s.request_id}: a draft the grammar refuses was scheduled")
+                row += 1
+                matcher.fill_bitmask(words, row)
+            if s.num_spec_tokens:
+                matcher.rollback(s.num_spec_tokens)
+            row += 1
+        self.stats.masks_filled += len(words)
         self.stats.mask_seconds += time.perf_counter() - start
-        return TokenBitmask({request_id: row for row, request_id in enumerate(ids)}, words)
+        return TokenBitmask(rows, words)
+
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The drafts before the first that the request's grammar refuses or that ends it (a
+        finished matcher has no mask for the position after; the end is sampled as usual). The
+        matcher is left as it was."""
+        matcher = self._matchers[request_id]
+        walked = taken = 0
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            walked += 1
+            if matcher.is_terminated():
+                break
+            taken += 1
+        if walked:
+            matcher.rollback(walked)
+        return drafts[:taken]
 
     def accept(self, request_id: str, token_ids: list[int]) -> bool:
         """Advance a request's matcher over its new tokens; False if the grammar refused one."""

@@ -35,6 +35,9 @@ class RequestState:
     pooling_params: PoolingParams | None = None  # an embedding request: pooled, not sampled
     pooling: PoolingState = field(default_factory=PoolingState)  # its chunks' hidden states so far
     other_block_ids: list[list[int]] = field(default_factory=list)  # the block tables of groups 1.., if any
+    # The sampler's view at a step's draft position j (the state with drafts[:j] appended): its
+    # token mask is the request's row + j.
+    spec_position: int = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -97,8 +97,8 @@ class ModelRunner:
             spans.append((r, len(rows)))
             for j in range(len(drafts) + 1):
                 rows.append(ends[i] - len(drafts) + j)
-                samplers.append(state if j == 0 else
-                                dataclasses.replace(state, all_token_ids=state.all_token_ids + drafts[:j]))
+                samplers.append(state if j == 0 else dataclasses.replace(
+                    state, all_token_ids=state.all_token_ids + drafts[:j], spec_position=j))
         if not rows:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
