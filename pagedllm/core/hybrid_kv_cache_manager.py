@@ -78,12 +78,14 @@ class HybridKVCacheManager:
         if sum(plan.num_blocks for plan in plans) > self.pool.num_free_blocks:
             return False
         for group, plan in zip(self.groups, plans):
-            group.commit(request, num_new_tokens, plan)
+            group.take_hits(request, plan)  # every group's hits out of the free queue first
+        for group, plan in zip(self.groups, plans):
+            group.take_new(request, num_new_tokens, plan)
         return True
 
-    def trim(self, request: Request) -> None:
+    def trim(self, request: Request, lookahead: int = 0) -> None:
         for group in self.groups:
-            group.trim(request)
+            group.trim(request, lookahead)
 
     def fork(self, parent: Request, child: Request) -> None:
         for group in self.groups:

@@ -167,16 +167,28 @@ class KVCacheManager:
 
     def commit(self, request: Request, num_new_tokens: int, plan: Allocation) -> None:
         """Take what `plan` planned; the pool must have room."""
-        bs, start, computed = self.block_size, plan.start, plan.computed
+        self.take_hits(request, plan)
+        self.take_new(request, num_new_tokens, plan)
+
+    def take_hits(self, request: Request, plan: Allocation) -> None:
+        """commit's first half: the planned prefix hits, revived out of the free queue. Apart, so
+        that managers sharing a pool (HybridKVCacheManager) take every group's hits before any
+        takes new blocks, which could evict a hit another group planned on."""
+        computed = plan.computed
         blocks = self.req_blocks[request.request_id]
         if self._caches(request) and not blocks:  # a first allocation: count the lookup
             self.prefix_queries += request.num_tokens
-            self.prefix_hits += len(computed) * bs
+            self.prefix_hits += len(computed) * self.block_size
         if computed:
             self.pool.touch(plan.taken)
             blocks.extend(computed)
             self._num_cached[request.request_id] = len(computed)
             self._num_freed[request.request_id] = len(computed) - len(plan.taken)
+
+    def take_new(self, request: Request, num_new_tokens: int, plan: Allocation) -> None:
+        """commit's second half: a copy of a shared block written into, and the new blocks."""
+        bs, start = self.block_size, plan.start
+        blocks = self.req_blocks[request.request_id]
         if plan.copy:
             self._changed(request.request_id, start // bs)
             self._copy_on_write(blocks, start // bs)
@@ -219,11 +231,12 @@ class KVCacheManager:
             assert block.ref_cnt == 1, f"write into block {block.block_id} shared by {block.ref_cnt}"
             assert block.block_hash is None, f"write into cached block {block.block_id}"
 
-    def trim(self, request: Request) -> None:
+    def trim(self, request: Request, lookahead: int = 0) -> None:
         """After rejected draft tokens were rolled back: free the blocks past the request's computed
-        tokens (blocks that only those tokens had started filling)."""
+        tokens and `lookahead` slots more (blocks that only rejected tokens had started filling;
+        a draft model's K/V for its next proposals sits in the lookahead)."""
         blocks = self.req_blocks.get(request.request_id, [])
-        keep = cdiv(request.num_computed_tokens, self.block_size)
+        keep = cdiv(request.num_computed_tokens + lookahead, self.block_size)
         if len(blocks) > keep:
             self.pool.free_blocks([b for b in reversed(blocks[keep:]) if b is not FREED])
             del blocks[keep:]
