@@ -24,6 +24,9 @@ class SchedulerConfig:
     max_model_len: int
     # False for encoder-only models: a prompt attends to all of itself, so it is computed in one step.
     chunked_prefill: bool = True
+    # Slots past a sampling request's tokens that its step also holds: a draft model writes its
+    # proposals' K/V there (num_speculative_tokens with draft-model speculation, else 0).
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -55,9 +58,9 @@ class EngineArgs:
     speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
-        from pagedllm.spec_decode import speculative_proposer
+        from pagedllm.spec_decode import parse_speculative_config
 
-        speculative_proposer(self.speculative_config)  # a bad config stops the start before anything loads
+        parse_speculative_config(self.speculative_config)  # a bad config stops the start before anything loads
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

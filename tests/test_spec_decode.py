@@ -212,7 +212,8 @@ def test_bf16_verification_changes_no_greedy_output(bf16_engines):
     ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram"}, "num_speculative_tokens"),
-    ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "does not exist"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
 ])
@@ -223,9 +224,11 @@ def test_bad_speculative_configs_stop_the_start(llama_dir, config, message):
         LLM(llama_dir, speculative_config=config, **ARGS)
 
 
-def test_server_streams_speculated_tokens_and_counts_them(llama_dir, engines, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_server_streams_speculated_tokens_and_counts_them(llama_dir, engines, tmp_path, method):
     """`pagedllm serve --speculative-config`: a streamed greedy completion equals the offline one
-    without speculation; /metrics counts drafts, draft tokens and accepted ones under vLLM's names."""
+    without speculation; /metrics counts drafts, draft tokens and accepted ones under vLLM's names.
+    The draft model here is the target itself: every draft it makes is accepted."""
     import httpx
     from openai import OpenAI
 
@@ -237,7 +240,8 @@ def test_server_streams_speculated_tokens_and_counts_them(llama_dir, engines, tm
     expected = plain.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=40,
                                                                             ignore_eos=True), use_tqdm=False)
     server = Server(llama_dir, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--block-size", "4",
-                    "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC),
+                    "--served-model-name", "tiny", "--speculative-config",
+                    json.dumps(SPEC if method == "ngram" else {"model": llama_dir, "num_speculative_tokens": 3}),
                     log_path=str(tmp_path / "server.log"))
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)

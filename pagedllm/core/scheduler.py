@@ -112,7 +112,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens + self._num_spec(request), budget)
-            if self._allocate_or_preempt(request, num_new):
+            if self._allocate_or_preempt(request, num_new, self._lookahead(request, num_new)):
                 chosen.append((request, num_new))
                 budget -= num_new
                 i += 1
@@ -132,7 +132,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.config.chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
                 break  # an encoder's prompt goes in one step: it waits for a step with room for all of it
-            if not self.kv.allocate_slots(request, num_new, computed):
+            if not self.kv.allocate_slots(request, num_new + self._lookahead(request, num_cached + num_new), computed):
                 if not self.running and self._drop_held_blocks():
                     continue  # nothing runs: held requests must make room, or no one moves
                 break
@@ -148,9 +148,15 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return self._build_output(chosen)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
-        """Allocate for `request`, preempting the newest running requests until it fits."""
-        while not self.kv.allocate_slots(request, num_new):
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past the step's tokens for a request that samples in it (draft-model speculation)."""
+        samples = request.num_computed_tokens + num_new >= request.num_tokens
+        return self.config.num_lookahead_tokens if samples and request.pooling_params is None else 0
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, lookahead: int = 0) -> bool:
+        """Allocate for `request` (and `lookahead` slots past), preempting the newest running
+        requests until it fits."""
+        while not self.kv.allocate_slots(request, num_new + lookahead):
             if self._drop_held_blocks():
                 continue  # held requests compute nothing now: they give way first
             victim = self.running.pop()
@@ -251,7 +257,7 @@ class Scheduler:
                 per_position[position] += 1
         if rejected:
             request.num_computed_tokens -= rejected
-            self.kv.trim(request)
+            self.kv.trim(request, self.config.num_lookahead_tokens)
         if request.max_tokens == 0:  # max_tokens=0 only scores the prompt
             tokens = []
         for token in tokens or [None]:

@@ -81,6 +81,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Token masks for the requests sampled this step that are constrained (structured output).
     token_bitmask: TokenBitmask | None = None
+    # Draft-model speculation: request id -> how many drafts the worker's draft model proposes for
+    # it after this step's sampling (the engine core's choice; absent or 0: none).
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -108,6 +111,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # request id -> its embedding (float32), for embedding requests whose prompt the step finished
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    # request id -> draft tokens a draft model proposed for the next step (SchedulerOutput.num_draft_tokens)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def merge(self, other: ModelRunnerOutput) -> None:
         """Take in another run's results for other requests (a step rerun request by request)."""
@@ -115,3 +120,4 @@ class ModelRunnerOutput:
         self.logprobs.update(other.logprobs)
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.pooler_output.update(other.pooler_output)
+        self.spec_token_ids.update(other.spec_token_ids)

@@ -31,8 +31,9 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
-from pagedllm.spec_decode import speculative_proposer
-from pagedllm.models.loader import ModelConfig, load_tokenizer
+from pagedllm.models.loader import ModelConfig, load_model_config, load_tokenizer
+from pagedllm.spec_decode import SpeculativeConfig, parse_speculative_config, speculative_proposer
+from pagedllm.worker.draft_runner import check_draft
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 
@@ -46,7 +47,9 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
     if args.seed is not None:
         torch.manual_seed(args.seed)
     set_threads()
-    executor = UniprocExecutor(model_config, args.device, args.block_size)
+    spec = parse_speculative_config(args.speculative_config)
+    draft_config = draft_model_config(spec, args, model_config)
+    executor = UniprocExecutor(model_config, args.device, args.block_size, draft_config)
     num_blocks = _num_kv_blocks(args, model_config, executor.kv_cache_bytes_per_block())
     if args.compile:
         compile_torch_paths()
@@ -57,13 +60,24 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
         raise ValueError(f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
                          f"must be at least max_model_len ({model_config.max_model_len})")
     kv = _kv_cache_manager(args, model_config, num_blocks)
+    lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
     scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, model_config.max_model_len,
-                                          chunked_prefill=model_config.is_causal), kv)
+                                          chunked_prefill=model_config.is_causal, num_lookahead_tokens=lookahead), kv)
     backend = XgrammarBackend((lambda: tokenizer) if tokenizer is not None else
                               (lambda: load_tokenizer(model_config, args.tokenizer)),
                               model_config.vocab_size, sorted(model_config.eos_token_ids))
     return EngineCore(scheduler, executor, FaultInjector.from_env(), StructuredOutputManager(backend),
-                      speculative_proposer(args.speculative_config))
+                      speculative_proposer(spec), draft_tokens=lookahead)
+
+
+def draft_model_config(spec: SpeculativeConfig | None, args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
+    """The draft model's config (draft-model speculation), checked against the target's: its
+    vocabulary, context and layers (a ValueError at start-up, before any weight loads)."""
+    if spec is None or not spec.uses_draft_model:
+        return None
+    draft = load_model_config(spec.model, args.dtype, None, args.device, spec.quantization, args.kv_cache_dtype)
+    check_draft(target, draft)
+    return draft
 
 
 def _kv_cache_manager(args: EngineArgs, model_config: ModelConfig,

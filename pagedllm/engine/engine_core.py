@@ -36,11 +36,16 @@ GRAMMAR_WAIT_S = 0.05
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, faults: FaultInjector | None = None,
                  structured_output: StructuredOutputManager | None = None,
-                 proposer: NgramProposer | None = None, adaptive: bool = True) -> None:
+                 proposer: NgramProposer | None = None, adaptive: bool = True, draft_tokens: int = 0) -> None:
         self.scheduler, self.executor = scheduler, executor
-        self.proposer = proposer  # speculative decoding's drafts, or None
+        self.proposer = proposer  # speculative decoding's drafts (n-gram), or None
+        # Draft-model speculation: up to this many drafts a request, proposed by the worker after
+        # each step (ModelRunnerOutput.spec_token_ids), kept here until the next step's schedule.
+        self.draft_tokens = draft_tokens
+        self._worker_drafts: dict[str, list[int]] = {}
+        max_k = proposer.k if proposer is not None else draft_tokens
         # How many drafts each request gets (where they pay, measured); None: always up to k.
-        self.controller = SpeculationController(proposer.k) if proposer is not None and adaptive else None
+        self.controller = SpeculationController(max_k) if max_k and adaptive else None
         self.faults = faults or FaultInjector()
         self.structured_output = structured_output
         self._failed: list[EngineCoreOutput] = []  # requests ended between steps: sent with the next
@@ -111,10 +116,13 @@ class EngineCore:
             return ended
         if self.structured_output is not None:
             scheduler_output.token_bitmask = self.structured_output.bitmask(scheduler_output.scheduled)
+        if self.draft_tokens:
+            scheduler_output.num_draft_tokens = self._draft_lengths(scheduler_output)
         start = time.perf_counter()
         result, failures = self._execute(scheduler_output)
         if self.controller is not None:
             self._observe_speculation(scheduler_output, result, time.perf_counter() - start)
+        self._worker_drafts = result.spec_token_ids
         failed = [self._fail(request_id, error) for request_id, error in failures.items()]
         self.faults.after_execute()
         updated = self.scheduler.update(scheduler_output, result)
@@ -126,22 +134,42 @@ class EngineCore:
         """Draft tokens for each decoding request (the proposer's, up to what it may still
         generate but one). A constrained request's are cut where its grammar refuses one: each
         that is scheduled gets a mask row of its own (StructuredOutputManager.bitmask)."""
-        if self.proposer is None:
+        if self.proposer is None and not self.draft_tokens:
             return
         decoding = [request for request in self.scheduler.running
                     if request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None]
-        lengths = None if self.controller is None else \
+        # The draft model's proposals were cut to the controller's lengths when asked for (_draft_lengths).
+        lengths = None if self.controller is None or self.proposer is None else \
             self.controller.draft_lengths([request.request_id for request in decoding])
         for request in decoding:
             limit = request.max_tokens - request.num_output_tokens - 1
             if lengths is not None:
                 limit = min(limit, lengths[request.request_id])
             if limit > 0:
-                drafts = self.proposer.propose(request.all_token_ids, limit)
+                drafts = (self.proposer.propose(request.all_token_ids, limit) if self.proposer is not None
+                          else self._worker_drafts.get(request.request_id, [])[:limit])
                 if drafts and self.structured_output is not None and \
                         self.structured_output.is_constrained(request.request_id):
                     drafts = self.structured_output.valid_drafts(request.request_id, drafts)
                 request.spec_token_ids = drafts
+
+    def _draft_lengths(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """How many drafts the worker's draft model proposes after this step for each request that
+        samples in it: the controller's choice (seeded requests always up to k, so that their
+        draws do not hang on the machine's timing), within what the request may still generate."""
+        sampling = [self.scheduler.requests[r.request_id] for r in scheduler_output.scheduled
+                    if r.sample and r.request_id in self.scheduler.requests]
+        sampling = [request for request in sampling if request.pooling_params is None]
+        lengths = None if self.controller is None else \
+            self.controller.draft_lengths([request.request_id for request in sampling])
+        chosen = {}
+        for request in sampling:
+            length = self.draft_tokens
+            if lengths is not None and request.sampling_params.seed is None:
+                length = lengths[request.request_id]
+            # The step gives at least one token, the next one's verification one more.
+            chosen[request.request_id] = max(0, min(length, request.max_tokens - request.num_output_tokens - 2))
+        return chosen
 
     def _observe_speculation(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput,
                              seconds: float) -> None:

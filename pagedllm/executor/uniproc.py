@@ -8,8 +8,9 @@ from pagedllm.worker.worker import Worker
 
 
 class UniprocExecutor(Executor):
-    def __init__(self, model_config: ModelConfig, device: str, block_size: int) -> None:
-        self.driver_worker = Worker(model_config, device, block_size)
+    def __init__(self, model_config: ModelConfig, device: str, block_size: int,
+                 draft_config: ModelConfig | None = None) -> None:
+        self.driver_worker = Worker(model_config, device, block_size, draft_config)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.driver_worker.kv_cache_bytes_per_block()

@@ -44,6 +44,16 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, gather_logprobs(raw_logprobs, token_list, requests))
 
+    def probabilities(self, logits: torch.Tensor, requests: list[RequestState],
+                      token_bitmask: TokenBitmask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each (random-sampling) row's distribution as its draw would see it, all the processing
+        above applied, and the raw logprobs where a request wants logprobs: what rejection
+        sampling weighs drafts against. Changes `logits` in place, as __call__."""
+        raw_logprobs = _logprobs_wanted(logits, requests)
+        logits = apply_token_bitmask(logits, requests, token_bitmask)
+        logits = apply_penalties(apply_logit_controls(logits, requests), requests)
+        return processed_probs(logits, requests), raw_logprobs
+
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax of each row; on the CPU by the C++ kernel (torch's own took 0.7-1.3 ms a step at
@@ -148,9 +158,7 @@ def sample_random(logits: torch.Tensor, requests: list[RequestState]) -> torch.T
     the request's seed when it has one), where an exponential race would draw one per
     vocabulary entry (30 ms a step at 64 x 32000 on this CPU, against about 1 ms)."""
     device = logits.device
-    temperature = torch.tensor([r.sampling_params.temperature for r in requests], device=device)[:, None]
-    logits = apply_top_k_top_p_min_p(logits / temperature, requests)
-    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
+    cdf = processed_probs(logits, requests).cumsum_(dim=-1)
     u = torch.rand(len(requests), 1, device=device)
     for i, r in enumerate(requests):
         if r.sampling_params.seed is not None:
@@ -160,13 +168,20 @@ def sample_random(logits: torch.Tensor, requests: list[RequestState]) -> torch.T
     return tokens.clamp_(max=logits.shape[1] - 1)
 
 
-def seeded_uniform(seed: int, index: int) -> float:
-    """A uniform number in [0, 1) from the whole seed (any size) and the output token's index.
+def processed_probs(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
+    """Rows' distributions after temperature, top-k, top-p and min-p (random-sampling rows)."""
+    temperature = torch.tensor([r.sampling_params.temperature for r in requests], device=logits.device)[:, None]
+    return torch.softmax(apply_top_k_top_p_min_p(logits / temperature, requests), dim=-1)
+
+
+def seeded_uniform(seed: int, index: int, purpose: str = "") -> float:
+    """A uniform number in [0, 1) from the whole seed (any size) and the output token's index (and,
+    for speculative decoding's other draws at that index, their purpose: "draft", "accept", ...).
 
     A hash rather than a seeded torch.Generator: that one keeps only the low 32 bits of a seed
     (so -1, 2**63 - 1 and 2**64 - 1 drew the same tokens), overflows past 64 bits, and has state
     that a step retried or a request recomputed after preemption would have to rewind."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{seed}:{index}{':' + purpose if purpose else ''}".encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) * 2.0**-53  # 53 bits: every double in [0, 1) reachable
 
 

@@ -12,8 +12,11 @@ from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOut
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.pooler import Pooler
-from pagedllm.layers.sampler import Sampler, token_logprobs
+from pagedllm.layers.rejection_sampler import rejection_sample
+from pagedllm.layers.sampler import Sampler, seeded_uniform, token_logprobs
 from pagedllm.models.loader import ModelConfig
+from pagedllm.sampling_params import SamplingType
+from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
 
 # Steps of at least this many tokens hand their temporaries' heap pages back afterwards (heap.trim:
@@ -34,7 +37,7 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model: torch.nn.Module, num_blocks: int,
-                 block_size: int, device: str) -> None:
+                 block_size: int, device: str, draft: tuple[ModelConfig, torch.nn.Module] | None = None) -> None:
         self.model = model
         self.device = torch.device(device)
         hf = model_config.hf_config
@@ -50,12 +53,20 @@ class ModelRunner:
         self.sampler = Sampler()
         self.pooler = Pooler(model_config.pooler_config)
         self.input_batch = InputBatch(block_size, self.device)
+        # Draft-model speculation: the draft beside the target, under the same block tables.
+        self.draft = DraftRunner(*draft, num_blocks, block_size, self.device) if draft is not None else None
         if self.device.type == "cpu":
             cpu_ops()  # build (or load) the kernels now, not inside the first request's time
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         states = self.input_batch.update(output)
+        if self.draft is not None:
+            for request_id in output.finished_request_ids | output.preempted_request_ids:
+                self.draft.forget(request_id)
+            for r in output.scheduled:
+                if r.new_request is not None:
+                    self.draft.forget(r.request_id)
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -65,6 +76,10 @@ class ModelRunner:
         self._prompt_logprobs(hidden, output.scheduled, states, meta, result)
         # Last, once nothing can raise: a failed step appends nothing, so its rerun does not append twice.
         self.input_batch.append_sampled(result.sampled_token_ids)
+        if self.draft is not None and output.num_draft_tokens:
+            proposing = [(state, output.num_draft_tokens.get(r.request_id, 0))
+                         for r, state in zip(output.scheduled, states) if r.request_id in result.sampled_token_ids]
+            result.spec_token_ids = self.draft.propose([(state, n) for state, n in proposing if n > 0])
         if self.device.type == "cpu" and input_ids.shape[0] >= TRIM_AFTER_TOKENS:
             heap.trim()
         return result
@@ -77,6 +92,8 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_slots:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+        if self.draft is not None:
+            self.draft.copy_blocks(src, dst)
 
     def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, states: list[RequestState],
                 meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
@@ -89,12 +106,17 @@ class ModelRunner:
         rows: list[int] = []  # hidden rows to sample at
         samplers: list[RequestState] = []  # the state each row samples as
         spans: list[tuple[ScheduledRequest, int]] = []  # (request, its first entry in rows)
+        weighed: list[tuple[ScheduledRequest, int, torch.Tensor]] = []  # drafts of a distribution: (.., q)
         ends = (meta.query_start_loc[1:] - 1).tolist()
         for i, (r, state) in enumerate(zip(output.scheduled, states)):
             if not r.sample or state.pooling_params is not None:
                 continue
             drafts = r.spec_token_ids
-            spans.append((r, len(rows)))
+            q = self._draft_probs(r, state)
+            if q is None:
+                spans.append((r, len(rows)))
+            else:
+                weighed.append((r, len(rows), q))
             for j in range(len(drafts) + 1):
                 rows.append(ends[i] - len(drafts) + j)
                 samplers.append(state if j == 0 else dataclasses.replace(
@@ -102,6 +124,17 @@ class ModelRunner:
         if not rows:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if weighed:
+            self._rejection_sample(logits, samplers, weighed, output, result)
+            kept = [j for r, first in spans for j in range(first, first + r.num_spec_tokens + 1)]
+            renumbered, at = [], 0
+            for r, _ in spans:
+                renumbered.append((r, at))
+                at += r.num_spec_tokens + 1
+            spans = renumbered
+            if not kept:
+                return
+            logits, samplers = logits[torch.tensor(kept)], [samplers[j] for j in kept]
         sampled = self.sampler(logits, samplers, output.token_bitmask)
         for r, first in spans:
             tokens: list[int] = []
@@ -112,6 +145,39 @@ class ModelRunner:
             result.sampled_token_ids[r.request_id] = tokens
             if sampled.logprobs[first] is not None:
                 result.logprobs[r.request_id] = sampled.logprobs[first:first + len(tokens)]
+
+    def _draft_probs(self, r: ScheduledRequest, state: RequestState) -> torch.Tensor | None:
+        """The draft model's distributions of this request's drafts, where they are verified by
+        rejection sampling (a random-sampling request); None: verified by equality (greedy, n-gram)."""
+        if self.draft is None or not r.spec_token_ids or state.sampling_params.sampling_type == SamplingType.GREEDY:
+            return None
+        return self.draft.take_probs(r.request_id, r.num_spec_tokens)
+
+    def _rejection_sample(self, logits: torch.Tensor, samplers: list[RequestState],
+                          weighed: list[tuple[ScheduledRequest, int, torch.Tensor]], output: SchedulerOutput,
+                          result: ModelRunnerOutput) -> None:
+        """Requests whose drafts came with the draft's distributions: each draft accepted with
+        probability min(1, p / q), the first rejected one replaced from the residual (layers/
+        rejection_sampler.py). Seeded requests draw every number from their seed and the token's index."""
+        rows = [j for r, first, _ in weighed for j in range(first, first + r.num_spec_tokens + 1)]
+        probs, raw = self.sampler.probabilities(logits[torch.tensor(rows)], [samplers[j] for j in rows],
+                                                output.token_bitmask)
+        at = 0
+        for r, first, q in weighed:
+            state, k = samplers[first], r.num_spec_tokens
+            seed, index = state.sampling_params.seed, state.num_output_tokens
+
+            def uniform(j: int, purpose: str) -> float:
+                if seed is None:
+                    return float(torch.rand(()))
+                return seeded_uniform(seed, index + j, "" if purpose == "sample" else purpose)
+
+            tokens = rejection_sample(probs[at:at + k + 1], q, r.spec_token_ids, uniform)
+            result.sampled_token_ids[r.request_id] = tokens
+            wanted = state.sampling_params.logprobs
+            if raw is not None and wanted is not None:
+                result.logprobs[r.request_id] = token_logprobs(raw[at:at + len(tokens)], tokens, [wanted] * len(tokens))
+            at += k + 1
 
     def _pool(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], states: list[RequestState],
               meta: AttentionMetadata, result: ModelRunnerOutput) -> None:

@@ -7,25 +7,34 @@ import torch
 
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import ModelConfig, load_model
+from pagedllm.worker.draft_runner import draft_kv_bytes_per_block
 from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 
 class Worker:
-    def __init__(self, model_config: ModelConfig, device: str, block_size: int) -> None:
+    def __init__(self, model_config: ModelConfig, device: str, block_size: int,
+                 draft_config: ModelConfig | None = None) -> None:
         self.model_config, self.device, self.block_size = model_config, device, block_size
+        self.draft_config = draft_config  # draft-model speculation's draft, loaded beside the target
         self.model: torch.nn.Module | None = None
+        self.draft_model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.model_config, self.block_size)
+        """A block of the target's K/V (and of the draft's, which shares the block tables)."""
+        draft = draft_kv_bytes_per_block(self.draft_config, self.block_size) if self.draft_config else 0
+        return kv_cache_bytes_per_block(self.model_config, self.block_size) + draft
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
+        if self.draft_config is not None:
+            self.draft_model = load_model(self.draft_config, self.device)
 
     def initialize_cache(self, num_blocks: int) -> None:
         if self.model is None:
             raise RuntimeError("load the model before allocating its KV cache")
-        self.model_runner = ModelRunner(self.model_config, self.model, num_blocks, self.block_size, self.device)
+        draft = (self.draft_config, self.draft_model) if self.draft_model is not None else None
+        self.model_runner = ModelRunner(self.model_config, self.model, num_blocks, self.block_size, self.device, draft)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(scheduler_output)

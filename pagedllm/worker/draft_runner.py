@@ -1,0 +1,160 @@
+"""DraftRunner: a draft model beside the target, proposing each request's next tokens after a step.
+
+The draft keeps its K/V in cache tensors of its own under the target's block tables (the same
+block ids and slots: the scheduler allocates `num_lookahead_tokens` slots past a sampling
+request's tokens for the draft's proposals). For each request it remembers how far its K/V holds
+the request's real tokens; a proposal first feeds it what it has not seen (the whole prompt for a
+request new to it, else the tokens verified since), then one token a pass. A request new to the
+worker (or resumed after preemption, or hitting the prefix cache) starts from position 0: the
+draft never trusts K/V it did not write for that request.
+
+Greedy requests take the draft's argmax; others draw from the draft's distribution (temperature,
+top-k, top-p and min-p applied) and keep it, for the rejection sampling that verifies them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.config import head_dim, kv_cache_groups
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.rejection_sampler import draw
+from pagedllm.layers.sampler import processed_probs, seeded_uniform
+from pagedllm.models.loader import ModelConfig
+from pagedllm.sampling_params import SamplingType
+from pagedllm.worker.input_batch import RequestState
+
+
+@dataclass
+class DraftState:
+    computed: int = 0  # positions whose draft K/V holds the request's own tokens
+    start: int = 0  # position of the first draft of the last proposal
+    tokens: list[int] = field(default_factory=list)  # that proposal's drafts
+    probs: list[torch.Tensor] = field(default_factory=list)  # their distributions (random sampling only)
+
+
+def draft_kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+    hf = config.hf_config
+    return 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim(hf) * config.cache_dtype.itemsize * block_size
+
+
+def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
+    """Raise ValueError where this draft cannot serve this target (at start-up, never mid-serving)."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens, {draft.path}) "
+                         f"is not the target's ({target.vocab_size} tokens): they must share one tokenizer")
+    if not draft.is_causal or "generate" not in draft.supported_tasks:
+        raise ValueError(f"speculative_config: the draft model {draft.path} does not generate text")
+    if len(kv_cache_groups(target.hf_config).windows) > 1 or kv_cache_groups(target.hf_config).windows[0]:
+        raise ValueError("speculative_config: a draft model needs a target whose layers keep all their K/V "
+                         "(no sliding window): the draft reads the target's block tables")
+    if len(kv_cache_groups(draft.hf_config).windows) > 1:
+        raise ValueError("speculative_config: the draft model mixes sliding and full attention layers; "
+                         "a draft's layers must be alike")
+    if draft.max_model_len < target.max_model_len:
+        raise ValueError(f"speculative_config: the draft model's context ({draft.max_model_len} tokens) is shorter "
+                         f"than max_model_len ({target.max_model_len}); lower --max-model-len")
+
+
+class DraftRunner:
+    def __init__(self, config: ModelConfig, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model, self.device, self.block_size = model, device, block_size
+        hf = config.hf_config
+        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf))
+        self.kv_caches = [(torch.zeros(shape, dtype=config.cache_dtype, device=device),
+                           torch.zeros(shape, dtype=config.cache_dtype, device=device))
+                          for _ in range(hf.num_hidden_layers)]
+        self.states: dict[str, DraftState] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def take_probs(self, request_id: str, count: int) -> torch.Tensor | None:
+        """The distributions of a request's last proposal's first `count` drafts ([count, vocab]);
+        None where they were not kept (greedy) or do not match."""
+        state = self.states.get(request_id)
+        if state is None or len(state.probs) < count or count == 0:
+            return None
+        return torch.stack(state.probs[:count])
+
+    @torch.inference_mode()
+    def propose(self, requests: list[tuple[RequestState, int]]) -> dict[str, list[int]]:
+        """Up to `length` drafts for each (state, length), after the state's tokens so far."""
+        drafts: dict[str, list[int]] = {}
+        feed: list[tuple[RequestState, int, list[int]]] = []  # (state, first position, tokens)
+        for state, _ in requests:
+            draft = self.states.setdefault(state.request_id, DraftState())
+            tokens = state.all_token_ids
+            # Its drafts that came true are K/V it holds; from the first that did not, it computes again.
+            held = draft.start + _common_prefix(draft.tokens, tokens[draft.start:])
+            draft.computed = min(draft.computed, held) if draft.tokens else draft.computed
+            draft.computed = min(draft.computed, len(tokens) - 1)
+            draft.start, draft.tokens, draft.probs = len(tokens), [], []
+            feed.append((state, draft.computed, tokens[draft.computed:]))
+            drafts[state.request_id] = draft.tokens
+        lengths = {state.request_id: length for state, length in requests}
+        for step in range(max(lengths.values(), default=0)):
+            logits = self._forward(feed)
+            for (state, start, tokens), row in zip(feed, logits):
+                draft = self.states[state.request_id]
+                draft.computed = start + len(tokens)
+                token, probs = self._pick(row, state, len(draft.tokens))
+                draft.tokens.append(token)
+                if probs is not None:
+                    draft.probs.append(probs)
+            feed = [(state, start + len(tokens), [self.states[state.request_id].tokens[-1]])
+                    for state, start, tokens in feed if lengths[state.request_id] > step + 1]
+        return drafts
+
+    def _pick(self, logits: torch.Tensor, state: RequestState, j: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token at draft position j, and its distribution (None: greedy)."""
+        params = state.sampling_params
+        if params.sampling_type == SamplingType.GREEDY:
+            return int(logits.argmax()), None
+        probs = processed_probs(logits[None], [state])[0]
+        index = state.num_output_tokens + j
+        u = seeded_uniform(params.seed, index, "draft") if params.seed is not None else float(torch.rand(()))
+        return draw(probs, u), probs
+
+    def _forward(self, feed: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor:
+        """The draft's logits at each fed run's last token, its K/V written into the runs' slots."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        for state, start, tokens in feed:
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
+            seq_lens.append(start + len(tokens))
+            starts.append(starts[-1] + len(tokens))
+        width = max(len(state.block_ids) for state, _, _ in feed)
+        tables = [state.block_ids + [0] * (width - len(state.block_ids)) for state, _, _ in feed]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            seq_lens_list=seq_lens, query_lens_list=[len(tokens) for _, _, tokens in feed])
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
+                            torch.tensor(positions, dtype=torch.long, device=self.device), self.kv_caches, meta)
+        last = torch.tensor([end - 1 for end in starts[1:]], device=self.device)
+        return self.model.compute_logits(hidden[last])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
