@@ -1,9 +1,11 @@
-"""Speculative decoding (n-gram): output tokens/s with and without speculation, alternated in one
-process, and the acceptance rate.
+"""Speculative decoding: output tokens/s with and without speculation, alternated in one process,
+and the acceptance rate.
 
     .venv/bin/python benchmarks/spec_decode.py --rounds 3                              # grounded, batch 1
     .venv/bin/python benchmarks/spec_decode.py --workload random --rounds 3            # random output, batch 1
     .venv/bin/python benchmarks/spec_decode.py --workload random --batch 32 --rounds 3 # 32 at once
+    .venv/bin/python benchmarks/spec_decode.py --method draft_model --quantization none \
+        --draft-quantization gguf --rounds 3   # the default model's Q4_1 kernels drafting for its bf16 weights
 
 Workloads:
 - grounded (benchmarks/data/grounded_tasks.json): requests that edit or quote a given text or code
@@ -84,16 +86,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=None, help="default 160 (grounded), 128 (random)")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft-model", default=None, help="draft_model: its path (default: the default model's file)")
+    parser.add_argument("--draft-quantization", default=None, help="draft_model: as --quantization, for the draft")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
     args = parser.parse_args()
 
     from pagedllm import LLM
 
-    spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-                   "prompt_lookup_min": args.lookup_min}
+    if args.method == "ngram":
+        spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+                       "prompt_lookup_min": args.lookup_min}
+    else:
+        from pagedllm.models.loader import resolve_model_path
+
+        spec_config = {"model": args.draft_model or resolve_model_path(args.model), "num_speculative_tokens": args.k,
+                       "quantization": args.draft_quantization}
     common = dict(enable_prefix_caching=False, dtype=args.dtype, quantization=args.quantization)
-    engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec_config, **common)}
+    engines = {"plain": LLM(args.model, **common), "spec": LLM(args.model, speculative_config=spec_config, **common)}
     num_prompts = args.num_prompts or (6 if args.batch == 1 else 2 * args.batch)
     max_tokens = args.max_tokens or (160 if args.workload == "grounded" else 128)
     prompts, params = workload(args.workload, engines["plain"].engine.model_config.vocab_size, num_prompts, max_tokens)
@@ -104,14 +115,14 @@ def main() -> None:
         round_rates, outputs = run_round(engines, prompts, params, args.batch, round_)
         for name, rate in round_rates.items():
             rates[name].append(rate)
-        diffs = first_differences(outputs["plain"], outputs["ngram"])
-        print(f"round {round_}: plain {rates['plain'][-1]:.1f} tok/s, ngram {rates['ngram'][-1]:.1f} tok/s, "
-              f"ratio {rates['ngram'][-1] / rates['plain'][-1]:.2f}; outputs equal "
+        diffs = first_differences(outputs["plain"], outputs["spec"])
+        print(f"round {round_}: plain {rates['plain'][-1]:.1f} tok/s, {args.method} {rates['spec'][-1]:.1f} tok/s, "
+              f"ratio {rates['spec'][-1] / rates['plain'][-1]:.2f}; outputs equal "
               f"{diffs.count(None)}/{len(diffs)}, the others first differ at tokens "
               f"{[d for d in diffs if d is not None]}")
-    stats = engines["ngram"].engine.stats()
-    ratios = [b / a for a, b in zip(rates["plain"], rates["ngram"])]
-    print(f"median: plain {statistics.median(rates['plain']):.1f} tok/s, ngram {statistics.median(rates['ngram']):.1f} "
+    stats = engines["spec"].engine.stats()
+    ratios = [b / a for a, b in zip(rates["plain"], rates["spec"])]
+    print(f"median: plain {statistics.median(rates['plain']):.1f} tok/s, {args.method} {statistics.median(rates['spec']):.1f} "
           f"tok/s, ratio {statistics.median(ratios):.2f}")
     print(f"drafts {stats.spec_num_drafts}, draft tokens {stats.spec_num_draft_tokens}, accepted "
           f"{stats.spec_num_accepted_tokens} ({stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1):.0%}), "
