@@ -113,6 +113,9 @@ class ModelRunnerOutput:
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
     # request id -> draft tokens a draft model proposed for the next step (SchedulerOutput.num_draft_tokens)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_seconds: float = 0.0  # time the draft model's passes took (taken out of the step's time)
+    # (seconds, tokens) of its passes that fed one token a request: what a draft token costs
+    draft_token_cost: tuple[float, int] = (0.0, 0)
 
     def merge(self, other: ModelRunnerOutput) -> None:
         """Take in another run's results for other requests (a step rerun request by request)."""
@@ -121,3 +124,5 @@ class ModelRunnerOutput:
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.pooler_output.update(other.pooler_output)
         self.spec_token_ids.update(other.spec_token_ids)
+        self.draft_seconds += other.draft_seconds
+        self.draft_token_cost = tuple(a + b for a, b in zip(self.draft_token_cost, other.draft_token_cost))

@@ -180,7 +180,9 @@ class EngineCore:
         drafted = {r.request_id: (r.num_spec_tokens, len(result.sampled_token_ids.get(r.request_id, [])) - 1)
                    for r in scheduled if r.num_spec_tokens}
         decoding = all(r.sample and r.num_new_tokens == 1 + r.num_spec_tokens for r in scheduled)
-        self.controller.observe(drafted, scheduler_output.num_scheduled_tokens if decoding else None, seconds)
+        self.controller.observe_draft(*result.draft_token_cost)
+        self.controller.observe(drafted, scheduler_output.num_scheduled_tokens if decoding else None,
+                                seconds - result.draft_seconds)
         self.controller.retain({request.request_id for request in self.scheduler.running})
 
     def _advance_grammars(self, updated: list[Request]) -> dict[str, EngineCoreOutput]:

@@ -13,6 +13,7 @@ top-k, top-p and min-p applied) and keep it, for the rejection sampling that ver
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,9 @@ class DraftRunner:
                            torch.zeros(shape, dtype=config.cache_dtype, device=device))
                           for _ in range(hf.num_hidden_layers)]
         self.states: dict[str, DraftState] = {}
+        # The last propose's passes that fed one token a request: their seconds and tokens (what a
+        # draft token costs; a catch-up over a prompt is paid once a request, drafting or not).
+        self.pass_seconds, self.pass_tokens = 0.0, 0
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -100,8 +104,13 @@ class DraftRunner:
             feed.append((state, draft.computed, tokens[draft.computed:]))
             drafts[state.request_id] = draft.tokens
         lengths = {state.request_id: length for state, length in requests}
+        self.pass_seconds, self.pass_tokens = 0.0, 0
         for step in range(max(lengths.values(), default=0)):
+            start = time.perf_counter()
             logits = self._forward(feed)
+            if all(len(tokens) == 1 for _, _, tokens in feed):
+                self.pass_seconds += time.perf_counter() - start
+                self.pass_tokens += len(feed)
             for (state, start, tokens), row in zip(feed, logits):
                 draft = self.states[state.request_id]
                 draft.computed = start + len(tokens)

@@ -3,6 +3,7 @@ sampled tokens and logprobs."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -79,7 +80,10 @@ class ModelRunner:
         if self.draft is not None and output.num_draft_tokens:
             proposing = [(state, output.num_draft_tokens.get(r.request_id, 0))
                          for r, state in zip(output.scheduled, states) if r.request_id in result.sampled_token_ids]
+            start = time.perf_counter()
             result.spec_token_ids = self.draft.propose([(state, n) for state, n in proposing if n > 0])
+            result.draft_seconds = time.perf_counter() - start
+            result.draft_token_cost = (self.draft.pass_seconds, self.draft.pass_tokens)
         if self.device.type == "cpu" and input_ids.shape[0] >= TRIM_AFTER_TOKENS:
             heap.trim()
         return result
