@@ -79,6 +79,23 @@ def test_the_target_as_its_own_draft_accepts_everything(llama_dir):
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
 
 
+def test_rejection_sampled_tokens_carry_the_targets_logprobs(engines):
+    """Tokens from rejection sampling (accepted drafts and residual draws) report the target's
+    logprobs: the plain engine scores the same text alike."""
+    from pagedllm import SamplingParams
+
+    plain, spec = engines
+    ours = spec.generate(prompts(2), SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True,
+                                                     logprobs=1), use_tqdm=False)
+    for prompt, output in zip(prompts(2), ours):
+        sample = output.outputs[0]
+        scored = plain.generate([{"prompt_token_ids": prompt["prompt_token_ids"] + sample.token_ids}],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        n = len(prompt["prompt_token_ids"])
+        for token, entry, reference in zip(sample.token_ids, sample.logprobs, scored.prompt_logprobs[n:]):
+            assert entry[token].logprob == pytest.approx(reference[token].logprob, abs=1e-4)
+
+
 def test_seeded_requests_repeat_and_unseeded_ones_differ(engines):
     from pagedllm import SamplingParams
 
@@ -96,7 +113,8 @@ def test_preemption_leaves_outputs_unchanged(llama_dir, draft_dir):
     draft's K/V too, from the start); greedy outputs stay the target's."""
     from pagedllm import LLM, SamplingParams
 
-    tight = dict(ARGS, kv_cache_memory=f"{40 * 2 * 2048}", max_model_len=96)
+    # Prompt chunks of 16 tokens too: the draft catches up on whatever the target computed.
+    tight = dict(ARGS, kv_cache_memory=f"{40 * 2 * 2048}", max_model_len=96, max_num_batched_tokens=16)
     plain = LLM(llama_dir, **tight)
     spec = fixed_drafts(LLM(llama_dir, speculative_config={"model": draft_dir, "num_speculative_tokens": K}, **tight))
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
