@@ -10,7 +10,9 @@ and the acceptance rate.
 Workloads:
 - grounded (benchmarks/data/grounded_tasks.json): requests that edit or quote a given text or code
   (rename a function, fix typos, add docstrings, make a table, quote a sentence), through the chat
-  template, greedy, up to --max-tokens each. The script reports how many greedy outputs are equal
+  template, greedy, up to --max-tokens each. --tasks benchmarks/data/grounded_long_tasks.json: the
+  same kinds of edits on texts about 3x longer (a 45-line module, a 10-sentence paragraph), as
+  files people ask to edit are; give them --max-tokens 400 to let the answers run to their end. The script reports how many greedy outputs are equal
   with and without speculation, and where the others first differ.
 - random: prompts of random token ids, sampled at temperature 1 (seeded), EOS ignored: output that
   seldom repeats itself, where n-gram drafts rarely exist or hold (speculation's cost, not its gain).
@@ -30,12 +32,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TASKS = os.path.join(os.path.dirname(__file__), "data", "grounded_tasks.json")
 
 
-def workload(name: str, vocab: int, num_prompts: int, max_tokens: int) -> tuple[list, list]:
+def workload(name: str, vocab: int, num_prompts: int, max_tokens: int, tasks: str = TASKS) -> tuple[list, list]:
     """(prompts, their SamplingParams) of a workload."""
     from pagedllm import SamplingParams
 
     if name == "grounded":
-        with open(TASKS) as f:
+        with open(tasks) as f:
             tasks = json.load(f)
         prompts = [[{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}] for t in tasks]
         return prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts)
@@ -82,6 +84,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="none: a GGUF file dequantized at load to --dtype")
     parser.add_argument("--workload", choices=("grounded", "random"), default="grounded")
     parser.add_argument("--batch", type=int, default=1, help="requests submitted at once")
+    parser.add_argument("--tasks", default=TASKS, help="grounded: the task file (benchmarks/data/grounded_long_tasks.json: "
+                                                        "the same kinds of edits on texts 3x longer)")
     parser.add_argument("--num-prompts", type=int, default=None, help="random: default 6, or 2 x --batch")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=None, help="default 160 (grounded), 128 (random)")
@@ -107,7 +111,8 @@ def main() -> None:
     engines = {"plain": LLM(args.model, **common), "spec": LLM(args.model, speculative_config=spec_config, **common)}
     num_prompts = args.num_prompts or (6 if args.batch == 1 else 2 * args.batch)
     max_tokens = args.max_tokens or (160 if args.workload == "grounded" else 128)
-    prompts, params = workload(args.workload, engines["plain"].engine.model_config.vocab_size, num_prompts, max_tokens)
+    prompts, params = workload(args.workload, engines["plain"].engine.model_config.vocab_size, num_prompts, max_tokens,
+                               args.tasks)
     for llm in engines.values():  # warm-up
         run_chunk(llm, prompts[:1], params[:1])
     rates: dict[str, list[float]] = {name: [] for name in engines}
