@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import head_dim, kv_cache_groups
-from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.rejection_sampler import draw
 from pagedllm.layers.sampler import processed_probs, seeded_uniform
 from pagedllm.models.loader import ModelConfig
 from pagedllm.sampling_params import SamplingType
-from pagedllm.worker.input_batch import RequestState
+from pagedllm.worker.input_batch import InputBatch, RequestState
 
 
 @dataclass
@@ -59,11 +58,11 @@ def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
 
 
 class DraftRunner:
-    def __init__(self, config: ModelConfig, model: torch.nn.Module, num_blocks: int, block_size: int,
+    def __init__(self, config: ModelConfig, model: torch.nn.Module, num_blocks: int, input_batch: InputBatch,
                  device: torch.device) -> None:
-        self.model, self.device, self.block_size = model, device, block_size
+        self.model, self.device, self.input_batch = model, device, input_batch  # the target's requests and tables
         hf = config.hf_config
-        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf))
+        shape = (num_blocks, input_batch.block_size, hf.num_key_value_heads, head_dim(hf))
         self.kv_caches = [(torch.zeros(shape, dtype=config.cache_dtype, device=device),
                            torch.zeros(shape, dtype=config.cache_dtype, device=device))
                           for _ in range(hf.num_hidden_layers)]
@@ -134,30 +133,9 @@ class DraftRunner:
 
     def _forward(self, feed: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor:
         """The draft's logits at each fed run's last token, its K/V written into the runs' slots."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        for state, start, tokens in feed:
-            ids += tokens
-            positions += range(start, start + len(tokens))
-            slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
-            seq_lens.append(start + len(tokens))
-            starts.append(starts[-1] + len(tokens))
-        width = max(len(state.block_ids) for state, _, _ in feed)
-        tables = [state.block_ids + [0] * (width - len(state.block_ids)) for state, _, _ in feed]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            seq_lens_list=seq_lens, query_lens_list=[len(tokens) for _, _, tokens in feed])
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
-                            torch.tensor(positions, dtype=torch.long, device=self.device), self.kv_caches, meta)
-        last = torch.tensor([end - 1 for end in starts[1:]], device=self.device)
-        return self.model.compute_logits(hidden[last])
+        input_ids, positions, meta = self.input_batch.prepare_runs(feed)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

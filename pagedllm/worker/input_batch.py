@@ -124,27 +124,38 @@ class InputBatch:
     def prepare(self, scheduled: list[ScheduledRequest],
                 states: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of a step, from the states `update` returned."""
+        runs = []
+        for s, state in zip(scheduled, states):
+            start = state.num_computed_tokens
+            # The known tokens, then the drafts.
+            runs.append((state, start, state.all_token_ids[start:start + s.num_new_tokens] + s.spec_token_ids))
+        input_ids, positions, meta = self.prepare_runs(runs)
+        meta.group_tables = self._other_group_tables(scheduled, states)
+        meta.walk_max_q = 1 + max((len(s.spec_token_ids) for s in scheduled), default=0)
+        return input_ids, positions, meta
+
+    def prepare_runs(self, runs: list[tuple[RequestState, int, list[int]]]
+                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids, positions and attention metadata for runs of tokens, each (state, its first
+        position, the tokens) under the state's block table (a draft model's passes use it too)."""
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
-        for s, state in zip(scheduled, states):
-            start, end = state.num_computed_tokens, state.num_computed_tokens + s.num_new_tokens
-            token_ids += state.all_token_ids[start:end]  # the known ones: the drafts follow
-            token_ids += s.spec_token_ids
+        for state, start, tokens in runs:
+            end = start + len(tokens)
+            token_ids += tokens
             positions += range(start, end)
             blocks = state.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
+            query_start_loc.append(query_start_loc[-1] + len(tokens))
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.long), block_tables=self._block_tables(states),
+            slot_mapping=self._tensor(slots, torch.long), block_tables=self._block_tables([run[0] for run in runs]),
             query_start_loc=self._tensor(query_start_loc, torch.int32), seq_lens=self._tensor(seq_lens, torch.int32),
-            seq_lens_list=seq_lens, query_lens_list=[s.num_new_tokens for s in scheduled],
-            group_tables=self._other_group_tables(scheduled, states),
-            walk_max_q=1 + max((len(s.spec_token_ids) for s in scheduled), default=0))
+            seq_lens_list=seq_lens, query_lens_list=[len(run[2]) for run in runs])
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta
 
     def _other_group_tables(self, scheduled: list[ScheduledRequest],

@@ -55,7 +55,7 @@ class ModelRunner:
         self.pooler = Pooler(model_config.pooler_config)
         self.input_batch = InputBatch(block_size, self.device)
         # Draft-model speculation: the draft beside the target, under the same block tables.
-        self.draft = DraftRunner(*draft, num_blocks, block_size, self.device) if draft is not None else None
+        self.draft = DraftRunner(*draft, num_blocks, self.input_batch, self.device) if draft is not None else None
         if self.device.type == "cpu":
             cpu_ops()  # build (or load) the kernels now, not inside the first request's time
 
