@@ -36,7 +36,7 @@ GRAMMAR_WAIT_S = 0.05
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, faults: FaultInjector | None = None,
                  structured_output: StructuredOutputManager | None = None,
-                 proposer: NgramProposer | None = None, adaptive: bool = True, draft_tokens: int = 0) -> None:
+                 proposer: NgramProposer | None = None, draft_tokens: int = 0) -> None:
         self.scheduler, self.executor = scheduler, executor
         self.proposer = proposer  # speculative decoding's drafts (n-gram), or None
         # Draft-model speculation: up to this many drafts a request, proposed by the worker after
@@ -44,8 +44,8 @@ class EngineCore:
         self.draft_tokens = draft_tokens
         self._worker_drafts: dict[str, list[int]] = {}
         max_k = proposer.k if proposer is not None else draft_tokens
-        # How many drafts each request gets (where they pay, measured); None: always up to k.
-        self.controller = SpeculationController(max_k) if max_k and adaptive else None
+        # How many drafts each request gets (where they pay, measured); None (tests set it so): always up to k.
+        self.controller = SpeculationController(max_k) if max_k else None
         self.faults = faults or FaultInjector()
         self.structured_output = structured_output
         self._failed: list[EngineCoreOutput] = []  # requests ended between steps: sent with the next

@@ -103,44 +103,30 @@ class ModelRunner:
                 meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
         """A token for each request that samples. A request with k draft tokens is sampled at its
         last k + 1 positions, each as if the drafts before it were its output (penalties, min_tokens
-        and a seeded draw's index see them); drafts are accepted while they equal what was sampled,
-        and the first token that differs (or the one after all k) is its own. A draft here is one
-        token, not a distribution, so this keeps sampling exact: every token is drawn from the
-        target's own distribution, with the draw it would have had without drafts."""
-        rows: list[int] = []  # hidden rows to sample at
-        samplers: list[RequestState] = []  # the state each row samples as
-        spans: list[tuple[ScheduledRequest, int]] = []  # (request, its first entry in rows)
-        weighed: list[tuple[ScheduledRequest, int, torch.Tensor]] = []  # drafts of a distribution: (.., q)
+        and a seeded draw's index see them). Drafts that came as single tokens (n-gram lookup, or a
+        greedy request's draft model) are accepted while they equal what was sampled, and the first
+        token that differs (or the one after all k) is its own: every token is drawn from the
+        target's own distribution with the draw it would have had without drafts. Drafts a draft
+        model drew from its distribution go through rejection sampling (_rejection_sample)."""
+        exact: list[tuple[ScheduledRequest, RequestState, int]] = []  # (request, state, its last row)
+        weighed: list[tuple[ScheduledRequest, RequestState, int, torch.Tensor]] = []  # (.., the drafts' q)
         ends = (meta.query_start_loc[1:] - 1).tolist()
         for i, (r, state) in enumerate(zip(output.scheduled, states)):
             if not r.sample or state.pooling_params is not None:
                 continue
-            drafts = r.spec_token_ids
             q = self._draft_probs(r, state)
             if q is None:
-                spans.append((r, len(rows)))
+                exact.append((r, state, ends[i]))
             else:
-                weighed.append((r, len(rows), q))
-            for j in range(len(drafts) + 1):
-                rows.append(ends[i] - len(drafts) + j)
-                samplers.append(state if j == 0 else dataclasses.replace(
-                    state, all_token_ids=state.all_token_ids + drafts[:j], spec_position=j))
-        if not rows:
-            return
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+                weighed.append((r, state, ends[i], q))
         if weighed:
-            self._rejection_sample(logits, samplers, weighed, output, result)
-            kept = [j for r, first in spans for j in range(first, first + r.num_spec_tokens + 1)]
-            renumbered, at = [], 0
-            for r, _ in spans:
-                renumbered.append((r, at))
-                at += r.num_spec_tokens + 1
-            spans = renumbered
-            if not kept:
-                return
-            logits, samplers = logits[torch.tensor(kept)], [samplers[j] for j in kept]
+            self._rejection_sample(hidden, weighed, output, result)
+        if not exact:
+            return
+        logits, samplers = self._positions(hidden, exact)
         sampled = self.sampler(logits, samplers, output.token_bitmask)
-        for r, first in spans:
+        first = 0
+        for r, _, _ in exact:
             tokens: list[int] = []
             for draft in [*r.spec_token_ids, None]:
                 tokens.append(sampled.token_ids[first + len(tokens)])
@@ -149,6 +135,20 @@ class ModelRunner:
             result.sampled_token_ids[r.request_id] = tokens
             if sampled.logprobs[first] is not None:
                 result.logprobs[r.request_id] = sampled.logprobs[first:first + len(tokens)]
+            first += r.num_spec_tokens + 1
+
+    def _positions(self, hidden: torch.Tensor, requests: list[tuple]) -> tuple[torch.Tensor, list[RequestState]]:
+        """Logits at each (request, state, last row, ...)'s last k + 1 positions, and the state each
+        samples as: the request's own with the drafts before that position appended."""
+        rows: list[int] = []
+        samplers: list[RequestState] = []
+        for r, state, end, *_ in requests:
+            drafts = r.spec_token_ids
+            for j in range(len(drafts) + 1):
+                rows.append(end - len(drafts) + j)
+                samplers.append(state if j == 0 else dataclasses.replace(
+                    state, all_token_ids=state.all_token_ids + drafts[:j], spec_position=j))
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]), samplers
 
     def _draft_probs(self, r: ScheduledRequest, state: RequestState) -> torch.Tensor | None:
         """The draft model's distributions of this request's drafts, where they are verified by
@@ -157,21 +157,20 @@ class ModelRunner:
             return None
         return self.draft.take_probs(r.request_id, r.num_spec_tokens)
 
-    def _rejection_sample(self, logits: torch.Tensor, samplers: list[RequestState],
-                          weighed: list[tuple[ScheduledRequest, int, torch.Tensor]], output: SchedulerOutput,
-                          result: ModelRunnerOutput) -> None:
+    def _rejection_sample(self, hidden: torch.Tensor,
+                          weighed: list[tuple[ScheduledRequest, RequestState, int, torch.Tensor]],
+                          output: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Requests whose drafts came with the draft's distributions: each draft accepted with
         probability min(1, p / q), the first rejected one replaced from the residual (layers/
         rejection_sampler.py). Seeded requests draw every number from their seed and the token's index."""
-        rows = [j for r, first, _ in weighed for j in range(first, first + r.num_spec_tokens + 1)]
-        probs, raw = self.sampler.probabilities(logits[torch.tensor(rows)], [samplers[j] for j in rows],
-                                                output.token_bitmask)
+        logits, samplers = self._positions(hidden, weighed)
+        probs, raw = self.sampler.probabilities(logits, samplers, output.token_bitmask)
         at = 0
-        for r, first, q in weighed:
-            state, k = samplers[first], r.num_spec_tokens
+        for r, state, _, q in weighed:
+            k = r.num_spec_tokens
             seed, index = state.sampling_params.seed, state.num_output_tokens
 
-            def uniform(j: int, purpose: str) -> float:
+            def uniform(j: int, purpose: str, seed: int | None = seed, index: int = index) -> float:
                 if seed is None:
                     return float(torch.rand(()))
                 return seeded_uniform(seed, index + j, "" if purpose == "sample" else purpose)
