@@ -31,10 +31,7 @@ class Sampler:
                  token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         """Changes `logits` in place (fresh from the model each step: a copy would cost ~2 ms
         a step at batch 200)."""
-        raw_logprobs = _logprobs_wanted(logits, requests)
-        logits = apply_token_bitmask(logits, requests, token_bitmask)
-        logits = apply_logit_controls(logits, requests)
-        logits = apply_penalties(logits, requests)
+        raw_logprobs, logits = _processed_logits(logits, requests, token_bitmask)
         tokens = greedy_tokens(logits)
         random_rows = [i for i, r in enumerate(requests) if r.sampling_params.sampling_type != SamplingType.GREEDY]
         if random_rows:
@@ -49,10 +46,17 @@ class Sampler:
         """Each (random-sampling) row's distribution as its draw would see it, all the processing
         above applied, and the raw logprobs where a request wants logprobs: what rejection
         sampling weighs drafts against. Changes `logits` in place, as __call__."""
-        raw_logprobs = _logprobs_wanted(logits, requests)
-        logits = apply_token_bitmask(logits, requests, token_bitmask)
-        logits = apply_penalties(apply_logit_controls(logits, requests), requests)
+        raw_logprobs, logits = _processed_logits(logits, requests, token_bitmask)
         return processed_probs(logits, requests), raw_logprobs
+
+
+def _processed_logits(logits: torch.Tensor, requests: list[RequestState],
+                      token_bitmask: TokenBitmask | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The raw logprobs (where wanted), then the logits with the mask, controls and penalties applied."""
+    raw_logprobs = _logprobs_wanted(logits, requests)
+    logits = apply_token_bitmask(logits, requests, token_bitmask)
+    logits = apply_logit_controls(logits, requests)
+    return raw_logprobs, apply_penalties(logits, requests)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

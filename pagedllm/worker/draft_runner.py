@@ -74,11 +74,6 @@ class DraftRunner:
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
-
     def take_probs(self, request_id: str, count: int) -> torch.Tensor | None:
         """The distributions of a request's last proposal's first `count` drafts ([count, vocab]);
         None where they were not kept (greedy) or do not match."""
@@ -105,10 +100,10 @@ class DraftRunner:
         lengths = {state.request_id: length for state, length in requests}
         self.pass_seconds, self.pass_tokens = 0.0, 0
         for step in range(max(lengths.values(), default=0)):
-            start = time.perf_counter()
+            began = time.perf_counter()
             logits = self._forward(feed)
             if all(len(tokens) == 1 for _, _, tokens in feed):
-                self.pass_seconds += time.perf_counter() - start
+                self.pass_seconds += time.perf_counter() - began
                 self.pass_tokens += len(feed)
             for (state, start, tokens), row in zip(feed, logits):
                 draft = self.states[state.request_id]

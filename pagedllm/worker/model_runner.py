@@ -93,11 +93,10 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k_cache, v_cache in self.kv_slots:
+        # The draft's K/V lives under the same block ids: its blocks are copied alike.
+        for k_cache, v_cache in self.kv_slots + (self.draft.kv_caches if self.draft is not None else []):
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
-        if self.draft is not None:
-            self.draft.copy_blocks(src, dst)
 
     def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, states: list[RequestState],
                 meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
