@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/quant_kernels.py                  # every type, a 5632 x 1024 layer
     .venv/bin/python benchmarks/quant_kernels.py --types Q4_K Q8_0 --rows 1 4 64 512
+    .venv/bin/python benchmarks/quant_kernels.py --types Q4_1 Q8_0 --rows --stream --stream-rows 1 4 5 8
 
 Per type and row count: GFLOP/s of the int8 path (activations quantized per 32, VNNI dot
 products), of the bf16 tile path (weights dequantized to bf16 tiles, packed_linear's dot
 products), and of the bf16 linear layer (PackedBF16LinearMethod) on the same shape; the weights
 stay in cache between calls, so this is arithmetic, not bandwidth. Then, with --stream, batch-1
-decode's case: a 16-layer stack of the 250M model's four layer shapes, every call reading its
-weights from memory (104 MB at Q4_K, 490 MB at bf16), as GB/s against the bf16 layers'. Rounds
+decode's case (with --stream-rows, also a speculative verification's few rows a call; --rows
+with no values skips the first table): a 16-layer stack of the 250M model's four layer shapes,
+every call reading its weights from memory (104 MB at Q4_K, 490 MB at bf16), as GB/s against the bf16 layers'. Rounds
 alternate the contenders; the table shows medians.
 """
 from __future__ import annotations
@@ -81,14 +83,14 @@ def arithmetic(types: list[str], rows_list: list[int], rounds: int, n: int, k: i
                   f"{max(gflops['int8'], gflops['tiles']) / gflops['bf16']:.2f} |")
 
 
-def stream(types: list[str], rounds: int, layers: int = 16) -> None:
-    print(f"\nBatch 1 from memory: {layers} layers of each of the 250M model's shapes in turn, GB/s "
-          f"(medians of {rounds} alternated rounds)\n")
+def stream(types: list[str], rounds: int, rows: int = 1, layers: int = 16) -> None:
+    print(f"\n{rows} row(s) a call, weights from memory: {layers} layers of each of the 250M model's shapes in turn, "
+          f"GB/s (medians of {rounds} alternated rounds)\n")
     stacks = {"bf16": [(bf16_layer(n, k), k, 2 * n * k) for _ in range(layers) for n, k in SHAPES_250M]}
     for name in types:
         stacks[name] = [(quant_layer(name, n, k, seed=i), k, FORMATS[name].packed_bytes(n, k))
                         for i in range(layers) for n, k in SHAPES_250M]
-    xs = {k: torch.randn(1, k).bfloat16() for _, k in SHAPES_250M}
+    xs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES_250M}
 
     def run(stack) -> float:
         start = time.perf_counter()
@@ -113,16 +115,19 @@ def stream(types: list[str], rounds: int, layers: int = 16) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", nargs="+", default=sorted(FORMATS))
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 512])
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 32, 64, 128, 512])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shape", type=int, nargs=2, default=(5632, 1024), metavar=("N", "K"))
     parser.add_argument("--stream", action="store_true", help="also batch 1 with weights from memory")
+    parser.add_argument("--stream-rows", type=int, nargs="+", default=[1],
+                        help="--stream: rows a call (a speculative verification's are k + 1)")
     args = parser.parse_args()
     if cpu_ops() is None or not cpu_ops().quant_linear_simd():
         raise SystemExit("needs the C++ kernels with a vector path (AVX512-VNNI or AVX2)")
-    arithmetic(args.types, args.rows, args.rounds, *args.shape)
-    if args.stream:
-        stream(args.types, args.rounds)
+    if args.rows:
+        arithmetic(args.types, args.rows, args.rounds, *args.shape)
+    for rows in args.stream_rows if args.stream else []:
+        stream(args.types, args.rounds, rows)
 
 
 if __name__ == "__main__":

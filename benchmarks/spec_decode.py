@@ -18,6 +18,10 @@ Workloads:
   seldom repeats itself, where n-gram drafts rarely exist or hold (speculation's cost, not its gain).
 
 --batch N submits N requests at once (continuous batching), else one at a time.
+
+With n-gram lookup on the grounded workload at batch 1, the script also gives the ratio no tuning
+could pass: the plain engine's time over the time its prefill and the fewest decode steps would
+take (each proposal cut to exactly the drafts that hold, verification rows free).
 """
 from __future__ import annotations
 
@@ -69,6 +73,37 @@ def run_round(engines: dict, prompts: list, params: list, batch: int, round_: in
             outputs[name] += run_chunk(engines[name], prompts[i:i + batch], params[i:i + batch])
             seconds[name] += time.perf_counter() - start
     return {name: sum(map(len, outputs[name])) / seconds[name] for name in engines}, outputs
+
+
+def steps_with_perfect_drafts(prompt_ids: list[list[int]], outputs: list[list[int]], proposer) -> int:
+    """Decode steps the requests would take at batch 1 if each of the lookup's proposals were cut to
+    exactly the drafts the target accepts: the fewest this proposer allows."""
+    steps = 0
+    for prompt, output in zip(prompt_ids, outputs):
+        i = 1  # the first output token comes with the prefill
+        while i < len(output):
+            drafts = proposer.propose(prompt + output[:i])
+            accepted = next((j for j, (d, t) in enumerate(zip(drafts, output[i:])) if d != t),
+                            min(len(drafts), len(output) - i))
+            steps, i = steps + 1, i + accepted + 1
+    return steps
+
+
+def ngram_bound(llm, prompts: list, outputs: list[list[int]], plain_rate: float, proposer) -> str:
+    """The most n-gram speculation could give this workload at batch 1 with perfect drafts and
+    verification rows as cheap as a decode step's one: the plain engine's time (its prefill, timed
+    here, and its decode steps) over its prefill and the fewer steps."""
+    from pagedllm import SamplingParams
+
+    start = time.perf_counter()
+    results = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    prefill = time.perf_counter() - start
+    tokens = sum(map(len, outputs))
+    step = (tokens / plain_rate - prefill) / (tokens - len(outputs))
+    steps = steps_with_perfect_drafts([r.prompt_token_ids for r in results], outputs, proposer)
+    bound = (prefill + (tokens - len(outputs)) * step) / (prefill + steps * step)
+    return (f"bound (perfect drafts, free verification rows): {bound:.2f}x; {steps} decode steps for "
+            f"{tokens - len(outputs)} tokens, prefill {prefill:.2f} s, a step {step * 1e3:.1f} ms")
 
 
 def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
@@ -133,6 +168,11 @@ def main() -> None:
           f"{stats.spec_num_accepted_tokens} ({stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1):.0%}), "
           f"{stats.spec_num_accepted_tokens / max(stats.spec_num_drafts, 1):.2f} accepted a draft; accepted by "
           f"position {list(stats.spec_accepted_per_position)}")
+    if args.method == "ngram" and args.workload == "grounded" and args.batch == 1:
+        from pagedllm.spec_decode.ngram import NgramProposer
+
+        proposer = NgramProposer(args.k, args.lookup_min, args.lookup_max)
+        print(ngram_bound(engines["plain"], prompts, outputs["plain"], statistics.median(rates["plain"]), proposer))
 
 
 if __name__ == "__main__":

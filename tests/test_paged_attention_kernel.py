@@ -1,6 +1,8 @@
 """The C++ paged-attention kernel against the pure-torch reference."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -56,31 +58,39 @@ def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim, head
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def _run_kernel(q, k, v, meta, walk_max_q: int) -> torch.Tensor:
+def _run_kernel(q, k, v, meta, walk_max_q: int, window: int = 0, kv_scales=(1.0, 1.0)) -> torch.Tensor:
     out = torch.empty_like(q)
     cpu_ops().paged_attention(out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                              q.shape[-1] ** -0.5, 0, False, walk_max_q, 1.0, 1.0)
+                              q.shape[-1] ** -0.5, window, False, walk_max_q, *kv_scales)
     return out
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
-@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 4, 2), (128, 8, 1), (32, 4, 2)])
-def test_short_query_runs_compute_what_decodes_would(head_dim, heads, kv_heads):
-    """A speculative verification's k + 1 query tokens (walk_max_q) attend token by token: each row
-    is bit for bit the one a decode step at that position computes; the query tiles, which longer
-    runs take, round otherwise (bf16, head sizes 64 and 128)."""
-    seq_lens, query_lens = [40, 77, 130], [5, 3, 5]
+@pytest.mark.parametrize("head_dim, heads, kv_heads, seq_lens, query_lens", [
+    (64, 4, 2, [40, 77, 130], [5, 3, 5]), (128, 8, 1, [40, 77, 130], [5, 3, 5]), (32, 4, 2, [40, 77, 130], [5, 3, 5]),
+    (64, 9, 3, [300], [7]),  # the default model's heads at batch 1: the run's walks split its tokens
+    (64, 4, 2, [33, 120], [11, 2])])  # a run longer than one walk takes (8 tokens)
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("window", [0, 50, 400])  # 50: the runs' tokens start apart, each walks alone
+def test_short_query_runs_compute_what_decodes_would(head_dim, heads, kv_heads, seq_lens, query_lens, cache, window):
+    """A speculative verification's k + 1 query tokens (walk_max_q) attend as decodes do, walking
+    their context together: each row is bit for bit the one a decode step at that position
+    computes; the query tiles, which longer runs take, round otherwise (bf16, head sizes 64 and 128)."""
     q, k, v, meta = _case(seq_lens, query_lens, block_size=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           dtype=torch.bfloat16)
-    walked, tiled = _run_kernel(q, k, v, meta, walk_max_q=5), _run_kernel(q, k, v, meta, walk_max_q=1)
+    scales = (1.0, 1.0)
+    if cache == "fp8":
+        k, v, scales = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), (0.5, 2.0)
+    run = functools.partial(_run_kernel, window=window, kv_scales=scales)
+    walked, tiled = run(q, k, v, meta, walk_max_q=max(query_lens)), run(q, k, v, meta, walk_max_q=1)
     row = 0
     for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         for t in range(q_len):
             decode = AttentionMetadata(meta.slot_mapping, meta.block_tables[b:b + 1], torch.tensor([0, 1], dtype=torch.int32),
                                        torch.tensor([seq_len - q_len + t + 1], dtype=torch.int32),
                                        [seq_len - q_len + t + 1], [1])
-            assert torch.equal(walked[row], _run_kernel(q[row:row + 1].contiguous(), k, v, decode, walk_max_q=1)[0])
+            assert torch.equal(walked[row], run(q[row:row + 1].contiguous(), k, v, decode, walk_max_q=1)[0])
             row += 1
     torch.testing.assert_close(walked.float(), tiled.float(), atol=2e-2, rtol=2e-2)
-    if head_dim in (64, 128):  # the tiles' own order of sums: why verification needs the walks
+    if head_dim in (64, 128) and cache == "bf16" and window == 0:  # the tiles' own order of sums: why verification needs the walks
         assert not torch.equal(walked, tiled)

@@ -116,6 +116,19 @@ def test_kernel_equals_the_reference(name, portable, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_row_is_the_same_whatever_rows_share_its_call(name):
+    """Speculative verification's exactness rests on it: a row's output, bit for bit, does not
+    depend on how many rows its call has (a decode's 1, a verification's up to 9: passes of
+    several rows, one pass of 5-8 while weights stream from memory, two of 4 beyond)."""
+    fields = fields_of(name, 40, cols_for(name, 3 if FORMATS[name].k_quant else 5), seed=11)
+    x = torch.randn(12, fields.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
+    alone = torch.cat([kernel_linear([fields], x[i:i + 1]) for i in range(12)])
+    for rows in (2, 4, 5, 6, 7, 8, 9, 12):
+        assert torch.equal(kernel_linear([fields], x[:rows]), alone[:rows]), rows
+
+
+@needs_kernels
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("portable", PATHS)
 def test_kernel_in_bf16_with_bias(name, portable):

@@ -425,19 +425,24 @@ inline void widen_rows(at::BFloat16* dst, const uint8_t* cache, const int64_t* r
   for (int64_t j = 0; j < n; ++j) fp8_to_bf16<K>(dst + j * width, cache + rows[j], width, scale);
 }
 
-// One query token against its context for the query heads of `kv_count` KV heads: the tile loop
-// is outside the head loop, so that the K/V rows of all those heads (adjacent in the cache) are
-// read together, as a stream, rather than one head's slice of each row at a time. fp8 rows are
-// widened in registers (byte lookups: AVX512-VBMI).
+// Query tokens against their context for the query heads of `kv_count` KV heads: `tokens` of
+// them (a speculative verification's run; else 1) at positions pos .. pos + tokens - 1, rows
+// `q_stride` apart, all from position `first`. The tile loop is outside the head loop, so that the
+// K/V rows of all those heads (adjacent in the cache) are read together, as a stream, rather than
+// one head's slice of each row at a time; and outside the token loop, so that a run's tokens take
+// each tile from L1, read once for all of them. Each token's tiles and their arithmetic are those
+// of its own walk (the same tiles from `first`, its last one cut at its position): a run's rows
+// are bit for bit its tokens' decodes. fp8 rows are widened in registers (byte lookups: AVX512-VBMI).
 template <int64_t D, int64_t G, KvKind K>
 void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFloat16>* k_cache,
                const CacheT<K, at::BFloat16>* v_cache, const int32_t* blocks, int64_t pos, int64_t first,
-               int64_t kv_count, int64_t block_size, int64_t token_stride, float scale, KvScales kv,
-               Scratch& scratch) {
-  const int64_t n = context_rows(scratch.rows, blocks, first, pos, block_size, token_stride);
+               int64_t kv_count, int64_t tokens, int64_t q_stride, int64_t block_size, int64_t token_stride,
+               float scale, KvScales kv, Scratch& scratch) {
+  const int64_t n = context_rows(scratch.rows, blocks, first, pos + tokens - 1, block_size, token_stride);
   const int64_t row_bytes = kv_count * D * static_cast<int64_t>(sizeof(*k_cache));
-  Bf16Walk<D, G> walks[kMaxWalkHeads];
-  for (int64_t h = 0; h < kv_count; ++h) walks[h].template start<K>(q + h * G * D);
+  Bf16Walk<D, G> walks[kMaxWalkHeads];  // [token][head]: tokens x kv_count <= kMaxWalkHeads
+  for (int64_t r = 0; r < tokens; ++r)
+    for (int64_t h = 0; h < kv_count; ++h) walks[r * kv_count + h].template start<K>(q + r * q_stride + h * G * D);
   for (int64_t t = 0; t < n; t += kTile) {
     // The next tile's K/V rows are requested while this one is computed: a share before each
     // head, then all of them once more at the end, which catches the requests that did not take
@@ -446,22 +451,29 @@ void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFl
     // the second pass 1.8; spread two at a time through the loops 2.4, and 1.8x slower than a
     // burst where the cache already held the rows.
     const int64_t next = std::min(n, t + kTile), next_n = std::min(kTile, n - next);
-    const int64_t share = (next_n + kv_count - 1) / kv_count, count = std::min(kTile, n - t);
+    const int64_t share = (next_n + kv_count - 1) / kv_count;
     for (int64_t h = 0; h < kv_count; ++h) {
       prefetch_rows(k_cache, v_cache, scratch.rows + next, std::min(next_n, h * share),
                     std::min(next_n, (h + 1) * share), row_bytes);
-      if constexpr (K == KvKind::kSame) {
-        walks[h].tile(k_cache + h * D, v_cache + h * D, scratch.rows + t, count, scale);
-      } else {
+      for (int64_t r = 0; r < tokens; ++r) {
+        const int64_t seen = pos + r - first + 1;  // the context rows token r attends to
+        if (t >= seen) continue;
+        const int64_t count = std::min(kTile, seen - t);
+        if constexpr (K == KvKind::kSame) {
+          walks[r * kv_count + h].tile(k_cache + h * D, v_cache + h * D, scratch.rows + t, count, scale);
+        } else {
 #if defined(PAGEDLLM_FP8_IN_REGISTERS)
-        static const Fp8Lut lut = make_fp8_lut<K>();
-        walks[h].tile(k_cache + h * D, v_cache + h * D, scratch.rows + t, count, scale * kv.k, lut);
+          static const Fp8Lut lut = make_fp8_lut<K>();
+          walks[r * kv_count + h].tile(k_cache + h * D, v_cache + h * D, scratch.rows + t, count, scale * kv.k, lut);
 #endif
+        }
       }
     }
     prefetch_rows(k_cache, v_cache, scratch.rows + next, 0, next_n, row_bytes);
   }
-  for (int64_t h = 0; h < kv_count; ++h) walks[h].template finish<K>(out + h * G * D, K == KvKind::kSame ? 1.f : kv.v);
+  for (int64_t r = 0; r < tokens; ++r)
+    for (int64_t h = 0; h < kv_count; ++h)
+      walks[r * kv_count + h].template finish<K>(out + r * q_stride + h * G * D, K == KvKind::kSame ? 1.f : kv.v);
 }
 
 // -- Query tiles: many query rows (tokens x the heads of one KV head) against the same keys ------
@@ -714,7 +726,7 @@ using TileFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, 
                         int64_t, int64_t, int64_t, float, KvScales, Scratch&);
 template <typename T, KvKind K>
 using WalkFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, float, KvScales, Scratch&);
+                        int64_t, int64_t, int64_t, int64_t, int64_t, float, KvScales, Scratch&);
 
 // The AVX-512 BF16 query-tile and walk variants; both null where there are none (other dtypes,
 // head sizes or groups, or a build without AVX512-BF16).
@@ -764,7 +776,17 @@ struct Unit {
   QueryTile tile;  // tokens == 0: a walk of token tile.token0 from query head tile.h0
   int64_t kv_count;
   int64_t cost;    // rough: keys read x query rows served
+  int64_t walked = 1;  // a walk's query tokens, from tile.token0 (a verification's run: several)
 };
+
+// How many of a verification run's q_len tokens each walk takes together: all of them (each K/V
+// tile read once for the run) but at most kMaxWalkHeads, and fewer where the runs' walks would
+// otherwise be too few to keep the threads busy (a batch-1 verification over a few KV heads).
+inline int64_t run_tokens(int64_t q_len, int64_t runs, int64_t kv_heads, int64_t threads) {
+  const int64_t wanted = (2 * threads + runs * kv_heads - 1) / (runs * kv_heads);  // walks a run
+  const int64_t parts = std::clamp<int64_t>(wanted, (q_len + kMaxWalkHeads - 1) / kMaxWalkHeads, q_len);
+  return (q_len + parts - 1) / parts;
+}
 
 template <typename T, KvKind K>
 bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -796,8 +818,16 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // Sequences with more than walk_max_q query tokens go by query tiles where a tile kernel exists;
   // else each token walks its context, as a decode does, so that a speculative verification's
   // tokens (walk_max_q: its k + 1) come out bit for bit as decode steps would compute them (the
-  // tiles sum scores and rescale the softmax in another order). Without tiles, prompts computed
-  // whole in this step (no cached context) are left to the caller when skip_fresh is set.
+  // tiles sum scores and rescale the softmax in another order). A verification's tokens walk
+  // together (walk_bf16 reads each K/V tile once for them) where the vector walk serves them and
+  // no sliding window moves their first position apart. Without tiles, prompts computed whole in
+  // this step (no cached context) are left to the caller when skip_fresh is set.
+  auto is_run = [&](int64_t b) {
+    const int64_t q_len = qsl[b + 1] - qsl[b];
+    return walk_fn != nullptr && q_len > 1 && q_len <= walk_max_q && (sliding_window == 0 || lens[b] <= sliding_window);
+  };
+  int64_t runs = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) runs += is_run(b);
   std::vector<Unit> units;
   int64_t longest = 1;
   for (int64_t b = 0; b < num_seqs; ++b) {
@@ -810,6 +840,14 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         for (int64_t h0 = 0; h0 < num_heads; h0 += group)
           units.push_back({b, {qsl[b] + t, pos0 + t, tokens, h0, sliding_window}, 1,
                            walked(pos0 + t + tokens - 1) * tokens * group / 2 + 16});
+      }
+    } else if (is_run(b)) {
+      const int64_t per_walk = run_tokens(q_len, runs, num_kv_heads, threads);
+      for (int64_t t = 0; t < q_len; t += per_walk) {
+        const int64_t tokens = std::min(per_walk, q_len - t);
+        for (int64_t h0 = 0; h0 < num_heads; h0 += group)
+          units.push_back({b, {qsl[b] + t, pos0 + t, 0, h0, sliding_window}, 1,
+                           walked(pos0 + t + tokens - 1) * group * tokens + 16, tokens});
       }
     } else if (!(tile_fn == nullptr && skip_fresh && q_len > 1 && pos0 == 0)) {
       for (int64_t t = 0; t < q_len; ++t)
@@ -854,7 +892,7 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const int64_t offset = (tile.token0 * num_heads + tile.h0) * d;
       if (walk_fn != nullptr) {
         walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
-                block_size, token_stride, static_cast<float>(scale), kv, scratch);
+                unit.walked, num_heads * d, block_size, token_stride, static_cast<float>(scale), kv, scratch);
         continue;
       }
       attend_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, block_size,

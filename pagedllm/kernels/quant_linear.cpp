@@ -850,14 +850,20 @@ template <int F>
 void group_rows(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows, float* sums,
                 bool stream) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if constexpr (F == kQ6_K) {  // its unpacking is the costliest: shared by up to 8 rows
+  // Q6_K's unpacking is the costliest: shared by up to 8 rows. The others take a call's rows in
+  // passes of 4 where there are more than 8 (no faster in passes of 8 there, Q8_0 slower: the
+  // group's records stay in L1 for the second pass), but 5 to 8 rows (a verification of
+  // speculative drafts) in one pass as they stream from memory, where two passes of 4 took about
+  // as long as memory and arithmetic one after the other (benchmarks/quant_kernels.py --stream
+  // --stream-rows 5 8, Q4_1 at 8 rows: 8.3 ms in two passes, 6.5 in one; BENCHMARKS.md).
+  if (F == kQ6_K || stream) {
     switch (rows) {
       case 5: return group_vnni<F, 5>(group, records, a, row0, sums, stream);
       case 6: return group_vnni<F, 6>(group, records, a, row0, sums, stream);
       case 7: return group_vnni<F, 7>(group, records, a, row0, sums, stream);
       case 8: return group_vnni<F, 8>(group, records, a, row0, sums, stream);
     }
-  } else if (rows > 4) {  // the others measured no faster in passes of 8 (Q8_0 slower): two of 4
+  } else if (rows > 4) {
     group_rows<F>(group, records, a, row0, 4, sums, stream);
     return group_rows<F>(group, records, a, row0 + 4, rows - 4, sums + 4 * kGroup, false);
   }
