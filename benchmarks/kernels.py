@@ -4,7 +4,8 @@
 
 Attention: 64 decoding sequences x 16 heads (4 KV heads) x 200, 600 and 1000 tokens of context,
 head size 64, bf16, block size 16, blocks scattered: ms per layer call, best of 5, and the K/V
-bytes read per second; then the same with an fp8 (e4m3) cache, the bf16 cache's time over its. Linear: the 250M model's four layer shapes, four of each (88 MB of bf16
+bytes read per second; then the same with an fp8 (e4m3) cache, the bf16 cache's time over its; then a
+speculative verification's few query tokens walking their context together against one walk each. Linear: the 250M model's four layer shapes, four of each (88 MB of bf16
 weights), in turn so that they come from memory; GFLOP/s for 1 to 2048 input rows of our Linear
 as the model runs it (packed for oneDNN; our kernel over the same packed weights, at most
 ROWS_KERNEL_MAX rows a call), of oneDNN's GEMM on the packed weights at every row count, and of
@@ -54,6 +55,32 @@ def best_seconds(fn, repeats: int = 5, inner: int = 20) -> float:
     return best
 
 
+def verification(ops) -> None:
+    """A speculative verification at batch 1 on the default model's heads (9, 3 KV heads, 64
+    dims): its k + 1 query tokens walking their context together (one call, walk_max_q = k + 1),
+    against each token walking alone (a decode call each, as a run's tokens were computed before)."""
+    print("| verification, 9 heads (3 KV), 700 tokens of context | tokens | together ms a layer | "
+          "one walk each ms | alone / together |")
+    print("|---|---|---|---|---|")
+    for tokens in (2, 5, 7):
+        q, k, v, meta = attention_case(1, 700, heads=9, kv_heads=3)
+        q = torch.randn(tokens, 9, 64).bfloat16()
+        out = torch.empty_like(q)
+        qsl = torch.tensor([0, tokens], dtype=torch.int32)
+        ends = [torch.tensor([700 - tokens + 1 + t], dtype=torch.int32) for t in range(tokens)]
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        rows = [(q[t:t + 1], out[t:t + 1].clone()) for t in range(tokens)]
+        ways = [lambda: ops.paged_attention(out, q, k, v, meta.block_tables, qsl, meta.seq_lens, 0.125, 0, False,
+                                            tokens, 1.0, 1.0),
+                lambda: [ops.paged_attention(o, r, k, v, meta.block_tables, one, end, 0.125, 0, False, 1, 1.0, 1.0)
+                         for (r, o), end in zip(rows, ends)]]
+        times = [float("inf")] * 2
+        for _ in range(3):  # alternated
+            times = [min(t, best_seconds(way)) for t, way in zip(times, ways)]
+        print(f"| | {tokens} | {times[0] * 1000:.3f} | {times[1] * 1000:.3f} | {times[1] / times[0]:.2f} |")
+    print()
+
+
 def main() -> None:
     ops = cpu_ops()
     if ops is None:
@@ -84,6 +111,7 @@ def main() -> None:
         print(f"| {context} tokens of context | {times['bf16'] * 1000:.2f} | {times['fp8'] * 1000:.2f} | "
               f"{times['bf16'] / times['fp8']:.2f} |")
     print()
+    verification(ops)
     print("| paged attention, whole prompts x 16 heads | ms a layer | GFLOP/s (causal: QK and PV of each pair) |")
     print("|---|---|---|")
     for seqs, length in ((16, 128), (1, 1024), (1, 2048)):
