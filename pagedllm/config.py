@@ -56,11 +56,19 @@ class EngineArgs:
     pooler_config: dict | None = None  # {"pooling_type": "MEAN"|"CLS"|"LAST", "normalize": bool}
     # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     speculative_config: dict | None = None
+    tensor_parallel_size: int = 1  # ranks the model's layers split over (worker processes)
+    distributed_executor_backend: str | None = None  # "mp" (default where tensor_parallel_size > 1)
 
     def __post_init__(self) -> None:
         from pagedllm.spec_decode import parse_speculative_config
 
         parse_speculative_config(self.speculative_config)  # a bad config stops the start before anything loads
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "uni"):
+            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp or uni")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("the uni executor runs one rank: tensor_parallel_size > 1 needs mp")
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

@@ -11,12 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import secrets
 import subprocess
-import sys
-import tempfile
 import threading
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection
 
 import psutil
 import torch
@@ -27,11 +24,14 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.engine.child_process import connect_to_parent, start_child
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
+from pagedllm.executor.abstract import Executor
+from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
-from pagedllm.models.loader import ModelConfig, load_model_config, load_tokenizer
+from pagedllm.models.loader import ModelConfig, check_tensor_parallel, load_model_config, load_tokenizer
 from pagedllm.spec_decode import SpeculativeConfig, parse_speculative_config, speculative_proposer
 from pagedllm.worker.draft_runner import check_draft
 from pagedllm.structured_output import StructuredOutputManager
@@ -49,12 +49,16 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
     set_threads()
     spec = parse_speculative_config(args.speculative_config)
     draft_config = draft_model_config(spec, args, model_config)
-    executor = UniprocExecutor(model_config, args.device, args.block_size, draft_config)
-    num_blocks = _num_kv_blocks(args, model_config, executor.kv_cache_bytes_per_block())
-    if args.compile:
-        compile_torch_paths()
-    executor.load_model()
-    executor.initialize_cache(num_blocks)
+    executor = make_executor(args, model_config, draft_config)
+    try:
+        num_blocks = _num_kv_blocks(args, model_config, executor.kv_cache_bytes_per_block())
+        if args.compile:
+            compile_torch_paths()
+        executor.load_model()
+        executor.initialize_cache(num_blocks)
+    except BaseException:
+        executor.shutdown()  # no worker process outlives a failed start
+        raise
     batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
     if not model_config.is_causal and batched < model_config.max_model_len:
         raise ValueError(f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
@@ -68,6 +72,17 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
                               model_config.vocab_size, sorted(model_config.eos_token_ids))
     return EngineCore(scheduler, executor, FaultInjector.from_env(), StructuredOutputManager(backend),
                       speculative_proposer(spec), draft_tokens=lookahead)
+
+
+def make_executor(args: EngineArgs, model_config: ModelConfig, draft_config: ModelConfig | None) -> Executor:
+    """One worker in this process, or (tensor parallelism) a worker process per rank."""
+    size = args.tensor_parallel_size
+    check_tensor_parallel(model_config, size)
+    if size == 1:
+        return UniprocExecutor(model_config, args.device, args.block_size, draft_config)
+    if draft_config is not None:
+        raise ValueError("draft-model speculation does not run under tensor parallelism yet")
+    return MultiprocExecutor(model_config, args.device, args.block_size, size, args.seed)
 
 
 def draft_model_config(spec: SpeculativeConfig | None, args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
@@ -125,19 +140,11 @@ class EngineCoreDeadError(RuntimeError):
 
 
 class EngineCoreProcClient:
-    """The engine core in a process of its own, reached through a Unix socket of pickled messages.
-    A fresh interpreter (`python -m pagedllm.engine.core_client`), not a fork: a forked copy of a
-    process with OpenMP, tokenizer and server threads is not safe; nor multiprocessing's spawn,
-    which runs the user's main script again in the child."""
+    """The engine core in a process of its own (`python -m pagedllm.engine.core_client`, through
+    child_process.py), reached through a Unix socket of pickled messages."""
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig) -> None:
-        authkey = secrets.token_bytes(32)
-        address = os.path.join(tempfile.mkdtemp(prefix="pagedllm-"), "core.sock")
-        with Listener(address, "AF_UNIX", authkey=authkey) as listener:
-            self._process = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_client", address],
-                                             env={**os.environ, _AUTHKEY_ENV: authkey.hex()})
-            self._conn = listener.accept()  # the child connects first thing; the socket file goes
-        os.rmdir(os.path.dirname(address))
+        self._process, self._conn = start_child("pagedllm.engine.core_client")
         self._conn.send((args, model_config))
         self._stats: SchedulerStats = self._receive()
         # Requests the core may still send outputs for; the core's own view can run a message
@@ -241,8 +248,6 @@ def _apply(core: EngineCore, message: tuple) -> list[EngineCoreOutput]:
     return []
 
 
-_AUTHKEY_ENV = "PAGEDLLM_CORE_AUTHKEY"
-
 if __name__ == "__main__":
-    with Client(sys.argv[1], "AF_UNIX", authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV))) as connection:
+    with connect_to_parent() as connection:
         run_engine_core(connection)

@@ -22,7 +22,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.faults import FaultInjector
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.abstract import Executor, ExecutorFailure
 from pagedllm.spec_decode.adaptive import SpeculationController
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
@@ -98,6 +98,7 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.structured_output is not None:
             self.structured_output.shutdown()
+        self.executor.shutdown()
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -216,6 +217,8 @@ class EngineCore:
         is sampled until a run succeeds."""
         try:
             return self._run(scheduler_output), {}
+        except ExecutorFailure:
+            raise  # no request's fault: the engine stops
         except Exception as exc:  # noqa: BLE001 - pinned on requests below
             if len(scheduler_output.scheduled) == 1:
                 return ModelRunnerOutput(), {scheduler_output.scheduled[0].request_id: exc}

@@ -47,6 +47,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (drafts from the request\'s own tokens)')
+    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=defaults.tensor_parallel_size,
+                        help="split the model's layers over this many worker processes (ranks), each on its own "
+                             "cores (PAGEDLLM_CPU_OMP_THREADS_BIND: auto, or core lists like 0-7|8-15)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
+                        help="how the ranks run: mp (a process each, the default with -tp > 1) or uni (one, in "
+                             "the engine's process)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
 

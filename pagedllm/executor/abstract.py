@@ -12,6 +12,11 @@ from abc import ABC, abstractmethod
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 
 
+class ExecutorFailure(RuntimeError):
+    """The executor itself failed (a worker died or stopped answering): no request's fault, and
+    the engine cannot go on."""
+
+
 class Executor(ABC):
     @abstractmethod
     def kv_cache_bytes_per_block(self) -> int:
@@ -28,3 +33,6 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ...
+
+    def shutdown(self) -> None:
+        """Stop the workers this executor started (none for the uniprocess one)."""

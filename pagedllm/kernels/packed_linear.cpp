@@ -110,6 +110,15 @@ void store_rows(at::BFloat16* out, int64_t out_stride, const float* sums, int64_
     }
   }
 }
+
+// The same sums (+ bias) kept in fp32: a tensor-parallel rank's share of a row-parallel layer,
+// rounded once after the ranks' shares are added, as one rank's sum would be.
+void store_rows(float* out, int64_t out_stride, const float* sums, int64_t rows, int64_t n0, int64_t cols,
+                const at::BFloat16* bias) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      out[r * out_stride + n0 + j] = sums[r * kBlockN + j] + (bias != nullptr ? static_cast<float>(bias[n0 + j]) : 0.f);
+}
 #endif
 
 }  // namespace
@@ -126,14 +135,16 @@ void store_silu_mul_rows(at::BFloat16* out, int64_t out_stride, const float* gat
 }  // namespace
 #endif
 
-// out: [M, N] bf16; x: [M, K] bf16 rows with K padded to k_padded (zeros past K);
+// out: [M, N] bf16 (or fp32: sums not rounded); x: [M, K] bf16 rows with K padded to k_padded (zeros past K);
 // weight_ptr: oneDNN's packed buffer of n_padded x k_padded. With silu_mul, the packed blocks
 // alternate gate and up columns (block 2i: gate columns 64i.., block 2i + 1: the same up
 // columns) and out is [M, N / 2] = silu(gate) * up.
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul) {
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16, "bf16 expected");
+  const bool fp32_out = out.scalar_type() == torch::kFloat;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && (out.scalar_type() == torch::kBFloat16 || (fp32_out && !silu_mul)),
+              "bf16 rows in, bf16 (or, without silu_mul, fp32) out expected");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.size(1) == k_padded, "contiguous padded rows expected");
   TORCH_CHECK(n_padded % kBlockN == 0 && k_padded % kBlockK == 0, "whole packed blocks expected");
   const int64_t rows = x.size(0), n = out.size(1), k_pairs = k_padded / 2;
@@ -144,7 +155,8 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
   const auto* weight = reinterpret_cast<const at::BFloat16*>(weight_ptr);
   const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  at::BFloat16* y = fp32_out ? nullptr : out.data_ptr<at::BFloat16>();
+  float* y32 = fp32_out ? out.data_ptr<float>() : nullptr;
   // Work items are (unit, chunk of rows) pairs. With units enough for every thread, a chunk is
   // all the rows; with fewer (a narrow layer, many cores) rows split too, so no thread idles.
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
@@ -180,6 +192,8 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
                                    next + h * block_size * 2 + pass * pass_lines * 64, lines);
       if (silu_mul)
         store_silu_mul_rows(y + r0 * n, n, sums[0], sums[1], count, n0, cols);
+      else if (fp32_out)
+        store_rows(y32 + r0 * n, n, sums[0], count, n0, cols, b);
       else
         store_rows(y + r0 * n, n, sums[0], count, n0, cols, b);
     }

@@ -8,6 +8,11 @@ parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies on
 tensor in; a method's parameters keep the output's rows along dim 0, so that a shard is a range
 of rows whatever its dtype (a quantized method's blocks of a row stay in that row).
 
+Tensor parallelism (`parallel`): a "column" layer holds its rank's share of each shard's output
+rows (of each of q, k and v, of gate and up), a "row" layer its rank's share of the input's
+columns, and sums its output over the ranks (all-reduce); its bias is added once, by rank 0.
+Sizes given to a layer are the whole model's; `in_features` and `out_features` are the rank's.
+
 UnquantizedLinearMethod keeps plain [out, in] weights and calls F.linear: fp32, other devices.
 Where oneDNN can take them (bf16 on the CPU), it hands the layer to PackedBF16LinearMethod once
 they are loaded. A quantized format is one more LinearMethodBase, given to the layers as `method`.
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallel, all_reduce, tensor_parallel
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import silu_and_mul
 
@@ -193,16 +199,36 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
 
 
 class Linear(nn.Module):
-    """[.., in] -> [.., out], computed by its method (UnquantizedLinearMethod unless given one)."""
-    # Shard id -> the output rows that checkpoint shard fills; empty: loaded whole.
-    shards: dict[str | int, ShardRows] = {}
+    """[.., in] -> [.., out], computed by its method (UnquantizedLinearMethod unless given one).
+    `parts`: the checkpoint shards it fuses, with their rows (None: one, loaded whole). Column
+    parallelism: `shares`, the (first row, rows) of each part this rank holds (default: an even
+    split); row parallelism: `input_share`, the input columns it holds (default: an even split)."""
+    # Shard id -> this rank's output rows that checkpoint shard fills; {None: all} for a layer of one shard.
+    shards: dict[str | int | None, ShardRows] = {}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 method: LinearMethodBase | None = None) -> None:
+                 method: LinearMethodBase | None = None, parallel: str | None = None,
+                 parts: dict[str | int | None, int] | None = None,
+                 shares: dict[str | int | None, ShardRows] | None = None, input_share: ShardRows | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        tp = tensor_parallel() if parallel is not None else TensorParallel()
+        parts = parts or {None: out_features}
+        # Per shard: its rows in the whole layer, and the first of them this rank holds.
+        self.parts: dict[str | int | None, ShardRows] = {}
+        self.sources: dict[str | int | None, int] = {}
+        self.shards, start, local = {}, 0, 0
+        for shard, rows in parts.items():
+            first, count = (0, rows) if parallel != "column" else shares[shard] if shares else tp.split(rows)
+            self.parts[shard], self.sources[shard], self.shards[shard] = (start, rows), first, (local, count)
+            start, local = start + rows, local + count
+        # Row parallelism: the input columns this rank holds, and its output summed over the ranks.
+        self.input_part = (input_share or tp.split(in_features)) if parallel == "row" and tp.size > 1 else None
+        self.input_whole = in_features
+        self.reduce_results, self.tp_rank = self.input_part is not None, tp.rank
+        self.in_features = self.input_part[1] if self.input_part else in_features
+        self.out_features = local
         self.method = method or UnquantizedLinearMethod()
-        self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
+        self.register_parameter("bias", nn.Parameter(torch.empty(self.out_features)) if bias else None)
         if bias:
             self.bias.weight_loader = self.weight_loader
         self.method.create_weights(self, self.weight_loader)
@@ -210,12 +236,32 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # At batch 1 this runs 65 times a step on the 250M model: one call into the method, which
         # keeps nn.Module's attribute lookups off the kernel's path.
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        if not self.reduce_results:
+            return out
+        # The ranks' shares added in fp32 (the bf16 kernel leaves them unrounded) and rounded once.
+        return all_reduce(out.float()).to(x.dtype)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        """Copy a checkpoint tensor into `param`: all of it, or the rows of one shard."""
-        dest = param.data if shard_id is None else param.data.narrow(0, *self.shards[shard_id])
-        copy_checked(dest, loaded)
+        """Copy a checkpoint tensor into `param`: all of it, or the rows of one shard; of each, this
+        rank's share (a row-parallel bias: rank 0's whole, the others' zero)."""
+        if self.input_part is not None:
+            if param.dim() == 1:
+                loaded = loaded if self.tp_rank == 0 else torch.zeros_like(loaded)
+            elif loaded.dim() == 2 and loaded.shape[1] == self.input_whole:
+                loaded = loaded.narrow(1, *self.input_part)
+            elif loaded.dim() == 2:
+                raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects {self.input_whole} "
+                                 "input columns")
+        shards = [shard_id] if shard_id is not None else list(self.shards)
+        whole = sum(rows for _, rows in self.parts.values()) if shard_id is None else self.parts[shard_id][1]
+        if loaded.shape[0] != whole:
+            columns = () if param.dim() == 1 else (self.input_whole,)
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects {(whole, *columns)}")
+        for shard in shards:
+            offset = self.parts[shard][0] if shard_id is None else 0
+            local, rows = self.shards[shard]
+            copy_checked(param.data.narrow(0, local, rows), loaded.narrow(0, offset + self.sources[shard], rows))
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
@@ -229,9 +275,10 @@ class QKVLinear(Linear):
     the checkpoint's q_proj, k_proj and v_proj are its shards "q", "k" and "v"."""
 
     def __init__(self, in_features: int, q_size: int, kv_size: int, bias: bool,
-                 method: LinearMethodBase | None = None) -> None:
-        super().__init__(in_features, q_size + 2 * kv_size, bias, method)
-        self.shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+                 method: LinearMethodBase | None = None, parallel: str | None = None,
+                 shares: dict[str, ShardRows] | None = None) -> None:
+        super().__init__(in_features, q_size + 2 * kv_size, bias, method, parallel,
+                         {"q": q_size, "k": kv_size, "v": kv_size}, shares)
 
 
 class GateUpLinear(Linear):
@@ -239,10 +286,8 @@ class GateUpLinear(Linear):
     outputs, then up's; the checkpoint's gate_proj and up_proj are its shards 0 and 1."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 method: LinearMethodBase | None = None) -> None:
-        super().__init__(in_features, out_features, bias, method)
-        half = out_features // 2
-        self.shards = {0: (0, half), 1: (half, half)}
+                 method: LinearMethodBase | None = None, parallel: str | None = None) -> None:
+        super().__init__(in_features, out_features, bias, method, parallel, {0: out_features // 2, 1: out_features // 2})
 
 
 class SiluAndMulLinear(GateUpLinear):
@@ -309,7 +354,9 @@ def _library_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
 def _packed_rows(layer: Linear, x: torch.Tensor, silu_mul: bool) -> torch.Tensor:
     _, address, n_padded, k_padded = layer._rows
     x = x.contiguous() if x.shape[1] == k_padded else F.pad(x, (0, k_padded - x.shape[1]))
-    out = x.new_empty((x.shape[0], layer.out_features // 2 if silu_mul else layer.out_features))
+    # A row-parallel layer's share stays in fp32 until the ranks' shares are added (Linear.forward).
+    dtype = torch.float32 if layer.reduce_results and not silu_mul else x.dtype
+    out = x.new_empty((x.shape[0], layer.out_features // 2 if silu_mul else layer.out_features), dtype=dtype)
     kernel, bias = cpu_ops().packed_linear_rows, layer._parameters["bias"]
     if x.shape[0] <= ROWS_KERNEL_MAX:
         kernel(out, x, address, n_padded, k_padded, bias, silu_mul)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import head_dim, kv_cache_groups, sliding_windows
+from pagedllm.distributed.parallel_state import all_gather_last, all_reduce, head_share, tensor_parallel
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
 from pagedllm.layers.linear import GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, load_weight
@@ -77,14 +78,21 @@ def linear_method(quant: QuantizationConfig | None, prefix: str, *parts: str) ->
 
 
 class Attention(nn.Module):
+    """Under tensor parallelism, this rank's heads (parallel_state.head_share); o_proj sums the
+    ranks' outputs."""
+
     def __init__(self, cfg: DecoderConfig, sliding_window: int | None, quant: QuantizationConfig | None,
                  prefix: str) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        share, d = head_share(cfg.num_heads, cfg.num_kv_heads), cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = share.q_count, share.kv_count, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        q_rows, kv_rows = (share.q_start * d, self.q_size), (share.kv_start * d, self.kv_size)
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.qkv_bias,
-                                  linear_method(quant, prefix, *cfg.qkv_parts))
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, linear_method(quant, prefix, "o_proj"))
+                                  linear_method(quant, prefix, *cfg.qkv_parts), "column",
+                                  {"q": q_rows, "k": kv_rows, "v": kv_rows})
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, linear_method(quant, prefix, "o_proj"), "row",
+                             input_share=q_rows)
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -122,12 +130,11 @@ class GatedMLP(nn.Module):
                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         method = linear_method(quant, prefix, *cfg.gate_up_parts)
-        if activation is None:
-            self.gate_up_proj = SiluAndMulLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, method)
-        else:
-            self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * cfg.intermediate_size, False, method)
+        layer = SiluAndMulLinear if activation is None else GateUpLinear
+        self.gate_up_proj = layer(cfg.hidden_size, 2 * cfg.intermediate_size, False, method, "column")
         self.activation = activation
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"))
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"),
+                                "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MLP_ROWS or x.device.type != "cpu":
@@ -176,12 +183,37 @@ class DecoderModel(nn.Module):
                  make_mlp: MakeMLP | None = None) -> None:
         super().__init__()
         quantized = quant is not None and quant.quantized_embedding("model.embed_tokens")
-        self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
+        if tensor_parallel().size > 1:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(config, cfg.head_dim, max_positions)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, window, quant, f"model.layers.{i}", make_mlp(i, f"model.layers.{i}.mlp") if make_mlp else None)
             for i, window in enumerate(cfg.sliding_windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Tensor parallelism's embedding: this rank's share of the vocabulary's rows; a token another
+    rank holds looks up zeros here, and the ranks' lookups are summed."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        self.vocab_start, rows = tensor_parallel().split(num_embeddings)
+        super().__init__(rows, embedding_dim)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != param.shape[0] * tensor_parallel().size:
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects "
+                             f"{(param.shape[0] * tensor_parallel().size, *param.shape[1:])}")
+        param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        held = (local >= 0) & (local < self.num_embeddings)
+        out = super().forward(torch.where(held, local, 0))
+        return all_reduce(out.masked_fill_(~held.unsqueeze(-1), 0))
 
 
 class DecoderForCausalLM(CausalLM):
@@ -202,6 +234,9 @@ class DecoderForCausalLM(CausalLM):
     # The decoder layers as one C++ call (kernels/decoder_stack.cpp), where bind_kernels found a
     # kernel for every op of theirs; else None, and forward runs them op by op.
     _stack = None
+    # Whether the family's layers split over tensor-parallel ranks (the shared decoder's do; a
+    # family with layers of its own says so where they do).
+    supports_tensor_parallel: ClassVar[bool] = True
     # Whether the stack takes steps with prompts computed whole (no cached context): its attention
     # computes them itself only with query tiles (bf16, AVX512-BF16); elsewhere the op-by-op path
     # hands them to PyTorch's fused attention, so those steps go op by op.
@@ -220,7 +255,7 @@ class DecoderForCausalLM(CausalLM):
             self.lm_head = TiedHead(embedding)
         else:
             head_method = None if cfg.tie_word_embeddings else linear_method(quant_config, "", "lm_head")
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=head_method)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=head_method, parallel="column")
 
     def build_model(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
         """The body (embeddings, layers, final norm); a family with other layers builds its own."""
@@ -239,7 +274,8 @@ class DecoderForCausalLM(CausalLM):
         return self.model.norm.add_and_norm(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        # Tensor parallelism: each rank's vocabulary share, gathered (every rank samples alike).
+        return all_gather_last(self.lm_head(hidden)).float()
 
     def bind_kernels(self) -> None:
         """Hand the decoder layers to the C++ stack if every op of theirs has a kernel there (bf16
@@ -273,6 +309,8 @@ class DecoderForCausalLM(CausalLM):
         cfg = self.decoder_config
         if ops is None:
             return "the C++ kernels are unavailable"
+        if tensor_parallel().size > 1:
+            return "tensor parallelism sums each layer's outputs over the ranks, between the stack's kernels"
         if cfg.qk_norm:
             return "per-head q/k RMSNorm has no kernel in the C++ decoder stack"
         if len(self.kv_groups.windows) > 1:

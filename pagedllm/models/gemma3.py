@@ -82,6 +82,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
+    supports_tensor_parallel = False  # its own layers, not split over ranks yet
     qk_norm = True
     default_chat_template = CHAT_TEMPLATE
 

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from pagedllm import heap
 from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, RUNNER_CHOICES
+from pagedllm.distributed.parallel_state import check_head_split
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.pooler import PoolerConfig
 from pagedllm.layers.quantization import QuantizationConfig
@@ -266,6 +267,25 @@ def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
         logger.info("The tokenizer has no chat template: using %s's default", model_class(model_config.hf_config).__name__)
         loaded.chat_template = fallback
     return loaded
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Whether the model splits over `size` tensor-parallel ranks: a ValueError saying why not, at
+    start-up, before any weight loads."""
+    if size == 1:
+        return
+    cls = model_class(config.hf_config)
+    hf = config.hf_config
+    problems = {
+        f"{cls.__name__} does not split over tensor-parallel ranks yet": not getattr(cls, "supports_tensor_parallel", False),
+        "tensor parallelism takes unquantized weights for now (--quantization none)": config.quantization is not None,
+    }
+    for problem, found in problems.items():
+        if found:
+            raise ValueError(problem)
+    check_head_split(hf.num_attention_heads, hf.num_key_value_heads, size)
+    if hf.vocab_size % size:  # the ranks' logits are gathered side by side: equal shares
+        raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {hf.vocab_size} vocabulary entries")
 
 
 def load_model(model_config: ModelConfig, device: str) -> Model:

@@ -13,6 +13,7 @@ from pagedllm.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderMo
 
 
 class SparseMoEForCausalLM(DecoderForCausalLM):
+    supports_tensor_parallel = False  # its own layers, not split over ranks yet
     # A shared expert beside the routed ones (Qwen2-MoE).
     shared_expert: ClassVar[bool] = False
     # Top-k probabilities rescaled to sum to 1 whatever the config says (Mixtral).

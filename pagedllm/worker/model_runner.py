@@ -10,6 +10,7 @@ import torch
 from pagedllm import heap
 from pagedllm.config import head_dim, kv_cache_groups
 from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pagedllm.distributed.parallel_state import head_share, max_kv_heads_per_rank
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.pooler import Pooler
@@ -25,14 +26,16 @@ from pagedllm.worker.input_batch import InputBatch, RequestState
 TRIM_AFTER_TOKENS = 512
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
-    """0 for an encoder, which keeps no KV cache (its blocks are only the scheduler's bookkeeping)."""
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """A rank's bytes; 0 for an encoder, which keeps no KV cache (its blocks are only the scheduler's
+    bookkeeping)."""
     if not config.is_causal:
         return 0
     hf = config.hf_config
     # A block id is a block of each cache tensor: one a layer, or (several groups) one a layer of a group.
     num_slots = kv_cache_groups(hf).num_slots
-    per_token = 2 * num_slots * hf.num_key_value_heads * head_dim(hf) * config.cache_dtype.itemsize
+    kv_heads = max_kv_heads_per_rank(hf.num_key_value_heads, tensor_parallel_size)
+    per_token = 2 * num_slots * kv_heads * head_dim(hf) * config.cache_dtype.itemsize
     return per_token * block_size
 
 
@@ -46,7 +49,8 @@ class ModelRunner:
         # a layer where all layers are alike; shared by one layer of each group otherwise). An
         # encoder has none.
         slots = kv_cache_groups(hf).layer_slot if model_config.is_causal else ()
-        shape = (num_blocks, block_size, hf.num_key_value_heads, head_dim(hf)) if slots else ()
+        kv_heads = head_share(hf.num_attention_heads, hf.num_key_value_heads).kv_count if slots else 0
+        shape = (num_blocks, block_size, kv_heads, head_dim(hf)) if slots else ()
         self.kv_slots = [(torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
                           torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device))
                          for _ in range(max(slots, default=-1) + 1)]

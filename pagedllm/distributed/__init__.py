@@ -1,0 +1,1 @@
+"""Several processes computing one model: tensor parallelism's group and collectives."""

@@ -1,0 +1,95 @@
+"""Tensor parallelism: each rank's share of the layers, the worker processes, and outputs equal to
+one rank's, token for token."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import prompts_of_mixed_lengths
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.parallel_state import HeadShare, TensorParallel, check_head_split, head_share
+from pagedllm.executor.multiproc import parse_cpu_binding
+
+
+def test_heads_split_by_whole_groups_and_replicate_the_few():
+    shares = lambda heads, kv, size: [head_share(heads, kv, TensorParallel(r, size)) for r in range(size)]  # noqa: E731
+    # The default model: 9 heads reading 3 K/V heads (groups of 3) over 2 ranks: 2 groups and 1.
+    assert shares(9, 3, 2) == [HeadShare(0, 6, 0, 2), HeadShare(6, 3, 2, 1)]
+    # 4 heads, 2 K/V heads over 4 ranks: each K/V head on 2 ranks, which split its 2 query heads.
+    assert shares(4, 2, 4) == [HeadShare(0, 1, 0, 1), HeadShare(1, 1, 0, 1), HeadShare(2, 1, 1, 1),
+                               HeadShare(3, 1, 1, 1)]
+    check_head_split(9, 3, 2)
+    with pytest.raises(ValueError, match="neither split"):
+        check_head_split(4, 2, 3)  # 2 K/V heads over 3 ranks
+    with pytest.raises(ValueError, match="neither split"):
+        check_head_split(2, 2, 4)  # a group of 1 query head cannot split over 2 ranks
+    assert [TensorParallel(r, 3).split(10) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
+
+
+def test_cpu_binding():
+    assert parse_cpu_binding(None, 2, [0, 1]) == [[0], [1]]
+    assert parse_cpu_binding("auto", 2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
+    assert parse_cpu_binding("0-1,4|2-3", 2, [0]) == [[0, 1, 4], [2, 3]]
+    assert parse_cpu_binding("all", 4, [0, 1]) is None
+    with pytest.raises(ValueError, match="need a core each"):
+        parse_cpu_binding("auto", 3, [0, 1])
+    with pytest.raises(ValueError, match="2 core lists for 3 ranks"):
+        parse_cpu_binding("0|1", 3, [0, 1])
+    with pytest.raises(ValueError, match="core lists like"):
+        parse_cpu_binding("0|x", 2, [0, 1])
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _processes(llm: LLM) -> list:
+    return llm.engine._core_in_process().executor.processes
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
+                                         ("mistral", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")])
+def test_two_ranks_give_one_rank_greedy_tokens(tiny_models, arch, dtype):
+    """The heads, K/V heads, MLP features and vocabulary split over 2 worker processes, with qkv
+    biases (Qwen2), per-head q/k norms (Qwen3), a sliding window (Mistral), a tied head (Llama).
+    In bf16 the row-parallel layers' shares are added in fp32 and rounded once, as one rank's sum
+    is; they still add in another order, which on a larger model can tip a bf16 rounding and,
+    many layers on, a token (BENCHMARKS.md, issue 25)."""
+    prompts = prompts_of_mixed_lengths(49152)
+    args = dict(dtype=dtype, max_model_len=256, kv_cache_memory="16MiB", enable_prefix_caching=False)
+    one = _greedy(LLM(tiny_models[arch], **args), prompts)
+    llm = LLM(tiny_models[arch], tensor_parallel_size=2, **args)
+    processes = _processes(llm)
+    assert len(processes) == 2 and all(p.poll() is None for p in processes)
+    assert _greedy(llm, prompts) == one
+    llm.engine.shutdown()
+    assert all(p.poll() is not None for p in processes)
+
+
+def test_a_dead_rank_fails_the_engine_at_once(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB", tensor_parallel_size=2)
+    processes = _processes(llm)
+    _greedy(llm, [[5, 6, 7]], 2)
+    os.kill(processes[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 1 died"):
+        _greedy(llm, [[5, 6, 7]], 4)
+    assert time.monotonic() - start < 10
+    llm.engine.shutdown()
+    assert all(p.poll() is not None for p in processes)
+
+
+@pytest.mark.parametrize("size, message", [(3, "2 K/V heads .* neither split")])
+def test_bad_sizes_fail_at_start_up(llama_dir, size, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(llama_dir, dtype="float32", tensor_parallel_size=size)
+
+
+def test_quantized_weights_are_refused_for_now():
+    with pytest.raises(ValueError, match="unquantized weights"):
+        LLM(None, tensor_parallel_size=2)  # the default model: a GGUF file on its quantized kernels
