@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from multiprocessing import shared_memory
 
 import pytest
+import torch
 
 from conftest import prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
+from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import HeadShare, TensorParallel, check_head_split, head_share
 from pagedllm.executor.multiproc import parse_cpu_binding
+from pagedllm.kernels import cpu_ops
 
 
 def test_heads_split_by_whole_groups_and_replicate_the_few():
@@ -93,3 +98,40 @@ def test_bad_sizes_fail_at_start_up(llama_dir, size, message):
 def test_quantized_weights_are_refused_for_now():
     with pytest.raises(ValueError, match="unquantized weights"):
         LLM(None, tensor_parallel_size=2)  # the default model: a GGUF file on its quantized kernels
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
+def test_shared_memory_collectives(monkeypatch):
+    """Two ranks as two threads on one region: sums in rank order (the same bits on each rank),
+    gathers in rank order, tensors larger than a slot in pieces, bf16 summed in fp32 and rounded once."""
+    monkeypatch.setattr(parallel_state, "SHM_SLOT_BYTES", 256)  # 64 fp32 values a piece
+    memory = shared_memory.SharedMemory(create=True, size=parallel_state.SharedRegion.bytes_for(2))
+    try:
+        regions = [parallel_state.SharedRegion(memory, rank, 2, cpu_ops()) for rank in range(2)]
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(3, 100, generator=g) for _ in range(2)]
+        bf = [torch.randn(130, generator=g).bfloat16() for _ in range(2)]
+        ys = [torch.randn(5, 30, generator=g) for _ in range(2)]  # rows of 120 bytes: 2 a piece
+        results: dict = {}
+
+        def rank_work(rank: int) -> None:
+            region = regions[rank]
+            summed = xs[rank].clone()
+            region.all_reduce(summed)
+            summed_bf = bf[rank].clone()
+            region.all_reduce(summed_bf)
+            results[rank] = (summed, summed_bf, region.all_gather_rows(ys[rank]))
+
+        threads = [threading.Thread(target=rank_work, args=(rank,)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        for rank in range(2):
+            summed, summed_bf, gathered = results[rank]
+            assert torch.equal(summed, xs[0] + xs[1])
+            assert torch.equal(summed_bf, (bf[0].float() + bf[1].float()).bfloat16())
+            assert torch.equal(gathered, torch.stack(ys))
+    finally:
+        memory.close()
+        memory.unlink()

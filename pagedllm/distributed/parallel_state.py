@@ -6,15 +6,22 @@ A process that joins no group is rank 0 of 1, and every collective hands its inp
 single-process engine runs the same layers unchanged. A tensor-parallel worker calls
 init_tensor_parallel once, before it builds its model: the layers read the rank and size as they
 are built, so that each holds its rank's shard. The collectives run over torch.distributed: gloo
-on the CPU, nccl on CUDA.
+on the CPU, nccl on CUDA; ranks of one machine on the CPU go through a shared-memory region
+instead (kernels/shm_collectives.cpp: gloo's all-reduce of a decode's hidden state took 1.8 ms
+over this machine's loopback, a shared-memory one a few microseconds), where the region and the
+C++ kernels are there.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
 
 import torch
 import torch.distributed as dist
+
+SHM_SLOT_BYTES = 8 << 20  # a rank's share of one collective; larger tensors go in pieces
 
 
 @dataclass(frozen=True)
@@ -32,32 +39,86 @@ class TensorParallel:
 _group = TensorParallel()
 
 
+@dataclass
+class SharedRegion:
+    """The ranks' shared-memory region (kernels/shm_collectives.cpp) as one rank holds it."""
+    memory: shared_memory.SharedMemory
+    rank: int
+    size: int
+    ops: object
+    generation: int = 0  # of this rank's last collective: every rank calls them in the same order
+    address: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.memory.buf))
+
+    @staticmethod
+    def bytes_for(size: int) -> int:
+        return 64 * size + 2 * size * SHM_SLOT_BYTES
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        flat = x.view(-1)
+        step = SHM_SLOT_BYTES // x.element_size()
+        for start in range(0, flat.numel(), step):
+            self.generation += 1
+            self.ops.shm_all_reduce(flat[start:start + step], self.address, self.rank, self.size,
+                                    SHM_SLOT_BYTES, self.generation)
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x (at least 1-D), in pieces of whole rows along dim 0."""
+        rows = max(1, SHM_SLOT_BYTES // max(1, x[:1].numel() * x.element_size()))
+        pieces = []
+        for start in range(0, x.shape[0], rows):
+            piece = x[start:start + rows].contiguous()
+            out = piece.new_empty((self.size, *piece.shape))
+            self.generation += 1
+            self.ops.shm_all_gather(out, piece, self.address, self.rank, self.size, SHM_SLOT_BYTES, self.generation)
+            pieces.append(out)
+        return torch.cat(pieces, dim=1) if pieces else x.new_empty((self.size, *x.shape))
+
+
+_shared: SharedRegion | None = None
+
+
 def tensor_parallel() -> TensorParallel:
     return _group
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: str = "cpu",
-                         timeout_s: float = 600.0) -> None:
-    """Join the group of `size` ranks at `init_method` (a tcp:// or file:// address) as `rank`."""
-    global _group
+                         timeout_s: float = 600.0, shared_region: str | None = None) -> None:
+    """Join the group of `size` ranks at `init_method` (a tcp:// or file:// address) as `rank`;
+    on the CPU, with `shared_region` (the name of a SharedMemory of SharedRegion.bytes_for(size),
+    zeroed), the collectives go through it."""
+    global _group, _shared
     if size > 1:
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     _group = TensorParallel(rank, size)
+    from pagedllm.kernels import cpu_ops
+
+    ops = cpu_ops()
+    if size > 1 and device_type == "cpu" and shared_region is not None and ops is not None:
+        memory = shared_memory.SharedMemory(shared_region)
+        # The engine made it and removes it; this process only maps it (else its exit would unlink it).
+        resource_tracker.unregister(memory._name, "shared_memory")  # noqa: SLF001
+        _shared = SharedRegion(memory, rank, size, ops)
 
 
 def destroy_tensor_parallel() -> None:
-    global _group
+    global _group, _shared
     if dist.is_initialized():
         dist.destroy_process_group()
-    _group = TensorParallel()
+    _group, _shared = TensorParallel(), None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of every rank's x, in place (x itself where there is one rank)."""
+    """The sum of every rank's x, in place (x itself where there is one rank); contiguous x."""
     if _group.size > 1:
-        dist.all_reduce(x)
+        if _shared is not None and x.dtype in (torch.float32, torch.bfloat16):
+            _shared.all_reduce(x)
+        else:
+            dist.all_reduce(x)
     return x
 
 
@@ -65,8 +126,11 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x side by side along the last dimension, in rank order."""
     if _group.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_group.size)]
-    dist.all_gather(parts, x.contiguous())
+    if _shared is not None and x.dim() and x[:1].numel() * x.element_size() <= SHM_SLOT_BYTES:
+        parts = _shared.all_gather_rows(x.contiguous()).unbind(0)
+    else:
+        parts = [torch.empty_like(x) for _ in range(_group.size)]
+        dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 

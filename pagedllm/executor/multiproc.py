@@ -29,10 +29,12 @@ import subprocess
 import threading
 import traceback
 import weakref
+from multiprocessing import shared_memory
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import SharedRegion
 from pagedllm.engine.child_process import connect_to_parent, start_child
 from pagedllm.executor.abstract import Executor, ExecutorFailure
 from pagedllm.models.loader import ModelConfig
@@ -87,17 +89,19 @@ class MultiprocExecutor(Executor):
         self.model_config, self.block_size, self.size = model_config, block_size, tensor_parallel_size
         binding = parse_cpu_binding(os.environ.get(BIND_ENV), tensor_parallel_size, sorted(os.sched_getaffinity(0)))
         init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # The ranks' collectives on the CPU (parallel_state.SharedRegion); removed with the executor.
+        self.region = shared_memory.SharedMemory(create=True, size=SharedRegion.bytes_for(tensor_parallel_size))
         self.processes: list[subprocess.Popen] = []
         self.pipes: list[Connection] = []
         for rank in range(tensor_parallel_size):
             process, pipe = start_child("pagedllm.executor.multiproc")
             self.processes.append(process)
             self.pipes.append(pipe)
-            pipe.send((rank, tensor_parallel_size, init_method, model_config, device, block_size,
+            pipe.send((rank, tensor_parallel_size, init_method, self.region.name, model_config, device, block_size,
                        binding[rank] if binding is not None else None, seed,
                        threading.current_thread() is threading.main_thread()))
         # Also when the engine is dropped without a shutdown (an LLM going out of scope) or at exit.
-        self._stop = weakref.finalize(self, _stop_workers, self.processes, self.pipes)
+        self._stop = weakref.finalize(self, _stop_workers, self.processes, self.pipes, self.region)
         logger.info("tensor parallelism: %d worker processes (cores %s)", tensor_parallel_size,
                     "unbound" if binding is None else " | ".join(f"{c[0]}-{c[-1]}" for c in binding))
         self._collect(timeout=STARTUP_TIMEOUT_S)  # each rank's "ready"
@@ -164,7 +168,8 @@ class MultiprocExecutor(Executor):
         return "still running" if code is None else f"exit code {code}" if code >= 0 else f"signal {-code}"
 
 
-def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection]) -> None:
+def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection],
+                  region: shared_memory.SharedMemory) -> None:
     for pipe in pipes:
         try:
             pipe.send(("shutdown", ()))
@@ -178,6 +183,8 @@ def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection]) ->
             process.wait(timeout=5)
     for pipe in pipes:
         pipe.close()
+    region.close()
+    region.unlink()
 
 
 def _die_with_parent() -> None:
@@ -189,7 +196,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, size: int, init_method: str, model_config: ModelConfig, device: str, block_size: int,
+def _worker_main(rank: int, size: int, init_method: str, region: str, model_config: ModelConfig, device: str,
+                 block_size: int,
                  cores: list[int] | None, seed: int | None, die_with_parent: bool, pipe: Connection) -> None:
     """A rank's process: join the group, then answer calls until shutdown or the pipe's end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it shuts the ranks down
@@ -206,7 +214,7 @@ def _worker_main(rank: int, size: int, init_method: str, model_config: ModelConf
             torch.set_num_threads(len(cores))
         # The same seed on every rank: their samplers draw alike, so their runners keep one state.
         torch.manual_seed(seed if seed is not None else 0)
-        init_tensor_parallel(rank, size, init_method, torch.device(device).type)
+        init_tensor_parallel(rank, size, init_method, torch.device(device).type, shared_region=region)
         worker = Worker(model_config, device, block_size)
         pipe.send(("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the engine, which stops

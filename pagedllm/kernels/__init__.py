@@ -28,7 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(__file__)
 _NAME = "pagedllm_cpu_ops"
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "packed_linear.cpp", "decoder_stack.cpp", "quant_linear.cpp")
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "packed_linear.cpp", "decoder_stack.cpp", "quant_linear.cpp",
+            "shm_collectives.cpp")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _KEY_CHARS = 16  # 64 bits of the hash: collisions between toolchains are not a concern
