@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import time
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 
@@ -78,6 +79,9 @@ class SharedRegion:
 
 
 _shared: SharedRegion | None = None
+# Seconds this rank has spent in collectives (waiting for the other ranks included), and how
+# many it made: benchmarks/tensor_parallel.py reads them through the executor.
+collective_time = [0.0, 0]
 
 
 def tensor_parallel() -> TensorParallel:
@@ -115,22 +119,31 @@ def destroy_tensor_parallel() -> None:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of every rank's x, in place (x itself where there is one rank); contiguous x."""
     if _group.size > 1:
+        start = time.perf_counter()
         if _shared is not None and x.dtype in (torch.float32, torch.bfloat16):
             _shared.all_reduce(x)
         else:
             dist.all_reduce(x)
+        _count(start)
     return x
+
+
+def _count(start: float) -> None:
+    collective_time[0] += time.perf_counter() - start
+    collective_time[1] += 1
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x side by side along the last dimension, in rank order."""
     if _group.size == 1:
         return x
+    start = time.perf_counter()
     if _shared is not None and x.dim() and x[:1].numel() * x.element_size() <= SHM_SLOT_BYTES:
         parts = _shared.all_gather_rows(x.contiguous()).unbind(0)
     else:
         parts = [torch.empty_like(x) for _ in range(_group.size)]
         dist.all_gather(parts, x.contiguous())
+    _count(start)
     return torch.cat(parts, dim=-1)
 
 

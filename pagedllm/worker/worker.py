@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed import parallel_state
 from pagedllm.models.loader import ModelConfig, load_model
 from pagedllm.worker.draft_runner import draft_kv_bytes_per_block
 from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -38,3 +39,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(scheduler_output)
+
+    def collective_time(self) -> tuple[float, int]:
+        """Tensor parallelism: (seconds in collectives, their number) since the last call."""
+        seconds, calls = parallel_state.collective_time
+        parallel_state.collective_time[:] = [0.0, 0]
+        return seconds, calls
