@@ -8,10 +8,13 @@ import threading
 import time
 from multiprocessing import shared_memory
 
+import httpx
+import psutil
 import pytest
 import torch
 
 from conftest import prompts_of_mixed_lengths
+from server_utils import Server
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import HeadShare, TensorParallel, check_head_split, head_share
@@ -135,3 +138,44 @@ def test_shared_memory_collectives(monkeypatch):
     finally:
         memory.close()
         memory.unlink()
+
+
+def _ranks_of(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if "pagedllm.executor.multiproc" in " ".join(p.cmdline())]
+
+
+def test_a_rank_killed_mid_request_fails_the_stream_and_the_server_exits(llama_dir):
+    """The server with -tp 2: a rank killed while a stream runs; the client gets the engine's error
+    event within seconds, the server exits non-zero, and no rank process is left."""
+    server = Server(llama_dir, "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--dtype", "float32",
+                    "-tp", "2", env={"PAGEDLLM_FAULT": "slow:20"})  # 20 ms more a step: the stream stays open
+    try:
+        ranks = _ranks_of(server.process.pid)
+        assert len(ranks) == 2
+        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as client, \
+                client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            ranks[1].kill()
+            killed = time.monotonic()
+            events = [line for line in lines if line]
+        assert time.monotonic() - killed < 10
+        assert events[-1] == "data: [DONE]" and "engine has stopped" in events[-2]
+        assert server.process.wait(timeout=30) != 0
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive
+    finally:
+        server.stop()
+
+
+def test_sigterm_leaves_no_rank_behind(llama_dir):
+    server = Server(llama_dir, "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--dtype", "float32", "-tp", "2")
+    ranks = _ranks_of(server.process.pid)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 4
+    server.stop()  # SIGTERM
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert len(ranks) == 2 and not alive
