@@ -2,6 +2,8 @@
 one rank's, token for token."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import signal
 import threading
@@ -13,13 +15,14 @@ import psutil
 import pytest
 import torch
 
-from conftest import prompts_of_mixed_lengths
+from conftest import make_model, prompts_of_mixed_lengths
 from server_utils import Server
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import HeadShare, TensorParallel, check_head_split, head_share
 from pagedllm.executor.multiproc import parse_cpu_binding
 from pagedllm.kernels import cpu_ops
+from pagedllm.models.loader import check_tensor_parallel, load_model_config
 
 
 def test_heads_split_by_whole_groups_and_replicate_the_few():
@@ -40,7 +43,9 @@ def test_heads_split_by_whole_groups_and_replicate_the_few():
 def test_cpu_binding():
     assert parse_cpu_binding(None, 2, [0, 1]) == [[0], [1]]
     assert parse_cpu_binding("auto", 2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
-    assert parse_cpu_binding("0-1,4|2-3", 2, [0]) == [[0, 1, 4], [2, 3]]
+    assert parse_cpu_binding("0-1,4|2-3,5", 2, [0]) == [[0, 1, 4], [2, 3, 5]]
+    with pytest.raises(ValueError, match="as many cores"):
+        parse_cpu_binding("0-1|2", 2, [0])  # ranks with other thread counts could sample apart
     assert parse_cpu_binding("all", 4, [0, 1]) is None
     with pytest.raises(ValueError, match="need a core each"):
         parse_cpu_binding("auto", 3, [0, 1])
@@ -92,10 +97,28 @@ def test_a_dead_rank_fails_the_engine_at_once(llama_dir):
     assert all(p.poll() is not None for p in processes)
 
 
-@pytest.mark.parametrize("size, message", [(3, "2 K/V heads .* neither split")])
-def test_bad_sizes_fail_at_start_up(llama_dir, size, message):
-    with pytest.raises(ValueError, match=message):
-        LLM(llama_dir, dtype="float32", tensor_parallel_size=size)
+def test_bad_sizes_fail_at_start_up(llama_dir):
+    with pytest.raises(ValueError, match="2 K/V heads .* neither split"):
+        LLM(llama_dir, dtype="float32", tensor_parallel_size=3)
+    config = load_model_config(llama_dir, "float32", None, "cpu")
+    odd = copy.deepcopy(config.hf_config)
+    odd.vocab_size = 49153
+    with pytest.raises(ValueError, match="does not divide the model's 49153 vocabulary entries"):
+        check_tensor_parallel(dataclasses.replace(config, hf_config=odd), 2)
+
+
+@pytest.mark.parametrize("overrides", [
+    # 6 heads over 3 K/V heads: 2 groups on rank 0, 1 on rank 1; an o_proj bias (added by rank 0 alone)
+    dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, attention_bias=True),
+    dict(num_attention_heads=4, num_key_value_heads=1),  # one K/V head, held by both ranks
+])
+def test_uneven_and_replicated_heads_give_one_rank_tokens(tmp_path, tokenizer_dir, overrides):
+    path = make_model("llama", tmp_path, tokenizer_dir, **overrides)
+    prompts = prompts_of_mixed_lengths(49152)
+    args = dict(dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    llm = LLM(path, tensor_parallel_size=2, **args)
+    assert _greedy(llm, prompts) == _greedy(LLM(path, **args), prompts)
+    llm.engine.shutdown()
 
 
 def test_quantized_weights_are_refused_for_now():
@@ -125,11 +148,12 @@ def test_shared_memory_collectives(monkeypatch):
             region.all_reduce(summed_bf)
             results[rank] = (summed, summed_bf, region.all_gather_rows(ys[rank]))
 
-        threads = [threading.Thread(target=rank_work, args=(rank,)) for rank in range(2)]
+        threads = [threading.Thread(target=rank_work, args=(rank,), daemon=True) for rank in range(2)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=30)
+            assert not thread.is_alive(), "a rank still waits for the other"
         for rank in range(2):
             summed, summed_bf, gathered = results[rank]
             assert torch.equal(summed, xs[0] + xs[1])

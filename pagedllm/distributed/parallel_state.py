@@ -6,7 +6,7 @@ A process that joins no group is rank 0 of 1, and every collective hands its inp
 single-process engine runs the same layers unchanged. A tensor-parallel worker calls
 init_tensor_parallel once, before it builds its model: the layers read the rank and size as they
 are built, so that each holds its rank's shard. The collectives run over torch.distributed: gloo
-on the CPU, nccl on CUDA; ranks of one machine on the CPU go through a shared-memory region
+on the CPU; ranks of one machine on the CPU go through a shared-memory region
 instead (kernels/shm_collectives.cpp: gloo's all-reduce of a decode's hidden state took 1.8 ms
 over this machine's loopback, a shared-memory one a few microseconds), where the region and the
 C++ kernels are there.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import os
 import time
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
@@ -22,7 +23,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 import torch.distributed as dist
 
-SHM_SLOT_BYTES = 8 << 20  # a rank's share of one collective; larger tensors go in pieces
+SHM_SLOT_BYTES = 4 << 20  # a rank's share of one collective; larger tensors go in pieces
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,20 @@ class SharedRegion:
     @staticmethod
     def bytes_for(size: int) -> int:
         return 64 * size + 2 * size * SHM_SLOT_BYTES
+
+    @staticmethod
+    def create(size: int) -> shared_memory.SharedMemory:
+        """A zeroed region for `size` ranks, its pages reserved now: a /dev/shm too small for it
+        (a container's 64 MiB) fails here, not with a SIGBUS mid-step."""
+        memory = shared_memory.SharedMemory(create=True, size=SharedRegion.bytes_for(size))
+        try:
+            os.posix_fallocate(memory._fd, 0, memory.size)  # noqa: SLF001
+        except OSError as exc:
+            memory.close()
+            memory.unlink()
+            raise RuntimeError(f"tensor parallelism needs {SharedRegion.bytes_for(size) >> 20} MiB of shared "
+                               f"memory (/dev/shm): {exc}") from exc
+        return memory
 
     def all_reduce(self, x: torch.Tensor) -> None:
         flat = x.view(-1)

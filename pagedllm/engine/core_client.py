@@ -75,13 +75,18 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
 
 
 def make_executor(args: EngineArgs, model_config: ModelConfig, draft_config: ModelConfig | None) -> Executor:
-    """One worker in this process, or (tensor parallelism) a worker process per rank."""
+    """One worker in this process ("uni", the default for one rank), or a worker process per rank
+    ("mp", the default for several)."""
     size = args.tensor_parallel_size
     check_tensor_parallel(model_config, size)
-    if size == 1:
+    backend = args.distributed_executor_backend or ("mp" if size > 1 else "uni")
+    if backend == "uni":
         return UniprocExecutor(model_config, args.device, args.block_size, draft_config)
     if draft_config is not None:
-        raise ValueError("draft-model speculation does not run under tensor parallelism yet")
+        raise ValueError("draft-model speculation runs only in the engine's process (--distributed-executor-backend "
+                         "uni, one rank) for now")
+    if args.device != "cpu":
+        raise ValueError(f"worker processes run on the CPU for now, not {args.device!r}")
     return MultiprocExecutor(model_config, args.device, args.block_size, size, args.seed)
 
 

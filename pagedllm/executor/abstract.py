@@ -20,7 +20,7 @@ class ExecutorFailure(RuntimeError):
 class Executor(ABC):
     @abstractmethod
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes on each worker (all layers, K and V)."""
+        """Bytes one KV block takes on all the workers together (all layers, K and V)."""
 
     @abstractmethod
     def load_model(self) -> None:

@@ -5,12 +5,12 @@ engine/child_process.py starts the engine core's process) on a Unix socket of it
 core (its process or the frontend's thread) sends every call to every rank (a step's
 SchedulerOutput is a few KiB pickled) and takes rank 0's answer: the ranks sample the same tokens
 from the same all-gathered logits, so each rank's model runner keeps the same state without being
-told. Between them the ranks talk only through torch.distributed's collectives (gloo on the CPU),
-inside the model's forward pass.
+told. Between them the ranks talk only through the collectives of distributed/parallel_state.py
+(a shared-memory region on the CPU), inside the model's forward pass.
 
 Each rank binds its own cores (PAGEDLLM_CPU_OMP_THREADS_BIND: "auto", the default, splits this
-process's cores evenly in rank order; "0-7|8-15" names each rank's; "all" leaves them unbound) and
-runs as many threads as it has cores.
+process's physical cores evenly in rank order, a core's hyper-threads together; "0-7|8-15" names
+each rank's, as many for each; "all" leaves them unbound) and runs a thread per physical core.
 
 A rank that dies (killed, out of memory) is seen at once: its socket closes, and the executor,
 which waits on every rank's socket together, raises ExecutorFailure, which the engine core takes
@@ -52,15 +52,33 @@ def parse_cpu_binding(spec: str | None, ranks: int, available: list[int]) -> lis
     if spec == "all":
         return None
     if spec == "auto":
-        if len(available) < ranks:
+        cores = _physical_cores(available)
+        if len(cores) < ranks:
             raise ValueError(f"{ranks} tensor-parallel ranks need a core each; this process may use "
-                             f"{len(available)} ({BIND_ENV}=all runs them unbound)")
-        share = len(available) // ranks
-        return [available[r * share:(r + 1) * share] for r in range(ranks)]
+                             f"{len(cores)} ({BIND_ENV}=all runs them unbound)")
+        share = len(cores) // ranks
+        return [sorted(cpu for core in cores[r * share:(r + 1) * share] for cpu in core) for r in range(ranks)]
     parts = spec.split("|")
     if len(parts) != ranks:
         raise ValueError(f"{BIND_ENV}={spec!r} names {len(parts)} core lists for {ranks} ranks")
-    return [_cores(part, spec) for part in parts]
+    binding = [_cores(part, spec) for part in parts]
+    # The ranks must sample alike: the same threads each, so that their reductions round alike.
+    if len({len(cores) for cores in binding}) > 1:
+        raise ValueError(f"{BIND_ENV}={spec!r}: give every rank as many cores")
+    return binding
+
+
+def _physical_cores(cpus: list[int]) -> list[list[int]]:
+    """The logical CPUs grouped by physical core (hyper-threads together), in order."""
+    cores: dict[tuple[str, str], list[int]] = {}
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            key = tuple(open(f"{topology}/{name}").read().strip() for name in ("physical_package_id", "core_id"))
+        except OSError:
+            key = (str(cpu), "")
+        cores.setdefault(key, []).append(cpu)
+    return sorted(cores.values())
 
 
 def _cores(part: str, spec: str) -> list[int]:
@@ -90,24 +108,31 @@ class MultiprocExecutor(Executor):
         binding = parse_cpu_binding(os.environ.get(BIND_ENV), tensor_parallel_size, sorted(os.sched_getaffinity(0)))
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         # The ranks' collectives on the CPU (parallel_state.SharedRegion); removed with the executor.
-        self.region = shared_memory.SharedMemory(create=True, size=SharedRegion.bytes_for(tensor_parallel_size))
+        self.region = SharedRegion.create(tensor_parallel_size)
         self.processes: list[subprocess.Popen] = []
         self.pipes: list[Connection] = []
-        for rank in range(tensor_parallel_size):
-            process, pipe = start_child("pagedllm.executor.multiproc")
-            self.processes.append(process)
-            self.pipes.append(pipe)
-            pipe.send((rank, tensor_parallel_size, init_method, self.region.name, model_config, device, block_size,
-                       binding[rank] if binding is not None else None, seed,
-                       threading.current_thread() is threading.main_thread()))
-        # Also when the engine is dropped without a shutdown (an LLM going out of scope) or at exit.
+        # Stops the ranks and removes the region: at shutdown, when the engine is dropped without
+        # one (an LLM going out of scope), at exit, or when the start fails.
         self._stop = weakref.finalize(self, _stop_workers, self.processes, self.pipes, self.region)
-        logger.info("tensor parallelism: %d worker processes (cores %s)", tensor_parallel_size,
-                    "unbound" if binding is None else " | ".join(f"{c[0]}-{c[-1]}" for c in binding))
-        self._collect(timeout=STARTUP_TIMEOUT_S)  # each rank's "ready"
+        try:
+            for rank in range(tensor_parallel_size):
+                process, pipe = start_child("pagedllm.executor.multiproc")
+                self.processes.append(process)
+                self.pipes.append(pipe)
+                pipe.send((rank, tensor_parallel_size, init_method, self.region.name, model_config, device,
+                           block_size, binding[rank] if binding is not None else None, seed,
+                           threading.current_thread() is threading.main_thread()))
+            logger.info("tensor parallelism: %d worker processes (cores %s)", tensor_parallel_size,
+                        "unbound" if binding is None else " | ".join(",".join(map(str, c)) for c in binding))
+            self._collect(timeout=STARTUP_TIMEOUT_S)  # each rank's "ready"
+        except BaseException:
+            self._stop()
+            raise
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.model_config, self.block_size, self.size)
+        """A block on all ranks together (the widest rank's share, on each): the KV memory budget
+        is the engine's, not each rank's."""
+        return kv_cache_bytes_per_block(self.model_config, self.block_size, self.size) * self.size
 
     def load_model(self) -> None:
         self._call("load_model", timeout=STARTUP_TIMEOUT_S)
@@ -215,7 +240,7 @@ def _worker_main(rank: int, size: int, init_method: str, region: str, model_conf
 
         if cores is not None:
             os.sched_setaffinity(0, cores)
-            torch.set_num_threads(len(cores))
+            torch.set_num_threads(len(_physical_cores(cores)))
         # The same seed on every rank: their samplers draw alike, so their runners keep one state.
         torch.manual_seed(seed if seed is not None else 0)
         init_tensor_parallel(rank, size, init_method, torch.device(device).type, shared_region=region)

@@ -239,7 +239,8 @@ class Linear(nn.Module):
         out = self.method.apply(self, x)
         if not self.reduce_results:
             return out
-        # The ranks' shares added in fp32 (the bf16 kernel leaves them unrounded) and rounded once.
+        # The ranks' shares added in fp32 and rounded once (where the rows kernel ran: it leaves
+        # them unrounded; oneDNN's GEMM has rounded them to bf16 already).
         return all_reduce(out.float()).to(x.dtype)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
