@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedllm import LLM
-    from pagedllm.engine.core_client import physical_cores
+    from pagedllm.executor.cpu_binding import physical_cores
     from pagedllm.models.loader import load_model_config, load_tokenizer
     from pagedllm.models.registry import model_class
 

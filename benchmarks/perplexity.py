@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--llamacpp-kv", nargs="+", default=["f16"], choices=["f16", "f32"],
                         help="llama.cpp's KV cache types to run (f16: its default); the first is the reference")
     args = parser.parse_args()
-    from pagedllm.engine.core_client import physical_cores
+    from pagedllm.executor.cpu_binding import physical_cores
     from pagedllm.models.loader import default_model_path, load_model_config, load_tokenizer
 
     path = args.gguf or default_model_path()

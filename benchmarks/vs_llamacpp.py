@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     args = parser.parse_args()
-    from pagedllm.engine.core_client import physical_cores
+    from pagedllm.executor.cpu_binding import physical_cores
 
     engines = {"pagedllm": Ours(args.gguf, "gguf", 2048), "llama.cpp": LlamaCpp(args.gguf, physical_cores(), 2048)}
     if args.bf16:

@@ -58,6 +58,7 @@ class EngineArgs:
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # ranks the model's layers split over (worker processes)
     distributed_executor_backend: str | None = None  # "mp" (default where tensor_parallel_size > 1)
+    data_parallel_size: int = 1  # engine replicas, a process each (engine/dp_client.py)
 
     def __post_init__(self) -> None:
         from pagedllm.spec_decode import parse_speculative_config
@@ -65,6 +66,8 @@ class EngineArgs:
         parse_speculative_config(self.speculative_config)  # a bad config stops the start before anything loads
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "uni"):
             raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp or uni")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:

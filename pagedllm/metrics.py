@@ -16,29 +16,36 @@ class EngineMetrics:
         labels = ["model_name"]
         r = self.registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagedllm:{name}", doc, labels, registry=r).labels(model_name)
-
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"pagedllm:{name}", doc, labels, registry=r).labels(model_name)
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(f"pagedllm:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
 
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage: 1 means every block in use.")
-        self.kv_blocks_free = gauge("kv_cache_free_blocks", "KV cache blocks free.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: draft proposals verified.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        # The scheduler's series, one per engine replica (label `engine`, "0" without data parallelism).
+        def per_engine(kind, name: str, doc: str, extra: tuple[str, ...] = ()):
+            return kind(f"pagedllm:{name}", doc, labels + ["engine", *extra], registry=r)
+
+        self.running = per_engine(Gauge, "num_requests_running", "Requests in the running batch.")
+        self.waiting = per_engine(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = per_engine(Gauge, "kv_cache_usage_perc", "KV cache usage: 1 means every block in use.")
+        self.kv_blocks_free = per_engine(Gauge, "kv_cache_free_blocks", "KV cache blocks free.")
+        self._totals = {  # SchedulerStats' running totals -> the counters that take what is new
+            "num_preemptions": per_engine(Counter, "num_preemptions", "Requests preempted (recomputed later)."),
+            "prefix_cache_queries": per_engine(Counter, "prefix_cache_queries",
+                                               "Prompt tokens looked up in the prefix cache."),
+            "prefix_cache_hits": per_engine(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            "spec_num_drafts": per_engine(Counter, "spec_decode_num_drafts",
+                                          "Speculative decoding: draft proposals verified."),
+            "spec_num_draft_tokens": per_engine(Counter, "spec_decode_num_draft_tokens",
+                                                "Speculative decoding: draft tokens verified."),
+            "spec_num_accepted_tokens": per_engine(Counter, "spec_decode_num_accepted_tokens",
+                                                   "Speculative decoding: draft tokens accepted."),
+        }
         # As vLLM's: a counter a draft position, labelled `position` (0: a draft's first token).
-        self._spec_per_position = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
-                                          "Speculative decoding: accepted draft tokens at each position.",
-                                          labels + ["position"], registry=r)
+        self._spec_per_position = per_engine(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative decoding: accepted draft tokens at each position.",
+                                             ("position",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
@@ -48,8 +55,7 @@ class EngineMetrics:
         self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
-        self._seen_per_position: list[int] = []
+        self._seen: dict[tuple[str, str], int] = {}  # (engine, total's name or position) -> last seen
 
     def observe_tokens(self, stream, count: int, now: float) -> None:
         """`count` tokens arrived for a request at `now` (one engine step's worth)."""
@@ -74,23 +80,21 @@ class EngineMetrics:
             if sample.finish_reason:
                 self._success.labels(self.model_name, sample.finish_reason).inc()
 
-    def render(self, stats: SchedulerStats) -> bytes:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.kv_blocks_free.set(stats.kv_blocks_free)
-        # The engine keeps running totals; the counters take what is new since the last scrape.
-        for key, counter, total in (("preemptions", self.preemptions, stats.num_preemptions),
-                                    ("queries", self.prefix_queries, stats.prefix_cache_queries),
-                                    ("hits", self.prefix_hits, stats.prefix_cache_hits),
-                                    ("drafts", self.spec_drafts, stats.spec_num_drafts),
-                                    ("draft_tokens", self.spec_draft_tokens, stats.spec_num_draft_tokens),
-                                    ("accepted", self.spec_accepted, stats.spec_num_accepted_tokens)):
-            counter.inc(total - self._seen[key])
-            self._seen[key] = total
-        seen = self._seen_per_position
-        seen += [0] * (len(stats.spec_accepted_per_position) - len(seen))
-        for position, total in enumerate(stats.spec_accepted_per_position):
-            self._spec_per_position.labels(self.model_name, str(position)).inc(total - seen[position])
-            seen[position] = total
+    def render(self, replicas: list[SchedulerStats]) -> bytes:
+        """The exposition, with each engine replica's scheduler stats (as of its last step)."""
+        for engine, stats in enumerate(replicas):
+            labels = (self.model_name, str(engine))
+            self.running.labels(*labels).set(stats.num_running)
+            self.waiting.labels(*labels).set(stats.num_waiting)
+            self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
+            self.kv_blocks_free.labels(*labels).set(stats.kv_blocks_free)
+            # The engine keeps running totals; the counters take what is new since the last scrape.
+            for name, counter in self._totals.items():
+                self._advance(counter.labels(*labels), (labels[1], name), getattr(stats, name))
+            for position, total in enumerate(stats.spec_accepted_per_position):
+                self._advance(self._spec_per_position.labels(*labels, str(position)), (labels[1], str(position)), total)
         return generate_latest(self.registry)
+
+    def _advance(self, counter: Counter, key: tuple[str, str], total: int) -> None:
+        counter.inc(total - self._seen.get(key, 0))
+        self._seen[key] = total

@@ -58,3 +58,17 @@ class Server:
                 self.process.wait()
         self.log.close()
         return self.process.returncode
+
+
+def kill_mid_stream(server: Server, kill) -> tuple[list[str], float]:
+    """Open a long completion stream, call `kill()` once its first event has come, read the rest:
+    the events after the first, and the seconds from `kill()` to the stream's end."""
+    body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client, \
+            client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        kill()
+        killed = time.monotonic()
+        events = [line for line in lines if line]
+    return events, time.monotonic() - killed

@@ -67,7 +67,7 @@ def test_a_failing_request_ends_alone_and_the_others_go_on(faulty):
         assert client.get("/health").status_code == 200
         assert _complete(client, good[0]).json()["choices"][0]["text"] == alone[0]
         metrics = client.get("/metrics").text
-        assert "pagedllm:num_requests_running{" in metrics and 'pagedllm:num_requests_running{model_name="' in metrics
+        assert "pagedllm:num_requests_running{" in metrics and 'pagedllm:num_requests_running{engine="0",model_name="' in metrics
 
 
 def test_cors_only_for_the_allowed_origins(faulty):

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import make_model, prompts_of_mixed_lengths
-from server_utils import Server
+from server_utils import Server, kill_mid_stream
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import HeadShare, TensorParallel, check_head_split, head_share
-from pagedllm.executor.multiproc import parse_cpu_binding
+from pagedllm.executor.cpu_binding import parse_cpu_binding
 from pagedllm.kernels import cpu_ops
 from pagedllm.models.loader import check_tensor_parallel, load_model_config
 
@@ -177,15 +177,8 @@ def test_a_rank_killed_mid_request_fails_the_stream_and_the_server_exits(llama_d
     try:
         ranks = _ranks_of(server.process.pid)
         assert len(ranks) == 2
-        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=server.url, timeout=60) as client, \
-                client.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            assert next(line for line in lines if line).startswith("data: {")
-            ranks[1].kill()
-            killed = time.monotonic()
-            events = [line for line in lines if line]
-        assert time.monotonic() - killed < 10
+        events, elapsed = kill_mid_stream(server, ranks[1].kill)
+        assert elapsed < 10
         assert events[-1] == "data: [DONE]" and "engine has stopped" in events[-2]
         assert server.process.wait(timeout=30) != 0
         gone, alive = psutil.wait_procs(ranks, timeout=10)

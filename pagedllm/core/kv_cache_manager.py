@@ -14,6 +14,7 @@ and never attends to them.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
@@ -107,12 +108,8 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Hashes of the request's first `num_blocks` full blocks, extended on demand."""
-        hashes, bs = request.block_hashes, self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else hash(("pagedllm-root", request.cache_salt))
-            hashes.append(hash((parent, tuple(request.all_token_ids[i * bs:(i + 1) * bs]))))
-        return hashes[:num_blocks]
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                                   request.cache_salt, num_blocks)
 
     def uncached_prompt_hashes(self, request: Request) -> list[int]:
         """Hashes of the request's full prompt blocks not in the prefix cache yet: the ones it
@@ -292,3 +289,14 @@ class KVCacheManager:
         """Tokens of the request whose K/V its blocks hold (its computed ones less those freed
         behind the window)."""
         return max(request.num_computed_tokens - self._num_freed.get(request.request_id, 0) * self.block_size, 0)
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, salt: str | None,
+                        num_blocks: int) -> list[int]:
+    """The chained hashes of the first `num_blocks` full blocks of `token_ids`: `hashes` (those
+    known so far) extended in place, the first `num_blocks` returned."""
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else hash(("pagedllm-root", salt))
+        hashes.append(hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))))
+    return hashes[:num_blocks]

@@ -42,6 +42,25 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0  # draft tokens accepted
     spec_accepted_per_position: tuple[int, ...] = ()  # [j]: drafts whose token j + 1 was accepted
 
+    @staticmethod
+    def merge(replicas: list[SchedulerStats]) -> SchedulerStats:
+        """The stats of several engine replicas (data parallelism) as one engine's: counts summed,
+        shares weighted by the blocks they are shares of."""
+        if len(replicas) == 1:
+            return replicas[0]
+        total = sum(s.kv_blocks_total for s in replicas)
+        used = [s.kv_blocks_total - s.kv_blocks_free for s in replicas]
+        width = max(len(s.spec_accepted_per_position) for s in replicas)
+        summed = {name: sum(getattr(s, name) for s in replicas) for name in (
+            "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions",
+            "prefix_cache_queries", "prefix_cache_hits", "spec_num_drafts", "spec_num_draft_tokens",
+            "spec_num_accepted_tokens")}
+        return SchedulerStats(
+            **summed, kv_cache_usage=sum(used) / total if total else 0.0,
+            kv_waste=sum(s.kv_waste * u for s, u in zip(replicas, used)) / sum(used) if sum(used) else 0.0,
+            spec_accepted_per_position=tuple(sum(s.spec_accepted_per_position[j] for s in replicas
+                                                 if j < len(s.spec_accepted_per_position)) for j in range(width)))
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager) -> None:

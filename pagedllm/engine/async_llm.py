@@ -107,7 +107,12 @@ class AsyncLLM:
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
         self.metrics = EngineMetrics(args.served_name())
-        self.stats: SchedulerStats = engine.stats()
+        # Each engine replica's, as of its last step (one replica without data parallelism).
+        self.replica_stats: list[SchedulerStats] = engine.replica_stats()
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats.merge(self.replica_stats)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop the engine thread posts outputs (and its death) to."""
@@ -222,7 +227,7 @@ class AsyncLLM:
                 if not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step()
-                self.stats = self.engine.stats()
+                self.replica_stats = self.engine.replica_stats()
                 if outputs:
                     self._post(self._dispatch, outputs)
         except BaseException as exc:  # the loop is gone: say so to every waiting request
@@ -245,9 +250,9 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-        stats = self.engine.stats()
+        stats = self.engine.replica_stats()
         with self._adds_lock:  # the scheduler's count and the queue's change together
-            self.stats = stats
+            self.replica_stats = stats
             self._unapplied_adds -= applied_adds
 
     def _apply(self, command: tuple) -> None:

@@ -28,6 +28,7 @@ from pagedllm.engine.child_process import connect_to_parent, start_child
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.abstract import Executor
+from pagedllm.executor.cpu_binding import BIND_ENV, physical_cores
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
@@ -129,10 +130,6 @@ def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) 
     return num_blocks
 
 
-def physical_cores() -> int:
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
 def set_threads() -> None:
     """One thread per physical core: hyper-threads only contend for the same vector units."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -148,13 +145,29 @@ class EngineCoreProcClient:
     """The engine core in a process of its own (`python -m pagedllm.engine.core_client`, through
     child_process.py), reached through a Unix socket of pickled messages."""
 
-    def __init__(self, args: EngineArgs, model_config: ModelConfig) -> None:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, cores: list[list[int]] | None = None,
+                 wait: bool = True) -> None:
+        """`cores`: each of its tensor-parallel ranks' cores (a data-parallel replica's share), else
+        the core binds as one engine. `wait`: until the core has loaded (else wait_until_ready)."""
         self._process, self._conn = start_child("pagedllm.engine.core_client")
-        self._conn.send((args, model_config))
-        self._stats: SchedulerStats = self._receive()
+        self._conn.send((args, model_config, cores))
         # Requests the core may still send outputs for; the core's own view can run a message
         # behind, which only means a step's output for a request the frontend has ended (ignored).
         self._unfinished: set[str] = set()
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        self._stats: SchedulerStats = self._receive()
+
+    @property
+    def connection(self) -> Connection:
+        """Readable when the core has sent a step's outputs."""
+        return self._conn
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._unfinished)
 
     def add_request(self, message: EngineCoreRequest) -> None:
         self._conn.send(("add", message))
@@ -202,7 +215,9 @@ def run_engine_core(conn: Connection) -> None:
     """The engine core process: build the core, then step while there is work, taking messages
     between steps (waiting for them when idle), and send each step's outputs and stats."""
     try:
-        args, model_config = conn.recv()
+        args, model_config, cores = conn.recv()
+        if cores is not None:
+            bind_replica(cores)
         core = make_engine_core(args, model_config)
     except BaseException as exc:  # noqa: BLE001 - the frontend raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -231,6 +246,12 @@ def run_engine_core(conn: Connection) -> None:
     finally:
         outbox.put(None)
         sender.join()
+
+
+def bind_replica(cores: list[list[int]]) -> None:
+    """This engine core's process runs on its ranks' cores, and its executor binds each rank to its own."""
+    os.sched_setaffinity(0, sorted({cpu for rank in cores for cpu in rank}))
+    os.environ[BIND_ENV] = "|".join(",".join(map(str, rank)) for rank in cores)
 
 
 def _send_all(conn: Connection, outbox: queue.SimpleQueue) -> None:

@@ -25,6 +25,7 @@ from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.core_client import EngineCoreProcClient, make_engine_core
+from pagedllm.engine.dp_client import DPEngineCoreClient
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
@@ -58,8 +59,9 @@ class LLMEngine:
                                               args.pooler_config)
         self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
         self.max_model_len = self.model_config.max_model_len
-        self.engine_core: EngineCore | EngineCoreProcClient = (
-            EngineCoreProcClient(args, self.model_config) if args.engine_core_process
+        self.engine_core: EngineCore | EngineCoreProcClient | DPEngineCoreClient = (
+            DPEngineCoreClient(args, self.model_config) if args.data_parallel_size > 1
+            else EngineCoreProcClient(args, self.model_config) if args.engine_core_process
             else make_engine_core(args, self.model_config, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -270,5 +272,11 @@ class LLMEngine:
         return self.output_processor.fail(parent_id, error)
 
     def stats(self) -> SchedulerStats:
+        """The engine's, its replicas' together (data parallelism)."""
         return self.engine_core.stats()
+
+    def replica_stats(self) -> list[SchedulerStats]:
+        """Each engine replica's (one without data parallelism)."""
+        core = self.engine_core
+        return core.replica_stats() if isinstance(core, DPEngineCoreClient) else [core.stats()]
 

@@ -50,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=defaults.tensor_parallel_size,
                         help="split the model's layers over this many worker processes (ranks), each on its own "
                              "cores (PAGEDLLM_CPU_OMP_THREADS_BIND: auto, or core lists like 0-7|8-15)")
+    parser.add_argument("--data-parallel-size", "-dp", type=_positive(int), default=defaults.data_parallel_size,
+                        help="serve with this many engine replicas (a process each, with its own copy of the "
+                             "weights, its share of the cores and of the KV cache budget); a request goes to the "
+                             "replica holding its prompt's prefix, else to the least loaded")
     parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
                         help="how the ranks run: mp (a process each, the default with -tp > 1) or uni (one, in "
                              "the engine's process)")

@@ -8,9 +8,8 @@ from the same all-gathered logits, so each rank's model runner keeps the same st
 told. Between them the ranks talk only through the collectives of distributed/parallel_state.py
 (a shared-memory region on the CPU), inside the model's forward pass.
 
-Each rank binds its own cores (PAGEDLLM_CPU_OMP_THREADS_BIND: "auto", the default, splits this
-process's physical cores evenly in rank order, a core's hyper-threads together; "0-7|8-15" names
-each rank's, as many for each; "all" leaves them unbound) and runs a thread per physical core.
+Each rank binds its own cores (PAGEDLLM_CPU_OMP_THREADS_BIND, executor/cpu_binding.py) and runs a
+thread per physical core.
 
 A rank that dies (killed, out of memory) is seen at once: its socket closes, and the executor,
 which waits on every rank's socket together, raises ExecutorFailure, which the engine core takes
@@ -36,63 +35,14 @@ from typing import Any
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import SharedRegion
 from pagedllm.engine.child_process import connect_to_parent, start_child
+from pagedllm.executor.cpu_binding import BIND_ENV, parse_cpu_binding, physical_cores_of
 from pagedllm.executor.abstract import Executor, ExecutorFailure
 from pagedllm.models.loader import ModelConfig
 from pagedllm.worker.model_runner import kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
-BIND_ENV = "PAGEDLLM_CPU_OMP_THREADS_BIND"
 STARTUP_TIMEOUT_S = 600.0  # a rank's load of a large model from a slow disk
 ERROR_GRACE_S = 30.0  # after one rank's error, how long the others may take to report theirs
-
-
-def parse_cpu_binding(spec: str | None, ranks: int, available: list[int]) -> list[list[int]] | None:
-    """Each rank's cores, from PAGEDLLM_CPU_OMP_THREADS_BIND's value; None: leave them unbound."""
-    spec = (spec or "auto").strip()
-    if spec == "all":
-        return None
-    if spec == "auto":
-        cores = _physical_cores(available)
-        if len(cores) < ranks:
-            raise ValueError(f"{ranks} tensor-parallel ranks need a core each; this process may use "
-                             f"{len(cores)} ({BIND_ENV}=all runs them unbound)")
-        share = len(cores) // ranks
-        return [sorted(cpu for core in cores[r * share:(r + 1) * share] for cpu in core) for r in range(ranks)]
-    parts = spec.split("|")
-    if len(parts) != ranks:
-        raise ValueError(f"{BIND_ENV}={spec!r} names {len(parts)} core lists for {ranks} ranks")
-    binding = [_cores(part, spec) for part in parts]
-    # The ranks must sample alike: the same threads each, so that their reductions round alike.
-    if len({len(cores) for cores in binding}) > 1:
-        raise ValueError(f"{BIND_ENV}={spec!r}: give every rank as many cores")
-    return binding
-
-
-def _physical_cores(cpus: list[int]) -> list[list[int]]:
-    """The logical CPUs grouped by physical core (hyper-threads together), in order."""
-    cores: dict[tuple[str, str], list[int]] = {}
-    for cpu in cpus:
-        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        try:
-            key = tuple(open(f"{topology}/{name}").read().strip() for name in ("physical_package_id", "core_id"))
-        except OSError:
-            key = (str(cpu), "")
-        cores.setdefault(key, []).append(cpu)
-    return sorted(cores.values())
-
-
-def _cores(part: str, spec: str) -> list[int]:
-    """'0-3,8' -> [0, 1, 2, 3, 8]."""
-    cores: list[int] = []
-    try:
-        for piece in part.split(","):
-            first, _, last = piece.partition("-")
-            cores.extend(range(int(first), int(last or first) + 1))
-    except ValueError:
-        raise ValueError(f"{BIND_ENV}={spec!r}: expected core lists like 0-7|8-15") from None
-    if not cores:
-        raise ValueError(f"{BIND_ENV}={spec!r}: a rank with no cores")
-    return cores
 
 
 def _free_port() -> int:
@@ -240,7 +190,7 @@ def _worker_main(rank: int, size: int, init_method: str, region: str, model_conf
 
         if cores is not None:
             os.sched_setaffinity(0, cores)
-            torch.set_num_threads(len(_physical_cores(cores)))
+            torch.set_num_threads(len(physical_cores_of(cores)))
         # The same seed on every rank: their samplers draw alike, so their runners keep one state.
         torch.manual_seed(seed if seed is not None else 0)
         init_tensor_parallel(rank, size, init_method, torch.device(device).type, shared_region=region)

@@ -111,7 +111,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.render(engine.stats), media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.render(engine.replica_stats), media_type="text/plain; version=0.0.4")
 
     return app
 

@@ -1,0 +1,63 @@
+"""Which cores each rank of each engine replica runs on: PAGEDLLM_CPU_OMP_THREADS_BIND, as vLLM's
+VLLM_CPU_OMP_THREADS_BIND. "auto" (the default) splits this process's physical cores evenly in rank
+order, a core's hyper-threads together; "0-7|8-15" names each rank's, as many for each; "all"
+leaves them unbound. With data parallelism the ranks are every replica's, replica by replica."""
+from __future__ import annotations
+
+import os
+
+BIND_ENV = "PAGEDLLM_CPU_OMP_THREADS_BIND"
+
+
+def parse_cpu_binding(spec: str | None, ranks: int, available: list[int]) -> list[list[int]] | None:
+    """Each rank's cores, from PAGEDLLM_CPU_OMP_THREADS_BIND's value; None: leave them unbound."""
+    spec = (spec or "auto").strip()
+    if spec == "all":
+        return None
+    if spec == "auto":
+        cores = physical_cores_of(available)
+        if len(cores) < ranks:
+            raise ValueError(f"{ranks} ranks (tensor-parallel size x data-parallel size) need a core each; this process may use "
+                             f"{len(cores)} ({BIND_ENV}=all runs them unbound)")
+        share = len(cores) // ranks
+        return [sorted(cpu for core in cores[r * share:(r + 1) * share] for cpu in core) for r in range(ranks)]
+    parts = spec.split("|")
+    if len(parts) != ranks:
+        raise ValueError(f"{BIND_ENV}={spec!r} names {len(parts)} core lists for {ranks} ranks")
+    binding = [_cores(part, spec) for part in parts]
+    # The ranks must sample alike: the same threads each, so that their reductions round alike.
+    if len({len(cores) for cores in binding}) > 1:
+        raise ValueError(f"{BIND_ENV}={spec!r}: give every rank as many cores")
+    return binding
+
+
+def physical_cores_of(cpus: list[int]) -> list[list[int]]:
+    """The logical CPUs grouped by physical core (hyper-threads together), in order."""
+    cores: dict[tuple[str, str], list[int]] = {}
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            key = tuple(open(f"{topology}/{name}").read().strip() for name in ("physical_package_id", "core_id"))
+        except OSError:
+            key = (str(cpu), "")
+        cores.setdefault(key, []).append(cpu)
+    return sorted(cores.values())
+
+
+def _cores(part: str, spec: str) -> list[int]:
+    """'0-3,8' -> [0, 1, 2, 3, 8]."""
+    cores: list[int] = []
+    try:
+        for piece in part.split(","):
+            first, _, last = piece.partition("-")
+            cores.extend(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"{BIND_ENV}={spec!r}: expected core lists like 0-7|8-15") from None
+    if not cores:
+        raise ValueError(f"{BIND_ENV}={spec!r}: a rank with no cores")
+    return cores
+
+
+def physical_cores() -> int:
+    """The physical cores this process may run on."""
+    return len(physical_cores_of(sorted(os.sched_getaffinity(0))))
