@@ -8,7 +8,8 @@ TP engine's time its rank 0 spends in collectives (waiting for the other ranks i
 
 Workloads: batch-1 decode (one prompt of 32 random tokens, --decode-tokens greedy tokens) and a
 fixed batch (--batch prompts of 128 random tokens, 64 greedy tokens each, submitted together).
-Output tokens/s, medians of the rounds.
+Output tokens/s, medians of the rounds; then what one batch-1 decode step sends: its collectives and
+the bytes each rank puts in (docs/SCALING.md builds on these).
 """
 from __future__ import annotations
 
@@ -63,14 +64,28 @@ def main() -> None:
                 start = time.perf_counter()
                 rates[size].append(run(engines[size], prompts, max_tokens))
                 if size == args.tp:
-                    seconds, calls = executor.collective_time()
+                    seconds, calls, _ = executor.collective_time()
                     shares.append((seconds / (time.perf_counter() - start), calls))
         one, many = statistics.median(rates[1]), statistics.median(rates[args.tp])
         share, calls = shares[len(shares) // 2]
         print(f"{name}: TP=1 {one:.1f} tok/s, TP={args.tp} {many:.1f} tok/s, ratio {many / one:.2f}; "
               f"rank 0 in collectives {share:.0%} of the time ({calls} collectives a run)")
+    calls, nbytes = decode_communication(engines[args.tp], executor, workloads["batch-1 decode"][0])
+    print(f"communication of one batch-1 decode step: {calls:.0f} collectives, {nbytes / 1024:.1f} KiB put in by "
+          f"each rank ({engines[1].engine.model_config.hf_config.num_hidden_layers} layers)")
     for llm in engines.values():
         llm.engine.shutdown()
+
+
+def decode_communication(llm, executor, prompts: list[list[int]], steps: int = 16) -> tuple[float, float]:
+    """Collectives and bytes a rank puts in per decode step: a run of 1 + steps tokens less a run of
+    1 (the prompt's step), divided by steps."""
+    totals = []
+    for max_tokens in (1, 1 + steps):
+        executor.collective_time()  # reset
+        run(llm, prompts, max_tokens)
+        totals.append(executor.collective_time())
+    return (totals[1][1] - totals[0][1]) / steps, (totals[1][2] - totals[0][2]) / steps
 
 
 if __name__ == "__main__":

@@ -94,9 +94,9 @@ class SharedRegion:
 
 
 _shared: SharedRegion | None = None
-# Seconds this rank has spent in collectives (waiting for the other ranks included), and how
-# many it made: benchmarks/tensor_parallel.py reads them through the executor.
-collective_time = [0.0, 0]
+# Seconds this rank has spent in collectives (waiting for the other ranks included), how many it
+# made, and the bytes it put in (its input): benchmarks/tensor_parallel.py reads them through the executor.
+collective_time = [0.0, 0, 0]
 
 
 def tensor_parallel() -> TensorParallel:
@@ -139,13 +139,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
             _shared.all_reduce(x)
         else:
             dist.all_reduce(x)
-        _count(start)
+        _count(start, x.numel() * x.element_size())
     return x
 
 
-def _count(start: float) -> None:
+def _count(start: float, nbytes: int) -> None:
     collective_time[0] += time.perf_counter() - start
     collective_time[1] += 1
+    collective_time[2] += nbytes
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +159,7 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     else:
         parts = [torch.empty_like(x) for _ in range(_group.size)]
         dist.all_gather(parts, x.contiguous())
-    _count(start)
+    _count(start, x.numel() * x.element_size())
     return torch.cat(parts, dim=-1)
 
 

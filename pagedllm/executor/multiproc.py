@@ -93,8 +93,8 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output)
 
-    def collective_time(self) -> tuple[float, int]:
-        """Rank 0's seconds in collectives and their number since the last call (benchmarks)."""
+    def collective_time(self) -> tuple[float, int, int]:
+        """Rank 0's seconds in collectives, their number and its bytes in them since the last call (benchmarks)."""
         return self._call("collective_time")
 
     def shutdown(self) -> None:

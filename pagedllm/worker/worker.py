@@ -40,8 +40,9 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(scheduler_output)
 
-    def collective_time(self) -> tuple[float, int]:
-        """Tensor parallelism: (seconds in collectives, their number) since the last call."""
-        seconds, calls = parallel_state.collective_time
-        parallel_state.collective_time[:] = [0.0, 0]
-        return seconds, calls
+    def collective_time(self) -> tuple[float, int, int]:
+        """Tensor parallelism: (seconds in collectives, their number, the bytes this rank put in)
+        since the last call."""
+        seconds, calls, nbytes = parallel_state.collective_time
+        parallel_state.collective_time[:] = [0.0, 0, 0]
+        return seconds, calls, nbytes
