@@ -118,7 +118,7 @@ def main() -> None:
           f"DP {m.weight_gb:.1f} GB + {kv * args.context * b / 2**30:.2f} GiB KV")
     print(f"one node alone: {weights_s * 1e3:.0f} ms a step, {b / weights_s:.1f} tok/s")
     print(f"TP={n} sends {calls} collectives a step, {nbytes / 1024:.0f} KiB put in by each rank\n")
-    print(f"| link | TP comm ms/step | TP ms/step | TP tok/s ({b} sequences) | PP ms/step | PP tok/s ({n} micro-batches "
+    print(f"| link | TP comm ms/step | TP ms/step | TP tok/s (batch {b}) | PP ms/step | PP tok/s ({n} micro-batches "
           f"of {b}) | DP tok/s ({n} replicas of {b}) |")
     print("|---|---|---|---|---|---|---|")
     for name, gb_s, latency_us in LINKS:
