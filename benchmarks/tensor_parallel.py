@@ -5,6 +5,7 @@ TP engine's time its rank 0 spends in collectives (waiting for the other ranks i
     .venv/bin/python benchmarks/make_model.py --out /tmp/llama-250m
     .venv/bin/python benchmarks/tensor_parallel.py --model /tmp/llama-250m --rounds 3
     .venv/bin/python benchmarks/tensor_parallel.py --quantization none --dtype float32   # the default model
+    .venv/bin/python benchmarks/tensor_parallel.py --model /tmp/llama-250m --backend ray  # ranks as Ray actors
 
 Workloads: batch-1 decode (one prompt of 32 random tokens, --decode-tokens greedy tokens) and a
 fixed batch (--batch prompts of 128 random tokens, 64 greedy tokens each, submitted together).
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--backend", default="mp", choices=["mp", "ray"], help="how the ranks run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
@@ -46,7 +48,8 @@ def main() -> None:
 
     common = dict(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False,
                   max_model_len=512, kv_cache_memory="1GiB")
-    engines = {1: LLM(args.model, **common), args.tp: LLM(args.model, tensor_parallel_size=args.tp, **common)}
+    engines = {1: LLM(args.model, **common), args.tp: LLM(args.model, tensor_parallel_size=args.tp,
+                                                                 distributed_executor_backend=args.backend, **common)}
     executor = engines[args.tp].engine._core_in_process().executor
     vocab = engines[1].engine.model_config.vocab_size
     rng = random.Random(0)

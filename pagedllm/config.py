@@ -57,7 +57,7 @@ class EngineArgs:
     # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # ranks the model's layers split over (worker processes)
-    distributed_executor_backend: str | None = None  # "mp" (default where tensor_parallel_size > 1)
+    distributed_executor_backend: str | None = None  # "mp" (default where tensor_parallel_size > 1), "ray", "uni"
     data_parallel_size: int = 1  # engine replicas, a process each (engine/dp_client.py)
 
     def __post_init__(self) -> None:
@@ -68,10 +68,13 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        if self.distributed_executor_backend not in (None, "mp", "uni"):
-            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp or uni")
+        if self.distributed_executor_backend not in (None, "mp", "uni", "ray"):
+            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp, ray or uni")
+        if self.distributed_executor_backend == "ray" and self.data_parallel_size > 1:
+            raise ValueError("data-parallel replicas run as local processes: the ray executor takes one replica "
+                             "(data_parallel_size 1) for now")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError("the uni executor runs one rank: tensor_parallel_size > 1 needs mp")
+            raise ValueError("the uni executor runs one rank: tensor_parallel_size > 1 needs mp or ray")
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

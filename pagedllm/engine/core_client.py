@@ -30,6 +30,7 @@ from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.cpu_binding import BIND_ENV, physical_cores
 from pagedllm.executor.multiproc import MultiprocExecutor
+from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
 from pagedllm.models.loader import ModelConfig, check_tensor_parallel, load_model_config, load_tokenizer
@@ -76,8 +77,8 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
 
 
 def make_executor(args: EngineArgs, model_config: ModelConfig, draft_config: ModelConfig | None) -> Executor:
-    """One worker in this process ("uni", the default for one rank), or a worker process per rank
-    ("mp", the default for several)."""
+    """One worker in this process ("uni", the default for one rank), a worker process per rank
+    ("mp", the default for several), or a Ray actor per rank ("ray")."""
     size = args.tensor_parallel_size
     check_tensor_parallel(model_config, size)
     backend = args.distributed_executor_backend or ("mp" if size > 1 else "uni")
@@ -88,6 +89,8 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, draft_config: Mod
                          "uni, one rank) for now")
     if args.device != "cpu":
         raise ValueError(f"worker processes run on the CPU for now, not {args.device!r}")
+    if backend == "ray":
+        return RayExecutor(model_config, args.device, args.block_size, size, args.seed)
     return MultiprocExecutor(model_config, args.device, args.block_size, size, args.seed)
 
 

@@ -54,9 +54,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="serve with this many engine replicas (a process each, with its own copy of the "
                              "weights, its share of the cores and of the KV cache budget); a request goes to the "
                              "replica holding its prompt's prefix, else to the least loaded")
-    parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
-                        help="how the ranks run: mp (a process each, the default with -tp > 1) or uni (one, in "
-                             "the engine's process)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"],
+                        help="how the ranks run: mp (a process each on this machine, the default with -tp > 1), "
+                             "ray (a Ray actor each, on the Ray cluster this machine reaches, else a local Ray: "
+                             "pip install 'pagedllm[ray]') or uni (one, in the engine's process)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
 
