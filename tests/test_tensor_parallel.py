@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from conftest import make_model, prompts_of_mixed_lengths
+from gguf_writer import write_gguf
 from server_utils import Server, kill_mid_stream
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import HeadShare, TensorParallel, check_head_split, head_share
 from pagedllm.executor.cpu_binding import parse_cpu_binding
 from pagedllm.kernels import cpu_ops
+from pagedllm.layers.quantization.gguf import GGUFTensor, columns_in_blocks
 from pagedllm.models.loader import check_tensor_parallel, load_model_config
 
 
@@ -121,9 +123,35 @@ def test_uneven_and_replicated_heads_give_one_rank_tokens(tmp_path, tokenizer_di
     llm.engine.shutdown()
 
 
-def test_quantized_weights_are_refused_for_now():
-    with pytest.raises(ValueError, match="unquantized weights"):
-        LLM(None, tensor_parallel_size=2)  # the default model: a GGUF file on its quantized kernels
+@pytest.mark.skipif(cpu_ops() is None, reason="the quantized kernels need the C++ toolchain")
+@pytest.mark.parametrize("quantization, dtype", [("int8", "bfloat16"), ("int4_g32", "float32"), ("Q4_1", "bfloat16")])
+def test_quantized_weights_split_as_one_rank_computes_them(llama_dir, tokenizer_dir, tmp_path, quantization, dtype):
+    """Online int8 (its row-parallel scales over whole rows) and int4 groups, and a GGUF file's
+    blocks (a rank's rows, or its columns in whole blocks), its quantized table tied to the head:
+    a rank's rows of it stay quantized for the head, as one rank's head computes. Row-parallel
+    shares stay fp32 until summed. Equal tokens on a 2-layer model; on the default model's 30
+    layers the quantized activations turn the order of the sums' fp32 additions into other tokens,
+    as a 1e-7 nudge to its embeddings does (BENCHMARKS.md, issue 25)."""
+    if quantization.startswith("Q"):
+        path, kwargs = str(tmp_path / "model.gguf"), {}
+        write_gguf(llama_dir, path, quantization, tokenizer_dir)
+    else:
+        path, kwargs = llama_dir, {"quantization": quantization}
+    args = dict(dtype=dtype, max_model_len=256, kv_cache_memory="16MiB", **kwargs)
+    prompts = prompts_of_mixed_lengths(49152)
+    llm = LLM(path, tensor_parallel_size=2, **args)
+    assert _greedy(llm, prompts) == _greedy(LLM(path, **args), prompts)
+    llm.engine.shutdown()
+
+
+def test_quantized_shares_must_be_whole_groups(llama_dir):
+    # o_proj's input: 2 heads of 16 a rank, not whole groups of 128
+    with pytest.raises(ValueError, match="groups of 128 input values; rank 0's o_proj columns 0..32"):
+        LLM(llama_dir, quantization="int4", tensor_parallel_size=2)
+    q4_k = GGUFTensor("Q4_K", torch.zeros(16, 2 * 144, dtype=torch.uint8), 512)  # two 256-value blocks a row
+    assert columns_in_blocks(q4_k, 256, 256).raw.shape == (16, 144)
+    with pytest.raises(ValueError, match="do not fall on whole Q4_K blocks of 256"):
+        columns_in_blocks(q4_k, 0, 288)
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")

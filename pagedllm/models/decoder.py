@@ -19,7 +19,7 @@ from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attenti
 from pagedllm.layers.linear import GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, load_weight
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.quantization.gguf import QuantizedEmbedding, TiedHead
+from pagedllm.layers.quantization.gguf import GGUFTensor, QuantizedEmbedding, TiedHead, dequantized
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
 from pagedllm.models.interface import CausalLM, KVCache
 
@@ -203,7 +203,9 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(rows, embedding_dim)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | GGUFTensor) -> None:
+        if isinstance(loaded, GGUFTensor):  # a GGUF file's quantized table: this rank's rows, dequantized
+            loaded = dequantized(loaded)
         if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != param.shape[0] * tensor_parallel().size:
             raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects "
                              f"{(param.shape[0] * tensor_parallel().size, *param.shape[1:])}")
@@ -237,6 +239,7 @@ class DecoderForCausalLM(CausalLM):
     # Whether the family's layers split over tensor-parallel ranks (the shared decoder's do; a
     # family with layers of its own says so where they do).
     supports_tensor_parallel: ClassVar[bool] = True
+    _head_from_embedding = False  # (set in __init__: a tensor-parallel head on a quantized tied table)
     # Whether the stack takes steps with prompts computed whole (no cached context): its attention
     # computes them itself only with query tiles (bf16, AVX512-BF16); elsewhere the op-by-op path
     # hands them to PyTorch's fused attention, so those steps go op by op.
@@ -251,10 +254,15 @@ class DecoderForCausalLM(CausalLM):
         for layer, group in zip(self.model.layers, self.kv_groups.layer_group):
             layer.self_attn.kv_group = group
         embedding = self.model.embed_tokens
+        # Under tensor parallelism a quantized tied table is two: the embedding's rows dequantized
+        # (VocabParallelEmbedding) and the head's rows kept quantized, as one rank's head computes.
+        self._head_from_embedding = cfg.tie_word_embeddings and isinstance(embedding, VocabParallelEmbedding) and \
+            quant_config is not None and quant_config.quantized_embedding("model.embed_tokens")
         if cfg.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
             self.lm_head = TiedHead(embedding)
         else:
-            head_method = None if cfg.tie_word_embeddings else linear_method(quant_config, "", "lm_head")
+            head_method = (linear_method(quant_config, "", "model.embed_tokens") if self._head_from_embedding else
+                           None if cfg.tie_word_embeddings else linear_method(quant_config, "", "lm_head"))
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=head_method, parallel="column")
 
     def build_model(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
@@ -326,7 +334,8 @@ class DecoderForCausalLM(CausalLM):
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.decoder_config.tie_word_embeddings and isinstance(self.lm_head, Linear):
+        if self.decoder_config.tie_word_embeddings and isinstance(self.lm_head, Linear) \
+                and not self._head_from_embedding:
             # tied here, once materialized (packing copies it)
             self.lm_head.weight = self.model.embed_tokens.weight
         params = dict(self.named_parameters())
@@ -335,6 +344,9 @@ class DecoderForCausalLM(CausalLM):
             if "rotary_emb.inv_freq" in name or (self.decoder_config.tie_word_embeddings
                                                  and name == "lm_head.weight"):
                 continue
+            if self._head_from_embedding and name == "model.embed_tokens.weight":
+                load_weight(params["lm_head.weight"], tensor, None, name)
+                missing.discard(("lm_head.weight", None))
             target, shard = self._target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")

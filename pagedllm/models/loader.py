@@ -16,12 +16,13 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedllm import heap
-from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, RUNNER_CHOICES
-from pagedllm.distributed.parallel_state import check_head_split
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, RUNNER_CHOICES, head_dim
+from pagedllm.distributed.parallel_state import TensorParallel, check_head_split, head_share
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.pooler import PoolerConfig
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
+from pagedllm.layers.quantization.formats import BLOCK
 from pagedllm.layers.quantization.online import SCHEMES, OnlineQuantConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models import gguf as gguf_file
@@ -276,16 +277,30 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         return
     cls = model_class(config.hf_config)
     hf = config.hf_config
-    problems = {
-        f"{cls.__name__} does not split over tensor-parallel ranks yet": not getattr(cls, "supports_tensor_parallel", False),
-        "tensor parallelism takes unquantized weights for now (--quantization none)": config.quantization is not None,
-    }
-    for problem, found in problems.items():
-        if found:
-            raise ValueError(problem)
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(f"{cls.__name__} does not split over tensor-parallel ranks yet")
     check_head_split(hf.num_attention_heads, hf.num_key_value_heads, size)
     if hf.vocab_size % size:  # the ranks' logits are gathered side by side: equal shares
         raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {hf.vocab_size} vocabulary entries")
+    if config.quantization in SCHEMES:
+        _check_quantized_shares(config, size, SCHEMES[config.quantization] or BLOCK)
+
+
+def _check_quantized_shares(config: ModelConfig, size: int, block: int) -> None:
+    """Online quantization: each rank's input columns of a row-parallel layer (o_proj: its heads';
+    down_proj: its MLP features') must be whole groups, so that it quantizes what one rank would.
+    (A GGUF file's blocks are checked as its tensors load.)"""
+    hf = config.hf_config
+    for rank in range(size):
+        tp = TensorParallel(rank, size)
+        heads = head_share(hf.num_attention_heads, hf.num_key_value_heads, tp)
+        shares = {"o_proj": (heads.q_start * head_dim(hf), heads.q_count * head_dim(hf)),
+                  "down_proj": tp.split(hf.intermediate_size)}
+        for name, (start, count) in shares.items():
+            if start % block or count % block:
+                raise ValueError(f"--quantization {config.quantization} quantizes groups of {block} input values; "
+                                 f"rank {rank}'s {name} columns {start}..{start + count} are not whole groups at "
+                                 f"--tensor-parallel-size {size}")
 
 
 def load_model(model_config: ModelConfig, device: str) -> Model:

@@ -45,6 +45,11 @@ class PackedQuantMethod(LinearMethodBase):
                                           isinstance(layer, SiluAndMulLinear))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.reduce_results and x.dtype == torch.bfloat16 and layer._parameters["bias"] is None:
+            # A row-parallel share in fp32, summed over the ranks before it is rounded (Linear.forward),
+            # as one rank's sum is: the kernels quantize the same activations from fp32 (bf16 values
+            # exactly); only Q5 layers' bf16 tiles (256 rows and more) are not taken so.
+            return layer._op(x.float())
         return layer._op(x)
 
     def apply_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -292,11 +292,12 @@ def _pack_scales(fields: Fields, rows: int) -> list[np.ndarray]:
 
 
 # -- online quantization of float weights -----------------------------------------------------------
-def quantize_int8_rows(w: torch.Tensor) -> Fields:
+def quantize_int8_rows(w: torch.Tensor, row_max: torch.Tensor | None = None) -> Fields:
     """Symmetric int8 with one scale per output row (per channel), as Q8_0 records whose blocks of
-    a row share that scale: q = round(w / d), d = max |w_row| / 127 (as float16)."""
+    a row share that scale: q = round(w / d), d = max |w_row| / 127 (as float16). `row_max`: the
+    whole rows' max |w| where w holds part of each (a tensor-parallel rank's columns)."""
     w = w.float()
-    d = (w.abs().amax(dim=1) / 127).to(torch.float16)
+    d = ((w.abs().amax(dim=1) if row_max is None else row_max.float()) / 127).to(torch.float16)
     inverse = torch.where(d > 0, 1 / d.float(), torch.zeros(()))
     q = torch.round(w * inverse[:, None]).clamp(-127, 127)
     blocks = w.shape[1] // BLOCK

@@ -20,7 +20,7 @@ from torch import nn
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import Linear, LinearMethodBase, WeightLoader
 from pagedllm.layers.quantization import PackedQuantMethod, QuantizationConfig
-from pagedllm.layers.quantization.formats import FORMATS, decode, pack
+from pagedllm.layers.quantization.formats import FORMATS, decode, dequantize, pack
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -65,13 +65,36 @@ class GGUFConfig(QuantizationConfig):
 
 
 def _stash(layer: Linear, param: nn.Parameter, loaded: GGUFTensor, shard_id: str | int | None = None) -> None:
-    """A shard's raw blocks, kept until every shard of the layer is in."""
+    """A shard's raw blocks, kept until every shard of the layer is in: under tensor parallelism,
+    this rank's rows of it (column-parallel) or its columns, whole blocks of them (row-parallel)."""
     if not isinstance(loaded, GGUFTensor):
         raise ValueError(f"quantized blocks expected, got a {type(loaded).__name__}")
-    start, rows = layer.shards[shard_id] if shard_id is not None else (0, layer.out_features)
-    if (loaded.rows, loaded.cols) != (rows, layer.in_features):
-        raise ValueError(f"checkpoint shape {(loaded.rows, loaded.cols)}, model expects {(rows, layer.in_features)}")
-    layer._gguf_shards[start] = loaded
+    whole = layer.parts[shard_id][1] if shard_id is not None else sum(rows for _, rows in layer.parts.values())
+    if (loaded.rows, loaded.cols) != (whole, layer.input_whole):
+        raise ValueError(f"checkpoint shape {(loaded.rows, loaded.cols)}, model expects {(whole, layer.input_whole)}")
+    if layer.input_part is not None:
+        loaded = columns_in_blocks(loaded, *layer.input_part)
+    for shard in [shard_id] if shard_id is not None else list(layer.shards):
+        offset = layer.parts[shard][0] if shard_id is None else 0
+        local, rows = layer.shards[shard]
+        raw = loaded.raw.narrow(0, offset + layer.sources[shard], rows)
+        layer._gguf_shards[local] = GGUFTensor(loaded.type_name, raw, loaded.cols)
+
+
+def columns_in_blocks(tensor: GGUFTensor, start: int, count: int) -> GGUFTensor:
+    """Input columns start .. start + count of every row, which must fall on the type's blocks."""
+    fmt = FORMATS[tensor.type_name]
+    if start % fmt.block_values or count % fmt.block_values:
+        raise ValueError(f"this rank's input columns {start}..{start + count} do not fall on whole {fmt.name} blocks "
+                         f"of {fmt.block_values} values: choose a --tensor-parallel-size whose shares do, or "
+                         "--quantization none")
+    first, nbytes = start // fmt.block_values * fmt.block_bytes, count // fmt.block_values * fmt.block_bytes
+    return GGUFTensor(tensor.type_name, tensor.raw.narrow(1, first, nbytes).contiguous(), count)
+
+
+def dequantized(tensor: GGUFTensor) -> torch.Tensor:
+    """A tensor's blocks as float32 [rows, cols] (a tensor-parallel embedding holds its rows so)."""
+    return dequantize(decode(tensor.raw.numpy(), FORMATS[tensor.type_name]))
 
 
 class GGUFLinearMethod(PackedQuantMethod):

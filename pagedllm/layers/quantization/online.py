@@ -11,6 +11,8 @@ freed. The embedding and the output head stay unquantized, as vLLM keeps them.
 """
 from __future__ import annotations
 
+import functools
+
 from pagedllm.layers.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
 from pagedllm.layers.quantization import PackedQuantMethod, QuantizationConfig
 from pagedllm.layers.quantization.formats import pack, quantize_int4_groups, quantize_int8_rows
@@ -36,10 +38,20 @@ class OnlineQuantLinearMethod(PackedQuantMethod):
 
     def create_weights(self, layer: Linear, weight_loader) -> None:
         UnquantizedLinearMethod.create_weights(self, layer, weight_loader)
+        if layer.input_part is not None and SCHEMES[self.scheme] is None:
+            layer.weight.weight_loader = functools.partial(_load_keeping_row_max, layer, weight_loader)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         weight = layer.weight.detach()
         group = SCHEMES[self.scheme]
-        fields = quantize_int8_rows(weight) if group is None else quantize_int4_groups(weight, group)
+        fields = (quantize_int8_rows(weight, getattr(layer, "_row_max", None)) if group is None
+                  else quantize_int4_groups(weight, group))
         del layer.weight
         self.install(layer, [(pack(fields), fields.format, layer.out_features)], (self.scheme,))
+
+
+def _load_keeping_row_max(layer: Linear, weight_loader, param, loaded, shard_id=None) -> None:
+    """A row-parallel layer's int8 scales are its whole rows' (max |w| over every rank's columns),
+    so that each rank's codes are the ones a single rank's would be."""
+    layer._row_max = loaded.to(param.dtype).float().abs().amax(dim=1)  # of the values held, as one rank's
+    weight_loader(param, loaded, shard_id)
