@@ -21,6 +21,7 @@ from server_utils import Server, kill_mid_stream
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import HeadShare, TensorParallel, check_head_split, head_share
+from pagedllm.executor import cpu_binding
 from pagedllm.executor.cpu_binding import parse_cpu_binding
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization.gguf import GGUFTensor, columns_in_blocks
@@ -55,6 +56,14 @@ def test_cpu_binding():
         parse_cpu_binding("0|1", 3, [0, 1])
     with pytest.raises(ValueError, match="core lists like"):
         parse_cpu_binding("0|x", 2, [0, 1])
+
+
+def test_auto_binding_gives_each_rank_whole_numa_nodes(monkeypatch):
+    # Two sockets, a NUMA node each, CPUs numbered alternately between them, hyper-threads n and n + 8.
+    monkeypatch.setattr(cpu_binding, "cpu_topology", lambda cpu: (cpu % 2, cpu % 2, cpu % 8 // 2))
+    assert parse_cpu_binding("auto", 2, list(range(16))) == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
+    assert parse_cpu_binding("auto", 4, list(range(16))) == [[0, 2, 8, 10], [4, 6, 12, 14], [1, 3, 9, 11],
+                                                             [5, 7, 13, 15]]
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:

@@ -32,16 +32,31 @@ def parse_cpu_binding(spec: str | None, ranks: int, available: list[int]) -> lis
 
 
 def physical_cores_of(cpus: list[int]) -> list[list[int]]:
-    """The logical CPUs grouped by physical core (hyper-threads together), in order."""
-    cores: dict[tuple[str, str], list[int]] = {}
+    """The logical CPUs grouped by physical core (hyper-threads together), ordered by NUMA node,
+    then socket, then core: an even split in this order gives ranks whole nodes where it can (a
+    rank per node or socket, its memory local, as each rank loads its own weights once bound)."""
+    cores: dict[tuple[int, int, int], list[int]] = {}
     for cpu in cpus:
-        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        try:
-            key = tuple(open(f"{topology}/{name}").read().strip() for name in ("physical_package_id", "core_id"))
-        except OSError:
-            key = (str(cpu), "")
-        cores.setdefault(key, []).append(cpu)
-    return sorted(cores.values())
+        cores.setdefault(cpu_topology(cpu), []).append(cpu)
+    return [sorted(cores[key]) for key in sorted(cores)]
+
+
+def cpu_topology(cpu: int) -> tuple[int, int, int]:
+    """(NUMA node, socket, core) of a logical CPU, from sysfs; (0, 0, cpu) where it says nothing."""
+    base = f"/sys/devices/system/cpu/cpu{cpu}"
+    node = next((int(name[4:]) for name in _listdir(base) if name.startswith("node") and name[4:].isdigit()), 0)
+    try:
+        package, core = (int(open(f"{base}/topology/{name}").read()) for name in ("physical_package_id", "core_id"))
+    except (OSError, ValueError):
+        package, core = 0, cpu
+    return node, package, core
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def _cores(part: str, spec: str) -> list[int]:
