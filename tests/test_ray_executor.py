@@ -81,6 +81,12 @@ def test_bad_ray_set_ups_fail_at_start_up(local_ray, llama_dir, monkeypatch):
         LLM(llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray", **ARGS)
 
 
+def test_ranks_get_equal_cpus_each_on_one_machine():
+    assert ray_executor.cpus_per_rank([16, 16], 3) == 8  # two fit a machine of 16
+    assert ray_executor.cpus_per_rank([4, 32], 2) == 16  # both on the large one
+    assert ray_executor.cpus_per_rank([2], 2) == 1 and ray_executor.cpus_per_rank([1], 2) == 0
+
+
 def test_an_unreachable_ray_cluster_fails_in_seconds(llama_dir):
     script = ("from pagedllm import LLM\n"
               f"LLM({llama_dir!r}, tensor_parallel_size=2, distributed_executor_backend='ray', dtype='float32')")

@@ -20,17 +20,30 @@ def start_child(module: str, env: dict[str, str] | None = None) -> tuple[subproc
     ChildStartError if it exits before it connects (an interpreter that cannot import us)."""
     authkey = secrets.token_bytes(32)
     address = os.path.join(tempfile.mkdtemp(prefix="pagedllm-"), "child.sock")
-    with Listener(address, "AF_UNIX", authkey=authkey) as listener:
-        process = subprocess.Popen([sys.executable, "-m", module, address],
-                                   env={**os.environ, **(env or {}), _AUTHKEY_ENV: authkey.hex()})
-        accepted = threading.Event()
-        threading.Thread(target=_unblock_if_exits, args=(process, address, authkey, accepted), daemon=True).start()
-        connection = listener.accept()  # the socket file goes with the listener
-        accepted.set()
-    os.rmdir(os.path.dirname(address))
-    if process.poll() is not None:
-        connection.close()
-        raise ChildStartError(f"{module} exited with code {process.returncode} as it started")
+    process = None
+    try:
+        with Listener(address, "AF_UNIX", authkey=authkey) as listener:
+            process = subprocess.Popen([sys.executable, "-m", module, address],
+                                       env={**os.environ, **(env or {}), _AUTHKEY_ENV: authkey.hex()})
+            accepted = threading.Event()
+            threading.Thread(target=_unblock_if_exits, args=(process, address, authkey, accepted), daemon=True).start()
+            try:
+                connection = listener.accept()  # the socket file goes with the listener
+            finally:
+                accepted.set()
+        if process.poll() is not None:
+            connection.close()
+            raise ChildStartError(f"{module} exited with code {process.returncode} as it started")
+    except BaseException as exc:
+        if process is not None and process.poll() is None:
+            process.kill()
+        if isinstance(exc, (OSError, EOFError)):  # it died mid-handshake
+            raise ChildStartError(f"{module} failed as it started: {exc!r}") from exc
+        raise
+    finally:
+        if process is not None and process.poll() is not None:
+            process.wait()
+        os.rmdir(os.path.dirname(address))
     return process, connection
 
 

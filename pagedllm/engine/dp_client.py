@@ -66,8 +66,10 @@ class PrefixRouter:
         return next((i for i, h in enumerate(hashes) if h not in known), len(hashes))
 
     def _record(self, replica: int, hashes: list[int]) -> None:
+        """The prompt's blocks, its first the most recent: a prefix is matched from its first
+        block, so the deepest blocks go first when the replica's share is full."""
         known = self.prefixes[replica]
-        for block_hash in hashes:
+        for block_hash in reversed(hashes):
             known[block_hash] = None
             known.move_to_end(block_hash)
         while len(known) > self.capacity[replica]:
@@ -94,14 +96,15 @@ class DPEngineCoreClient:
         except BaseException:
             self.shutdown()
             raise
-        self.router = PrefixRouter(size, args.block_size, [r.stats().kv_blocks_total for r in self.replicas])
+        # Without prefix caching nothing is shared: routing by load alone (no blocks remembered).
+        capacity = [r.stats().kv_blocks_total if args.enable_prefix_caching else 0 for r in self.replicas]
+        self.router = PrefixRouter(size, args.block_size, capacity)
         self.owner: dict[str, int] = {}  # request id -> its replica, until it ends
         self._held: set[str] = set()  # held requests: owned until released, though finished
 
     def add_request(self, message: EngineCoreRequest) -> None:
-        if message.fork_of is not None:
-            replica = self.owner[message.fork_of]
-        else:
+        replica = self.owner.get(message.fork_of) if message.fork_of is not None else None
+        if replica is None:  # (a fork whose parent has gone computes its prompt whole, anywhere)
             loads = [r.num_unfinished for r in self.replicas]
             replica = self.router.choose(message.prompt_token_ids, message.cache_salt, loads)
         self.owner[message.request_id] = replica

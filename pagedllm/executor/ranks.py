@@ -4,15 +4,17 @@ rank's side; on the engine's, sending each call to every rank and judging their 
 
 The engine sends every call to every rank and takes rank 0's answer: the ranks sample the same
 tokens from the same all-gathered logits, so each rank's model runner keeps the same state
-without being told. An answer is ("ok", value) or ("error", message). An error every rank raised
+without being told. An answer is ("ok", value) or ("error", (type name, text)). An error every rank raised
 (the same inputs fail alike: a request's bad rows) is the step's, raised as the uniprocess
 executor would; one that only some raised, a rank that dies, or ranks that stop answering (left
 waiting in a collective) are the executor's failure, which the engine core takes as fatal.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
+import time
 import traceback
 from abc import abstractmethod
 from collections.abc import Hashable
@@ -55,16 +57,17 @@ def start_rank(rank: int, size: int, init_method: str, region: str | None, model
 
 
 def answer(worker, rank: int, method: str, args: tuple) -> tuple[str, Any]:
-    """On the rank: the worker's `method(*args)` as an answer (the value only from rank 0)."""
+    """On the rank: the worker's `method(*args)` as an answer (the value only from rank 0); an
+    error as (its type's name, its message)."""
     try:
         result = getattr(worker, method)(*args)
     except Exception as exc:  # noqa: BLE001 - the engine decides what it means
-        return "error", f"{type(exc).__name__}: {exc}"
+        return "error", (type(exc).__name__, f"{type(exc).__name__}: {exc}")
     return "ok", result if rank == 0 else None
 
 
-def start_failure() -> tuple[str, str]:
-    return "error", traceback.format_exc(limit=8)
+def start_failure() -> tuple[str, tuple[str, str]]:
+    return "error", ("RuntimeError", traceback.format_exc(limit=8))
 
 
 class RanksExecutor(Executor):
@@ -113,21 +116,25 @@ class RanksExecutor(Executor):
         """Each rank's answer, in rank order. Every rank is waited on at once, so that a rank's
         death raises as it happens."""
         results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
+        errors: dict[int, tuple[str, str]] = {}  # rank -> (the error's type name, its text)
         pending = dict(pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            wait_s = ERROR_GRACE_S if errors else timeout
+            if errors:  # the others have a grace period from the first error on
+                deadline = min(deadline or math.inf, time.monotonic() + ERROR_GRACE_S)
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = self._wait(list(pending), wait_s)
             if not ready:
                 late = sorted(pending.values())
-                raise ExecutorFailure(f"tensor-parallel ranks {late} did not answer in {wait_s:.0f} s" +
-                                      (f" after rank {min(errors)} failed: {errors[min(errors)]}" if errors else ""))
+                raise ExecutorFailure(f"tensor-parallel ranks {late} did not answer in time" +
+                                      (f" after rank {min(errors)} failed: {errors[min(errors)][1]}" if errors else ""))
             for handle in ready:
                 rank = pending.pop(handle)
                 status, value = self._receive(handle, rank)
                 (errors if status == "error" else results)[rank] = value
         if errors and len(errors) < self.size:
-            raise ExecutorFailure(f"tensor-parallel rank {min(errors)} failed alone: {errors[min(errors)]}")
-        if errors:
-            raise RuntimeError(errors[0])
+            raise ExecutorFailure(f"tensor-parallel rank {min(errors)} failed alone: {errors[min(errors)][1]}")
+        if errors:  # a ValueError stays one (a bad input or set-up, said at start-up as such)
+            kind, text = errors[0]
+            raise (ValueError if kind == "ValueError" else RuntimeError)(text)
         return [results[rank] for rank in range(self.size)]

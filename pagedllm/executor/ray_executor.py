@@ -87,10 +87,10 @@ class RayExecutor(RanksExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray = self.ray
-        cpus = int(ray.cluster_resources().get("CPU", 0))
-        if cpus < size:
-            raise ValueError(f"the Ray cluster has {cpus} CPUs: {size} tensor-parallel ranks need one each")
-        per_rank = cpus // size
+        node_cpus = [int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")]
+        per_rank = cpus_per_rank(node_cpus, size)
+        if per_rank == 0:
+            raise ValueError(f"the Ray cluster has {sum(node_cpus)} CPUs: {size} tensor-parallel ranks need one each")
         self.state.placement = placement_group([{"CPU": per_rank}] * size, strategy="PACK")
         ready, _ = ray.wait([self.state.placement.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -103,7 +103,7 @@ class RayExecutor(RanksExecutor):
         where = ray.get([actor.where.remote() for actor in self.state.actors], timeout=STARTUP_TIMEOUT_S)
         nodes = {node for node, _, _, _ in where}
         self.state.pids = [pid for _, _, _, pid in where]
-        if same_machine(nodes, ray.get_runtime_context().get_node_id()):
+        if same_machine(nodes, ray.get_runtime_context().get_node_id()) and not _client_mode(ray):
             self.state.region = SharedRegion.create(size)
         region = self.state.region.name if self.state.region is not None else None
         _, address, port, _ = where[0]
@@ -141,6 +141,17 @@ class _Ranks:
     region: shared_memory.SharedMemory | None = None
 
 
+def cpus_per_rank(node_cpus: list[int], size: int) -> int:
+    """The most CPUs a rank can have, every rank as many, each rank on one machine: the largest c
+    with sum(cpus // c) >= size over the machines (0: fewer CPUs than ranks)."""
+    return next((c for c in range(max(node_cpus, default=0), 0, -1) if sum(n // c for n in node_cpus) >= size), 0)
+
+
+def _client_mode(ray) -> bool:
+    """Connected through Ray Client (ray://): the node Ray reports is the head's, not this machine."""
+    return ray.util.client.ray.is_connected()
+
+
 def same_machine(nodes: set[str], engine_node: str) -> bool:
     """Whether every rank runs on the engine's machine, so that their collectives can go through
     shared memory the engine makes (where the ranks have the C++ kernels)."""
@@ -148,7 +159,9 @@ def same_machine(nodes: set[str], engine_node: str) -> bool:
 
 
 def _connect(ray) -> bool:
-    """Join the Ray instance there is, or start one; True where this call started it."""
+    """Join the Ray instance there is, or start one; True where this call initialized Ray (started
+    or joined it), so that the executor's shutdown leaves it (a second Ray executor in the same
+    process would lose its ranks with the first's shutdown: one engine a process)."""
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
@@ -173,15 +186,15 @@ def _check_reachable(address: str) -> None:
 
 def _stop_ranks(ray, state: _Ranks, started: bool) -> None:
     """Kill every rank (one waiting in a collective answers no call), then free their placement,
-    the shared region, and the Ray instance this executor started."""
-    if state.region is not None:
-        state.region.close()
-        state.region.unlink()
-    if not ray.is_initialized():  # (at exit, Ray's own hook may have run first: the actors went with it)
-        return
-    for actor in state.actors:
-        ray.kill(actor)
-    if state.placement is not None:
-        ray.util.remove_placement_group(state.placement)
-    if started:
-        ray.shutdown()
+    the shared region, and the Ray instance this executor initialized; each step whatever the
+    others did (a cluster gone at exit, a failed start whose own error must not be hidden)."""
+    steps = [lambda: (state.region.close(), state.region.unlink()) if state.region is not None else None]
+    if ray.is_initialized():  # (at exit, Ray's own hook may have run first: the actors went with it)
+        steps += [lambda actor=actor: ray.kill(actor) for actor in state.actors]
+        steps += [lambda: ray.util.remove_placement_group(state.placement) if state.placement is not None else None]
+        steps += [ray.shutdown] if started else []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - stopping goes on
+            logger.warning("stopping the Ray ranks: %s", exc)

@@ -254,15 +254,26 @@ class Linear(nn.Module):
             elif loaded.dim() == 2:
                 raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects {self.input_whole} "
                                  "input columns")
-        shards = [shard_id] if shard_id is not None else list(self.shards)
-        whole = sum(rows for _, rows in self.parts.values()) if shard_id is None else self.parts[shard_id][1]
+        whole = self.whole_rows(shard_id)
         if loaded.shape[0] != whole:
             columns = () if param.dim() == 1 else (self.input_whole,)
             raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects {(whole, *columns)}")
-        for shard in shards:
+        for local, source, rows in self.rows_of(shard_id):
+            copy_checked(param.data.narrow(0, local, rows), loaded.narrow(0, source, rows))
+
+    def whole_rows(self, shard_id: str | int | None) -> int:
+        """The rows of a checkpoint tensor of `shard_id` (None: of the whole layer)."""
+        return sum(rows for _, rows in self.parts.values()) if shard_id is None else self.parts[shard_id][1]
+
+    def rows_of(self, shard_id: str | int | None) -> list[tuple[int, int, int]]:
+        """Where a checkpoint tensor of `shard_id` (None: the whole layer) goes on this rank: per
+        shard, (its first row here, the row of the tensor it starts at, rows)."""
+        pieces = []
+        for shard in [shard_id] if shard_id is not None else list(self.shards):
             offset = self.parts[shard][0] if shard_id is None else 0
             local, rows = self.shards[shard]
-            copy_checked(param.data.narrow(0, local, rows), loaded.narrow(0, offset + self.sources[shard], rows))
+            pieces.append((local, offset + self.sources[shard], rows))
+        return pieces
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)

@@ -204,11 +204,14 @@ class VocabParallelEmbedding(nn.Embedding):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | GGUFTensor) -> None:
+        whole = (param.shape[0] * tensor_parallel().size, *param.shape[1:])
+        shape = (loaded.rows, loaded.cols) if isinstance(loaded, GGUFTensor) else tuple(loaded.shape)
+        if shape != whole:
+            raise ValueError(f"checkpoint shape {shape}, model expects {whole}")
         if isinstance(loaded, GGUFTensor):  # a GGUF file's quantized table: this rank's rows, dequantized
-            loaded = dequantized(loaded)
-        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != param.shape[0] * tensor_parallel().size:
-            raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects "
-                             f"{(param.shape[0] * tensor_parallel().size, *param.shape[1:])}")
+            param.data.copy_(dequantized(GGUFTensor(loaded.type_name, loaded.raw.narrow(0, self.vocab_start,
+                                                                                         param.shape[0]), loaded.cols)))
+            return
         param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

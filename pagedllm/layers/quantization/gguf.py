@@ -69,16 +69,13 @@ def _stash(layer: Linear, param: nn.Parameter, loaded: GGUFTensor, shard_id: str
     this rank's rows of it (column-parallel) or its columns, whole blocks of them (row-parallel)."""
     if not isinstance(loaded, GGUFTensor):
         raise ValueError(f"quantized blocks expected, got a {type(loaded).__name__}")
-    whole = layer.parts[shard_id][1] if shard_id is not None else sum(rows for _, rows in layer.parts.values())
+    whole = layer.whole_rows(shard_id)
     if (loaded.rows, loaded.cols) != (whole, layer.input_whole):
         raise ValueError(f"checkpoint shape {(loaded.rows, loaded.cols)}, model expects {(whole, layer.input_whole)}")
     if layer.input_part is not None:
         loaded = columns_in_blocks(loaded, *layer.input_part)
-    for shard in [shard_id] if shard_id is not None else list(layer.shards):
-        offset = layer.parts[shard][0] if shard_id is None else 0
-        local, rows = layer.shards[shard]
-        raw = loaded.raw.narrow(0, offset + layer.sources[shard], rows)
-        layer._gguf_shards[local] = GGUFTensor(loaded.type_name, raw, loaded.cols)
+    for local, source, rows in layer.rows_of(shard_id):
+        layer._gguf_shards[local] = GGUFTensor(loaded.type_name, loaded.raw.narrow(0, source, rows), loaded.cols)
 
 
 def columns_in_blocks(tensor: GGUFTensor, start: int, count: int) -> GGUFTensor:

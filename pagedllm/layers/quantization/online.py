@@ -44,7 +44,7 @@ class OnlineQuantLinearMethod(PackedQuantMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         weight = layer.weight.detach()
         group = SCHEMES[self.scheme]
-        fields = (quantize_int8_rows(weight, getattr(layer, "_row_max", None)) if group is None
+        fields = (quantize_int8_rows(weight, layer.__dict__.pop("_row_max", None)) if group is None
                   else quantize_int4_groups(weight, group))
         del layer.weight
         self.install(layer, [(pack(fields), fields.format, layer.out_features)], (self.scheme,))
