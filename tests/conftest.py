@@ -52,7 +52,8 @@ def make_model(arch: str, path, tokenizer_dir: str, **overrides) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(ARCHS.index(arch))
-    model = AutoModelForCausalLM.from_config(_config(arch, len(tokenizer), **overrides), dtype=torch.float32)
+    config = _config(arch, **{"vocab_size": len(tokenizer), **overrides})  # (a vocabulary may outgrow the tokenizer)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

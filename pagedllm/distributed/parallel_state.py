@@ -163,6 +163,20 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def all_gather_shares(x: torch.Tensor, total: int) -> torch.Tensor:
+    """Every rank's share of `total` columns (split as TensorParallel.split splits them), side by
+    side: shares one narrower than the widest are padded for the gather, the padding dropped after."""
+    size = _group.size
+    if size == 1:
+        return x
+    width = -(-total // size)
+    gathered = all_gather_last(torch.nn.functional.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x)
+    if total % size == 0:
+        return gathered
+    shares = [TensorParallel(rank, size).split(total)[1] for rank in range(size)]
+    return torch.cat([gathered[..., rank * width:rank * width + n] for rank, n in enumerate(shares)], dim=-1)
+
+
 @dataclass(frozen=True)
 class HeadShare:
     """A rank's attention heads: its query heads and K/V heads, first and count of each."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import head_dim, kv_cache_groups, sliding_windows
-from pagedllm.distributed.parallel_state import all_gather_last, all_reduce, head_share, tensor_parallel
+from pagedllm.distributed.parallel_state import all_gather_shares, all_reduce, head_share, tensor_parallel
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
 from pagedllm.layers.linear import GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, load_weight
@@ -201,10 +201,11 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         self.vocab_start, rows = tensor_parallel().split(num_embeddings)
         super().__init__(rows, embedding_dim)
+        self.vocab_size = num_embeddings
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | GGUFTensor) -> None:
-        whole = (param.shape[0] * tensor_parallel().size, *param.shape[1:])
+        whole = (self.vocab_size, *param.shape[1:])
         shape = (loaded.rows, loaded.cols) if isinstance(loaded, GGUFTensor) else tuple(loaded.shape)
         if shape != whole:
             raise ValueError(f"checkpoint shape {shape}, model expects {whole}")
@@ -286,7 +287,7 @@ class DecoderForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Tensor parallelism: each rank's vocabulary share, gathered (every rank samples alike).
-        return all_gather_last(self.lm_head(hidden)).float()
+        return all_gather_shares(self.lm_head(hidden), self.decoder_config.vocab_size).float()
 
     def bind_kernels(self) -> None:
         """Hand the decoder layers to the C++ stack if every op of theirs has a kernel there (bf16

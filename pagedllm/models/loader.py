@@ -280,8 +280,6 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     if not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{cls.__name__} does not split over tensor-parallel ranks yet")
     check_head_split(hf.num_attention_heads, hf.num_key_value_heads, size)
-    if hf.vocab_size % size:  # the ranks' logits are gathered side by side: equal shares
-        raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {hf.vocab_size} vocabulary entries")
     if config.quantization in SCHEMES:
         _check_quantized_shares(config, size, SCHEMES[config.quantization] or BLOCK)
 
