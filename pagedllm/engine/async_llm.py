@@ -225,6 +225,8 @@ class AsyncLLM:
             while not self._stopping.is_set():
                 self._take_commands(wait=not self.engine.has_unfinished_requests())
                 if not self.engine.has_unfinished_requests():
+                    self.engine.refresh_stats()
+                    self.replica_stats = self.engine.replica_stats()
                     continue
                 outputs = self.engine.step()
                 self.replica_stats = self.engine.replica_stats()

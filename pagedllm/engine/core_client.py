@@ -191,6 +191,13 @@ class EngineCoreProcClient:
                 self._unfinished.discard(output.request_id)
         return outputs
 
+    def poll(self) -> list[EngineCoreOutput]:
+        """The outputs of every step the core has sent, without waiting (its stats taken too)."""
+        outputs: list[EngineCoreOutput] = []
+        while self._conn.poll():
+            outputs += self.step()
+        return outputs
+
     def stats(self) -> SchedulerStats:
         """As of the core's last step (or its start)."""
         return self._stats
@@ -234,11 +241,16 @@ def run_engine_core(conn: Connection) -> None:
     try:
         while True:
             rejected: list[EngineCoreOutput] = []
-            while conn.poll(None if not core.has_unfinished_requests() and not rejected else 0):
+            # Idle: wait for messages, then take those there are; every batch is answered with a
+            # step (empty where idle still), so that the frontend's stats follow an idle core's
+            # releases and aborts.
+            wait = None if not core.has_unfinished_requests() else 0
+            while conn.poll(wait):
                 message = conn.recv()
                 if message[0] == "shutdown":
                     return
                 rejected += _apply(core, message)
+                wait = 0
             outputs = core.step() if core.has_unfinished_requests() else []
             outbox.put(("step", (rejected + outputs, core.stats())))
     except (EOFError, OSError):  # the frontend has gone (it exited without shutting the core down)

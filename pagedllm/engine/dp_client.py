@@ -129,17 +129,18 @@ class DPEngineCoreClient:
         """The outputs of every step the replicas have sent since the last call (waiting for one
         where any has work)."""
         busy = [r.connection for r in self.replicas if r.has_unfinished_requests()]
-        ready = set(wait(busy)) if busy else set()
-        outputs: list[EngineCoreOutput] = []
-        for replica in self.replicas:
-            # Every step a replica has sent, an idle one's too (after requests it was told to end): its stats.
-            while replica.connection in ready or replica.connection.poll():
-                ready.discard(replica.connection)
-                outputs += replica.step()
+        if busy:
+            wait(busy)
+        # Every step a replica has sent, an idle one's too (after requests it was told to end): its stats.
+        outputs = self.poll()
         for output in outputs:
             if output.finish_reason is not None and output.request_id not in self._held:
                 self.owner.pop(output.request_id, None)
         return outputs
+
+    def poll(self) -> list[EngineCoreOutput]:
+        """What every replica has sent, without waiting."""
+        return [output for replica in self.replicas for output in replica.poll()]
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats.merge(self.replica_stats())

@@ -275,6 +275,12 @@ class LLMEngine:
         """The engine's, its replicas' together (data parallelism)."""
         return self.engine_core.stats()
 
+    def refresh_stats(self) -> None:
+        """An idle engine's: take what a core in a process of its own has sent since its last step
+        (the stats after releases and aborts; outputs only for requests already ended)."""
+        if not isinstance(self.engine_core, EngineCore):
+            self.engine_core.poll()
+
     def replica_stats(self) -> list[SchedulerStats]:
         """Each engine replica's (one without data parallelism)."""
         core = self.engine_core
