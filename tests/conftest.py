@@ -60,6 +60,17 @@ def make_model(arch: str, path, tokenizer_dir: str, **overrides) -> str:
 
 
 @pytest.fixture(scope="session")
+def default_hf_model():
+    """Transformers' fp32 model of the default GGUF file (its loader dequantizes it), loaded once for
+    the session: each load took 20 s, most of it reading the file's tokenizer and mapping tensor names."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
     return {arch: make_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir) for arch in ARCHS}
 

@@ -61,7 +61,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import ARCHS, _DEFAULT_GGUF, default_model_dir, make_model
+from conftest import ARCHS, make_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.outputs import RequestOutput
 from test_decoder_stack import _SHAPE, _stack_can_build
@@ -260,19 +260,15 @@ def test_tiny_models_bf16_match_transformers_bf16(arch, tmp_path, tokenizer_dir)
                                 expect_stack=_stack_can_build() and arch != "qwen3")
 
 
-def test_default_model_bf16_matches_transformers_bf16():
+def test_default_model_bf16_matches_transformers_bf16(default_hf_model):
     """The default model (SmolLM2-135M, a Q4_1 GGUF) dequantized at load (--quantization none) at the
     default dtype, which is bf16 where the CPU computes it natively. Transformers dequantizes the
     same file; its bf16 load equals its fp32 load rounded to bf16, which is how the references are
     built (one load, not three)."""
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
     if llm.engine.model_config.dtype != torch.bfloat16:
         pytest.skip("dtype auto is fp32 on this CPU: test_model_correctness holds that path")
-    hf32 = AutoModelForCausalLM.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF,
-                                                dtype=torch.float32).eval()
+    hf32 = default_hf_model
     tokenizer = llm.get_tokenizer()
     texts = [
         "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "

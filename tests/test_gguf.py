@@ -13,7 +13,7 @@ from pagedllm import LLM, SamplingParams
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def _gguf(tmp_path, hf_dir: str, qtype: str, tokenizer_dir: str) -> str:
+def _gguf(tmp_path, hf_dir: str, qtype: str, tokenizer_dir: str | None) -> str:
     folder = tmp_path / qtype  # alone in its folder: a tokenizer.json beside it would shadow the GGUF's
     folder.mkdir()
     path = str(folder / "model.gguf")
@@ -21,9 +21,12 @@ def _gguf(tmp_path, hf_dir: str, qtype: str, tokenizer_dir: str) -> str:
     return path
 
 
-def _assert_same_greedy(path: str, oracle) -> None:
-    """The file dequantized at load (--quantization none): exactly transformers' dequantized model."""
-    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", block_size=4, quantization="none")
+def _assert_same_greedy(path: str, oracle, tokenizer_dir: str) -> None:
+    """The file dequantized at load (--quantization none): exactly transformers' dequantized model.
+    The files of these tests hold no tokenizer: parsing its 49k entries took transformers' reader
+    most of each test's time, three times over (the tokenizer has tests of its own)."""
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", block_size=4, quantization="none",
+              tokenizer=tokenizer_dir)
     prompts = prompts_of_mixed_lengths(oracle.config.vocab_size, seed=4)[1:]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
@@ -34,8 +37,9 @@ def _assert_same_greedy(path: str, oracle) -> None:
 def test_f32_gguf_equals_the_hf_folder(tmp_path, tiny_models, tokenizer_dir, arch):
     from transformers import AutoModelForCausalLM
 
-    path = _gguf(tmp_path, tiny_models[arch], "F32", tokenizer_dir)
-    _assert_same_greedy(path, AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32))
+    path = _gguf(tmp_path, tiny_models[arch], "F32", None)
+    _assert_same_greedy(path, AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32),
+                        tokenizer_dir)
 
 
 @pytest.mark.parametrize("arch, qtype", [("llama", "F32"), ("llama", "Q8_0"), ("qwen2", "Q4_0"),
@@ -44,9 +48,9 @@ def test_quantized_gguf_equals_transformers_gguf_loader(tmp_path, tiny_models, t
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    path = _gguf(tmp_path, tiny_models[arch], qtype, tokenizer_dir)
+    path = _gguf(tmp_path, tiny_models[arch], qtype, None)
     oracle = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file="model.gguf", dtype=torch.float32)
-    _assert_same_greedy(path, oracle)
+    _assert_same_greedy(path, oracle, tokenizer_dir)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
@@ -56,9 +60,9 @@ def test_k_quants_equal_transformers_gguf_loader(tmp_path, tokenizer_dir, qtype)
     from transformers import AutoModelForCausalLM
 
     hf_dir = make_model("qwen2", tmp_path / "wide", tokenizer_dir, hidden_size=256, intermediate_size=512)
-    path = _gguf(tmp_path, hf_dir, qtype, tokenizer_dir)
+    path = _gguf(tmp_path, hf_dir, qtype, None)
     oracle = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file="model.gguf", dtype=torch.float32)
-    _assert_same_greedy(path, oracle)
+    _assert_same_greedy(path, oracle, tokenizer_dir)
 
 
 def test_gguf_tokenizer_and_chat_template(tmp_path, tiny_models, tokenizer_dir):

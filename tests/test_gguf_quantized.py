@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from conftest import _DEFAULT_GGUF, default_model_dir, hf_greedy, make_model, prompts_of_mixed_lengths
+from conftest import hf_greedy, make_model, prompts_of_mixed_lengths
 from gguf_writer import write_gguf
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
@@ -32,11 +32,13 @@ def wide_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
             for arch in ("llama", "qwen2")}
 
 
-def gguf_file(tmp_path, hf_dir: str, qtype: str, tokenizer_dir: str, overrides=None) -> str:
+def gguf_file(tmp_path, hf_dir: str, qtype: str, overrides=None) -> str:
+    """A GGUF file of `hf_dir` without a tokenizer (the engines here take the tokenizer folder's:
+    writing and reading the GGUF's 49k entries took a few seconds a file)."""
     folder = tmp_path / qtype
     folder.mkdir()
     path = str(folder / "model.gguf")
-    write_gguf(hf_dir, path, qtype, tokenizer_dir, overrides)
+    write_gguf(hf_dir, path, qtype, None, overrides)
     return path
 
 
@@ -58,8 +60,8 @@ def test_quantized_layers_give_the_dequantized_distributions(tmp_path, wide_mode
     """The same file computed on quantized and dequantized at load: the layers carry the file's
     types (a fused q/k/v of Q4_K and Q6_K shards included), and each position's logprob of the
     next token differs only by the activations' int8 rounding (teacher-forced, mixed lengths)."""
-    path = gguf_file(tmp_path, wide_models[arch], qtype, tokenizer_dir, overrides)
-    quantized = LLM(path, dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=64)
+    path = gguf_file(tmp_path, wide_models[arch], qtype, overrides)
+    quantized = LLM(path, tokenizer=tokenizer_dir, dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=64)
     model = quantized.engine.model_runner.model
     layer = model.model.layers[0]
     assert layer.mlp.gate_up_proj.formats == (qtype,)
@@ -68,7 +70,7 @@ def test_quantized_layers_give_the_dequantized_distributions(tmp_path, wide_mode
     assert layer.mlp.down_proj.formats == ((overrides or {}).get("ffn_down", qtype),)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(model.lm_head, TiedHead) == (arch == "llama")
-    dequantized = LLM(path, dtype=dtype, kv_cache_memory="32MiB", quantization="none")
+    dequantized = LLM(path, tokenizer=tokenizer_dir, dtype=dtype, kv_cache_memory="32MiB", quantization="none")
     sequences = [s for s in prompts_of_mixed_lengths(model.decoder_config.vocab_size, seed=2) if len(s) > 1]
     delta = (torch.cat(teacher_forced(quantized, sequences)) - torch.cat(teacher_forced(dequantized, sequences))).abs()
     print(f"{arch} {qtype} {dtype}: mean {delta.mean():.4f} max {delta.max():.4f} over {len(delta)}")
@@ -91,11 +93,11 @@ class _CountingStack:
 def test_mlp_in_chunks_changes_no_result(tmp_path, wide_models, tokenizer_dir, qtype, overrides, stack, monkeypatch):
     """A long step's MLP in chunks of rows (decoder.MLP_ROWS, here 16 of a 48-token step) gives each
     row what the whole step's MLP gives, bit for bit, by the stack and op by op."""
-    path = gguf_file(tmp_path, wide_models["llama"], qtype, tokenizer_dir, overrides)
+    path = gguf_file(tmp_path, wide_models["llama"], qtype, overrides)
 
     def run(mlp_rows: int) -> list:
         monkeypatch.setattr(decoder, "MLP_ROWS", mlp_rows)
-        llm = LLM(path, dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=48)
+        llm = LLM(path, tokenizer=tokenizer_dir, dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=48)
         if not stack:
             llm.engine.model_runner.model._stack = None
         prompts = prompts_of_mixed_lengths(len(llm.get_tokenizer()), seed=7)
@@ -114,8 +116,8 @@ def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokeniz
     of 16 rows in both. Where attention has no query tiles (fp32; bf16 without AVX512-BF16), steps
     with a fresh prompt go op by op, the rest by the stack."""
     monkeypatch.setattr(decoder, "MLP_ROWS", 16)
-    path = gguf_file(tmp_path, wide_models["llama"], "Q4_K", tokenizer_dir, Q4_K_M)
-    stacked, op_by_op = (LLM(path, dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=48)
+    path = gguf_file(tmp_path, wide_models["llama"], "Q4_K", Q4_K_M)
+    stacked, op_by_op = (LLM(path, tokenizer=tokenizer_dir, dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=48)
                          for _ in range(2))
     model = stacked.engine.model_runner.model
     assert model._stack is not None
@@ -134,11 +136,11 @@ def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokeniz
 
 
 def test_start_up_log_names_the_types(tmp_path, wide_models, tokenizer_dir, caplog):
-    path = gguf_file(tmp_path, wide_models["qwen2"], "Q4_K", tokenizer_dir, Q4_K_M)
+    path = gguf_file(tmp_path, wide_models["qwen2"], "Q4_K", Q4_K_M)
     logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
-            LLM(path, kv_cache_memory="32MiB")
+            LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="32MiB")
     finally:
         logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Weights: "))
@@ -155,16 +157,13 @@ def test_unsupported_types_are_named():
     assert config.linear_method(["a.k_proj"]) is None  # float tensors: the unquantized method
 
 
-def test_default_model_quantized_near_transformers():
+def test_default_model_quantized_near_transformers(default_hf_model):
     """SmolLM2's Q4_1 file computed on quantized (the default): teacher-forced on transformers'
     greedy continuations, the next token's logprob within int8 activation rounding of transformers'
     (which dequantizes the file, fp32), and its most likely token nearly always transformers'.
     Measured: mean |delta| 0.038 (fp32) and 0.055 (bf16, the default), max 0.40 and 0.45, top-1
     agreement 98.3% and 99.2%, over 121 positions."""
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF, dtype=torch.float32).eval()
+    hf = default_hf_model
     llm = LLM(kv_cache_memory="256MiB", max_model_len=2048)
     assert llm.engine.model_config.quantization == "gguf"
     tokenizer = llm.get_tokenizer()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, _DEFAULT_GGUF, default_model_dir, greedy_without_kernels, hf_greedy, prompts_of_mixed_lengths
+from conftest import ARCHS, greedy_without_kernels, hf_greedy, prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 
 MAX_TOKENS = 12
@@ -38,13 +38,10 @@ def assert_matches_transformers(path: str) -> None:
         assert sample.finish_reason == "length"
 
 
-def test_default_model_matches_transformers_gguf_loader():
+def test_default_model_matches_transformers_gguf_loader(default_hf_model):
     """The real SmolLM2 weights dequantized at load (--quantization none): our GGUF dequant + Q/K
     un-permute vs transformers' own GGUF loader."""
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF, dtype=torch.float32).eval()
+    hf = default_hf_model
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
     tokenizer = llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):",

@@ -135,8 +135,8 @@ def test_quantized_weights_split_as_one_rank_computes_them(llama_dir, tokenizer_
     layers the quantized activations turn the order of the sums' fp32 additions into other tokens,
     as a 1e-7 nudge to its embeddings does (BENCHMARKS.md, issue 25)."""
     if quantization.startswith("Q"):
-        path, kwargs = str(tmp_path / "model.gguf"), {}
-        write_gguf(llama_dir, path, quantization, tokenizer_dir)
+        path, kwargs = str(tmp_path / "model.gguf"), {"tokenizer": tokenizer_dir}  # (the file's would cost seconds)
+        write_gguf(llama_dir, path, quantization, None)
     else:
         path, kwargs = llama_dir, {"quantization": quantization}
     args = dict(dtype=dtype, max_model_len=256, kv_cache_memory="16MiB", **kwargs)
