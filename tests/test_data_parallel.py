@@ -145,6 +145,11 @@ def test_server_with_two_replicas_serves_reports_and_fails_cleanly(llama_dir):
         metrics = httpx.get(f"{server.url}/metrics").text
         assert all(_metric(metrics, "prefix_cache_queries_total", e) > 0 for e in "01")
         assert all(_metric(metrics, "num_requests_running", e) == 0 for e in "01")
+        # The dashboard shows each replica's pool, as /metrics counts it.
+        snapshots = httpx.get(f"{server.url}/dashboard/state").json()["replicas"]
+        assert [s["blocks"].count("f") + s["blocks"].count("c") for s in snapshots] == \
+               [_metric(metrics, "kv_cache_free_blocks", e) for e in "01"]
+        assert all(s["steps"] for s in snapshots)
 
         # The stream's replica or the idle one: either fails the engine.
         events, elapsed = kill_mid_stream(server, replicas[1].kill)

@@ -84,6 +84,10 @@ def test_the_server_on_a_core_process(llama_dir):
                                            stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == \
                client.completions.create(model=llama_dir, prompt=PROMPTS[1], max_tokens=8, temperature=0).choices[0].text
+        # The dashboard's snapshot comes from the core's process with its next (idle) step.
+        (snapshot,) = httpx.get(f"{server.url}/dashboard/state").json()["replicas"]
+        assert snapshot["requests"] == [] and snapshot["steps"] and set(snapshot["blocks"]) <= {"f", "c"}
+        assert snapshot["blocks"].count("f") + snapshot["blocks"].count("c") == snapshot["stats"]["kv_blocks_free"]
     finally:
         assert server.stop() == 0
 

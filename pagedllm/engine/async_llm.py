@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -97,6 +98,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
+        self._snapshot_waiters: list[asyncio.Future] = []  # the engine thread's: snapshots asked for
         loaded: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, args=(args, loaded), name="pagedllm-engine", daemon=True)
         self._thread.start()
@@ -160,6 +162,14 @@ class AsyncLLM:
         async for output in self.add_request(request_id, self.process_inputs(prompt, params)):
             return output
         raise RuntimeError(f"request {request_id} ended without an output")
+
+    async def snapshots(self, timeout: float = 5.0) -> list[EngineSnapshot]:
+        """Each engine replica's block pool, queues and last steps (the dashboard's), taken between steps."""
+        if self.is_dead:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        waiter = asyncio.get_running_loop().create_future()
+        self._commands.put(("snapshot", waiter))
+        return await asyncio.wait_for(waiter, timeout)
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -227,11 +237,13 @@ class AsyncLLM:
                 if not self.engine.has_unfinished_requests():
                     self.engine.refresh_stats()
                     self.replica_stats = self.engine.replica_stats()
-                    continue
-                outputs = self.engine.step()
-                self.replica_stats = self.engine.replica_stats()
-                if outputs:
-                    self._post(self._dispatch, outputs)
+                else:
+                    outputs = self.engine.step()
+                    self.replica_stats = self.engine.replica_stats()
+                    if outputs:
+                        self._post(self._dispatch, outputs)
+                if self._snapshot_waiters:
+                    self._deliver_snapshots()
         except BaseException as exc:  # the loop is gone: say so to every waiting request
             logger.exception("engine loop failed")
             self.error = exc
@@ -259,6 +271,10 @@ class AsyncLLM:
 
     def _apply(self, command: tuple) -> None:
         kind, request_id = command[0], command[1]
+        if kind == "snapshot":
+            self._snapshot_waiters.append(command[1])
+            self.engine.request_snapshot()
+            return
         if kind == "abort":
             self.engine.abort_request(request_id)
             return
@@ -267,6 +283,18 @@ class AsyncLLM:
         except Exception as exc:  # this request fails; the engine goes on
             self._post(self._fail_one, request_id, exc)
 
+    def _deliver_snapshots(self) -> None:
+        snapshots = self.engine.take_snapshots()
+        if snapshots is not None:
+            for waiter in self._snapshot_waiters:
+                self._post(_resolve, waiter, snapshots)
+            self._snapshot_waiters = []
+
     def _post(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _resolve(waiter: asyncio.Future, result) -> None:
+    if not waiter.done():  # (its caller may have timed out)
+        waiter.set_result(result)

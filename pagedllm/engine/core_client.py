@@ -24,6 +24,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.child_process import connect_to_parent, start_child
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
@@ -157,6 +158,7 @@ class EngineCoreProcClient:
         # Requests the core may still send outputs for; the core's own view can run a message
         # behind, which only means a step's output for a request the frontend has ended (ignored).
         self._unfinished: set[str] = set()
+        self._snapshot: EngineSnapshot | None = None
         if wait:
             self.wait_until_ready()
 
@@ -183,9 +185,19 @@ class EngineCoreProcClient:
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
 
+    def request_snapshot(self) -> None:
+        """Ask for the core's snapshot (the dashboard's); it comes with a step (take_snapshot)."""
+        self._conn.send(("snapshot",))
+
+    def take_snapshot(self) -> EngineSnapshot | None:
+        """The snapshot asked for, once a step has brought it (else None)."""
+        snapshot, self._snapshot = self._snapshot, None
+        return snapshot
+
     def step(self) -> list[EngineCoreOutput]:
         """The outputs of the core's next step (it may already have run)."""
-        outputs, self._stats = self._receive()
+        outputs, self._stats, snapshot = self._receive()
+        self._snapshot = snapshot or self._snapshot
         for output in outputs:
             if output.finish_reason is not None:
                 self._unfinished.discard(output.request_id)
@@ -241,6 +253,7 @@ def run_engine_core(conn: Connection) -> None:
     try:
         while True:
             rejected: list[EngineCoreOutput] = []
+            snapshot = None
             # Idle: wait for messages, then take those there are; every batch is answered with a
             # step (empty where idle still), so that the frontend's stats follow an idle core's
             # releases and aborts.
@@ -249,10 +262,13 @@ def run_engine_core(conn: Connection) -> None:
                 message = conn.recv()
                 if message[0] == "shutdown":
                     return
-                rejected += _apply(core, message)
+                if message[0] == "snapshot":
+                    snapshot = core.snapshot()
+                else:
+                    rejected += _apply(core, message)
                 wait = 0
             outputs = core.step() if core.has_unfinished_requests() else []
-            outbox.put(("step", (rejected + outputs, core.stats())))
+            outbox.put(("step", (rejected + outputs, core.stats(), snapshot)))
     except (EOFError, OSError):  # the frontend has gone (it exited without shutting the core down)
         return
     except BaseException as exc:  # noqa: BLE001 - the core's state is in doubt: the frontend stops

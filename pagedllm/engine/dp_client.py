@@ -34,6 +34,7 @@ from pagedllm.core.kv_cache_manager import extend_block_hashes
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.core_client import EngineCoreProcClient
 from pagedllm.executor.cpu_binding import BIND_ENV, parse_cpu_binding
 from pagedllm.models.loader import ModelConfig
@@ -101,6 +102,7 @@ class DPEngineCoreClient:
         self.router = PrefixRouter(size, args.block_size, capacity)
         self.owner: dict[str, int] = {}  # request id -> its replica, until it ends
         self._held: set[str] = set()  # held requests: owned until released, though finished
+        self._snapshots: list[EngineSnapshot | None] = [None] * size  # asked for, come so far
 
     def add_request(self, message: EngineCoreRequest) -> None:
         replica = self.owner.get(message.fork_of) if message.fork_of is not None else None
@@ -144,6 +146,19 @@ class DPEngineCoreClient:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats.merge(self.replica_stats())
+
+    def request_snapshot(self) -> None:
+        for replica in self.replicas:
+            replica.request_snapshot()
+
+    def take_snapshots(self) -> list[EngineSnapshot] | None:
+        """Every replica's snapshot once all have come (else None, and those that came are kept)."""
+        for r, replica in enumerate(self.replicas):
+            self._snapshots[r] = self._snapshots[r] or replica.take_snapshot()
+        if not all(self._snapshots):
+            return None
+        snapshots, self._snapshots = self._snapshots, [None] * len(self.replicas)
+        return snapshots
 
     def replica_stats(self) -> list[SchedulerStats]:
         return [r.stats() for r in self.replicas]

@@ -20,6 +20,7 @@ import time
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.snapshot import EngineSnapshot, StepLog, take_snapshot
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.abstract import Executor, ExecutorFailure
@@ -49,6 +50,8 @@ class EngineCore:
         self.faults = faults or FaultInjector()
         self.structured_output = structured_output
         self._failed: list[EngineCoreOutput] = []  # requests ended between steps: sent with the next
+        self.step_log = StepLog()  # the last steps, for the dashboard
+        self._snapshot: EngineSnapshot | None = None
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, message: EngineCoreRequest) -> None:
@@ -95,6 +98,18 @@ class EngineCore:
             stats = dataclasses.replace(stats, num_waiting=stats.num_waiting + self.structured_output.num_pending)
         return stats
 
+    def snapshot(self) -> EngineSnapshot:
+        """The block pool, the queues and the last steps, for the dashboard (between steps)."""
+        return take_snapshot(self.scheduler, self.stats(), self.step_log, time.time())
+
+    # As EngineCoreProcClient's, where the snapshot comes with a later step.
+    def request_snapshot(self) -> None:
+        self._snapshot = self.snapshot()
+
+    def take_snapshot(self) -> EngineSnapshot | None:
+        snapshot, self._snapshot = self._snapshot, None
+        return snapshot
+
     def shutdown(self) -> None:
         if self.structured_output is not None:
             self.structured_output.shutdown()
@@ -108,6 +123,7 @@ class EngineCore:
         self._admit_constrained()
         ended, self._failed = self._failed, []
         self._propose()
+        begin, preemptions = time.perf_counter(), self.scheduler.num_preemptions
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.scheduler.has_unfinished_requests():  # held blocks give way: this is a bug
@@ -128,8 +144,15 @@ class EngineCore:
         self.faults.after_execute()
         updated = self.scheduler.update(scheduler_output, result)
         refused = self._advance_grammars(updated)
+        self._log_step(scheduler_output, time.perf_counter() - begin, self.scheduler.num_preemptions - preemptions)
         return [_output(r, result) for r in updated if r.request_id not in refused] + list(refused.values()) \
             + failed + ended
+
+    def _log_step(self, scheduler_output: SchedulerOutput, seconds: float, preemptions: int) -> None:
+        decode = sum(r.num_new_tokens for r in scheduler_output.scheduled
+                     if r.sample and r.num_new_tokens == 1 + r.num_spec_tokens)
+        self.step_log.add(time.time(), seconds, scheduler_output.num_scheduled_tokens - decode, decode,
+                          len(scheduler_output.scheduled), preemptions)
 
     def _propose(self) -> None:
         """Draft tokens for each decoding request (the proposer's, up to what it may still

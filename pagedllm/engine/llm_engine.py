@@ -24,6 +24,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.core_client import EngineCoreProcClient, make_engine_core
 from pagedllm.engine.dp_client import DPEngineCoreClient
 from pagedllm.engine.engine_core import EngineCore
@@ -280,6 +281,19 @@ class LLMEngine:
         (the stats after releases and aborts; outputs only for requests already ended)."""
         if not isinstance(self.engine_core, EngineCore):
             self.engine_core.poll()
+
+    def request_snapshot(self) -> None:
+        """Ask each engine core for its snapshot (the dashboard's): at once where the core runs in
+        this thread, else with its next step (an idle core answers within refresh_stats' poll)."""
+        self.engine_core.request_snapshot()
+
+    def take_snapshots(self) -> list[EngineSnapshot] | None:
+        """Each replica's snapshot asked for, once all have come (else None)."""
+        core = self.engine_core
+        if isinstance(core, DPEngineCoreClient):
+            return core.take_snapshots()
+        snapshot = core.take_snapshot()
+        return None if snapshot is None else [snapshot]
 
     def replica_stats(self) -> list[SchedulerStats]:
         """Each engine replica's (one without data parallelism)."""

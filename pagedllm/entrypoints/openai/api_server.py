@@ -24,6 +24,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                                                   error_response)
+from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving import api_error, off_loop
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -47,7 +48,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.bind_loop(asyncio.get_running_loop())
+        sampler = asyncio.create_task(history.run())
         yield
+        sampler.cancel()
         engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
@@ -55,6 +58,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     chat = OpenAIServingChat(engine, model_name, chat_options, limits.request_timeout)
     embeddings = OpenAIServingEmbedding(engine, model_name, limits.request_timeout)
     _install_guards(app, api_key, limits)
+    history = install_dashboard(app, engine, model_name)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request):
@@ -156,8 +160,9 @@ def _validation_error(errors: list[dict]) -> APIError:
     return APIError(message or "invalid request", param=where or None)
 
 
-# Routes that answer without an API key, as in vLLM: probes and scrapers hold no key.
-_OPEN_PATHS = ("/health", "/metrics", "/version")
+# Routes that answer without an API key, as in vLLM: probes and scrapers hold no key. The dashboard's
+# page holds no data (its state needs the key, which the page asks for).
+_OPEN_PATHS = ("/health", "/metrics", "/version", "/dashboard")
 
 
 class _Guard:
