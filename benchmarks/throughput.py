@@ -23,19 +23,9 @@ import time
 
 import torch
 
+from pagedllm.benchmarks.throughput import measure as run_pagedllm
 from common import (WORKLOADS, PeakTracker, attention_flops, fixed_workload, matmul_flops_per_token,
                     measure_matmul_gflops)
-
-
-def run_pagedllm(llm, requests: list[tuple[list[int], int]]) -> float:
-    from pagedllm import SamplingParams
-
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in requests]
-    return elapsed
 
 
 def run_vllm(llm, requests: list[tuple[list[int], int]]) -> float:

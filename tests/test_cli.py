@@ -36,3 +36,23 @@ def test_serve_refuses_bad_chat_flags_before_loading(flags, message):
     result = _cli("serve", "/nonexistent/model", "--port", "0", *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "KV cache:" not in result.stderr
+
+
+def test_bench_throughput_and_latency_offline(llama_dir, tmp_path, capsys):
+    """`pagedllm bench throughput|latency` in this process: their JSON agrees with what they print
+    and with the workload asked for."""
+    import json
+
+    from pagedllm.entrypoints.cli import main
+
+    engine = ["--model", llama_dir, "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--disable-tqdm"]
+    assert main(["bench", "throughput", *engine, "--num-prompts", "6", "--input-len", "20", "--output-len", "7",
+                 "--output-json", str(tmp_path / "t.json")]) == 0
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["requests"] == 6 and result["total_num_tokens"] == 6 * (20 + 7)
+    assert f"{result['output_tokens_per_second']:.1f} output tokens/s" in capsys.readouterr().out
+    assert main(["bench", "latency", *engine, "--batch-size", "2", "--output-len", "5", "--num-iters", "3",
+                 "--num-iters-warmup", "1", "--output-json", str(tmp_path / "l.json")]) == 0
+    result = json.loads((tmp_path / "l.json").read_text())
+    assert len(result["latencies"]) == 3 and result["percentiles"]["50"] == sorted(result["latencies"])[1]
+    assert f"Avg latency: {result['avg_latency']:.4f} seconds" in capsys.readouterr().out

@@ -104,3 +104,52 @@ def test_stop_string(client):
     stop = free[5:8]
     stopped = client.completions.create(model="tiny", prompt="Count:", max_tokens=16, stop=[stop], **GREEDY).choices[0]
     assert stopped.finish_reason == "stop" and stopped.text == free[:free.index(stop)]
+
+
+def test_bench_serve_against_the_server_counts_what_the_server_counted(server, tmp_path, capsys):
+    """`pagedllm bench serve`: every request through, its token totals equal to the server's own
+    counters' growth over the run, and the chat backend too."""
+    import json
+    import re
+
+    import httpx
+
+    from pagedllm.entrypoints.cli import main
+
+    def generated() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(re.search(r"^pagedllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+    before = generated()
+    common = ["bench", "serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "5", "--disable-tqdm",
+              "--random-output-len", "6", "--random-range", "100", "1000", "--seed", "3"]
+    assert main([*common, "--random-input-len", "12", "--ignore-eos", "--max-concurrency", "2",
+                 "--result-filename", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert (result["requests"], result["failed"], result["output_tokens"], result["input_tokens"]) == (5, 0, 30, 60)
+    assert generated() - before == 30
+    assert "Successful requests" in capsys.readouterr().out
+    assert main([*common, "--backend", "openai-chat", "--random-input-len", "8", "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"Successful requests\s+5\n", out) and re.search(r"Failed requests\s+0\n", out)
+
+
+def test_grafana_dashboard_queries_only_series_the_server_exports(server, client):
+    """docs/grafana-dashboard.json: each pagedllm:* name its queries use is a series of /metrics."""
+    import json
+    import pathlib
+    import re
+
+    import httpx
+
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=2)  # (a finished request's series too)
+    board = json.loads((pathlib.Path(__file__).parents[1] / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in board["panels"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"pagedllm:[a-z0-9_]+", expr)}
+    # A series declared but without samples yet (speculative decoding's, off here) counts by its HELP line.
+    exposition = httpx.get(f"{server.url}/metrics").text
+    declared = re.findall(r"^# HELP (pagedllm:[a-z0-9_]+)", exposition, re.M)
+    exported = set(re.findall(r"^(pagedllm:[a-z0-9_]+)", exposition, re.M)) | \
+        {name + suffix for name in declared for suffix in ("", "_total", "_bucket", "_sum", "_count")}
+    assert len(used) >= 15 and used <= exported, used - exported
+    assert len({panel["id"] for panel in board["panels"]}) == len(board["panels"])

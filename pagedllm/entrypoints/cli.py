@@ -1,4 +1,4 @@
-"""The `pagedllm` command: `pagedllm generate PROMPT...` (and, later, `serve`)."""
+"""The `pagedllm` command: `serve`, `generate PROMPT...` and `bench serve|throughput|latency`."""
 from __future__ import annotations
 
 import argparse
@@ -153,6 +153,32 @@ def _read_template(path: str | None) -> str | None:
         raise ValueError(f"cannot read the chat template {path}: {exc.strerror}") from exc
 
 
+def _add_bench(commands) -> None:
+    from pagedllm.benchmarks import latency, serve, throughput
+
+    bench = commands.add_parser("bench", help="benchmarks, with vLLM's `vllm bench` options")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    serve.add_cli_args(kinds.add_parser(
+        "serve", help="streaming requests against a running OpenAI-compatible server (any engine)"))
+    for name, module, text in (("throughput", throughput, "offline: every request at once, tokens a second"),
+                               ("latency", latency, "offline: seconds a batch takes, its percentiles")):
+        sub = kinds.add_parser(name, help=text)
+        add_engine_args(sub)
+        module.add_cli_args(sub)
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from pagedllm.benchmarks import latency, serve, throughput
+
+    if ns.bench_command == "serve":
+        result = serve.main(ns)
+        return 0 if result["requests"] else 1
+    module = throughput if ns.bench_command == "throughput" else latency
+    logging.getLogger("pagedllm").setLevel(logging.WARNING)  # the results, not the start-up's lines
+    module.main(ns, engine_args(ns))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -182,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append")
     gen.add_argument("-n", type=int, default=1)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    _add_bench(commands)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _serve(ns) if ns.command == "serve" else _generate(ns)
+        return {"serve": _serve, "generate": _generate, "bench": _bench}[ns.command](ns)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,236 @@
+"""`pagedllm bench serve`: streaming requests against any OpenAI-compatible server, Poisson arrivals.
+
+    pagedllm bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --random-input-len 128 \
+        --random-output-len 128 --request-rate inf --ignore-eos
+
+Definitions follow vLLM's benchmark: TTFT is the time to the first streamed token; TPOT is
+(latency - TTFT) / (output tokens - 1) per request; ITL is every gap between streamed chunks (with
+speculative decoding a chunk may carry several tokens: TPOT is the per-token figure). It also polls
+GET /health every 50 ms during the run and reports that latency: whether the HTTP side stays
+responsive under load. Random prompts are token ids (completions) or words (chat), drawn from
+--random-range. The client is aiohttp, as vLLM's own: on a small machine the client shares the
+CPUs with the server it measures; its CPU seconds are reported.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from tqdm import tqdm
+
+Prompt = list[int] | list[dict]  # token ids (completions) or messages (chat)
+_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+          "number group problem fact").split()
+
+
+@dataclass
+class ServeConfig:
+    base_url: str
+    model: str | None = None  # None: the first the server lists
+    chat: bool = False  # /v1/chat/completions, else /v1/completions
+    endpoint: str | None = None  # None: the backend's
+    request_rate: float = float("inf")  # requests a second (Poisson), inf: all at once
+    max_concurrency: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: every request generates its output length
+    api_key: str | None = None
+    seed: int = 0
+    progress: bool = True
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's names; the older names of benchmarks/serve.py work too."""
+    parser.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (else --host, --port)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--backend", choices=("openai", "openai-chat", "vllm"), default="openai",
+                        help="openai/vllm: /v1/completions with token-id prompts; openai-chat: /v1/chat/completions")
+    parser.add_argument("--endpoint", default=None, help="the path requests go to (default: the backend's)")
+    parser.add_argument("--model", default=None, help="the served model's name (default: the first /v1/models lists)")
+    parser.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=("random",), default="random")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int, default=128)
+    parser.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int, default=128)
+    parser.add_argument("--random-range", type=int, nargs=2, default=(1000, 20000), metavar=("LOW", "HIGH"),
+                        help="token ids of random prompts are drawn from [LOW, HIGH)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests a second (Poisson); inf: all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument("--ignore-eos", action="store_true", help="ask each request to generate all its tokens (vLLM's extension)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    parser.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles to report, e.g. 50,90,99")
+    parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--save-result", action="store_true", help="write the results as JSON (--result-filename)")
+    parser.add_argument("--result-filename", "--out", dest="result_filename", default=None)
+
+
+def config_from_args(ns: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(ns.base_url or f"http://{ns.host}:{ns.port}", ns.model, ns.backend == "openai-chat",
+                       ns.endpoint, ns.request_rate, ns.max_concurrency, ns.ignore_eos, ns.api_key, ns.seed,
+                       not ns.disable_tqdm)
+
+
+def random_prompts(ns: argparse.Namespace, chat: bool) -> list[Prompt]:
+    rng = random.Random(ns.seed)
+    low, high = ns.random_range
+    if chat:  # words, about a token each
+        return [[{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(ns.random_input_len))}]
+                for _ in range(ns.num_prompts)]
+    return [[rng.randrange(low, high) for _ in range(ns.random_input_len)] for _ in range(ns.num_prompts)]
+
+
+async def one_request(client: aiohttp.ClientSession, config: ServeConfig, model: str, prompt: Prompt,
+                      output_len: int) -> dict:
+    """A streamed greedy request; its timings, or its error."""
+    body = {"model": model, "max_tokens": output_len, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    body.update({"messages": prompt} if config.chat else {"prompt": prompt})
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    path = config.endpoint or ("/v1/chat/completions" if config.chat else "/v1/completions")
+    start = time.perf_counter()
+    arrivals, tokens = [], 0
+    async with client.post(path, json=body) as response:
+        if response.status != 200:
+            return {"error": f"HTTP {response.status}: {(await response.text())[:200]}"}
+        async for raw in response.content:  # one SSE line at a time
+            if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(raw[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            choice = chunk["choices"][0] if chunk.get("choices") else {}
+            if choice.get("delta", {}).get("content") if config.chat else choice.get("text"):
+                arrivals.append(time.perf_counter())
+    latency = time.perf_counter() - start
+    ttft = arrivals[0] - start if arrivals else latency
+    tokens = tokens or len(arrivals)  # a server that sends no usage: a chunk a token
+    return {"ttft": ttft, "latency": latency, "tokens": tokens, "prompt": prompt,
+            "tpot": (latency - ttft) / (tokens - 1) if tokens > 1 else 0.0,
+            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+
+
+async def _poll_health(client: aiohttp.ClientSession, stop: asyncio.Event) -> list[float]:
+    latencies = []
+    while not stop.is_set():
+        start = time.perf_counter()
+        try:
+            async with client.get("/health") as response:
+                await response.read()
+        except aiohttp.ClientError:
+            return latencies  # a server without /health
+        latencies.append(time.perf_counter() - start)
+        await asyncio.sleep(0.05)
+    return latencies
+
+
+async def benchmark(config: ServeConfig, prompts: list[Prompt], output_len: int) -> dict:
+    """Send every prompt (at the configured rate and concurrency) and summarize the timings."""
+    rng = random.Random(config.seed)
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 8)
+    gate = asyncio.Semaphore(config.max_concurrency or len(prompts) or 1)
+    bar = tqdm(total=len(prompts), disable=not config.progress, desc="requests")
+    async with aiohttp.ClientSession(config.base_url, connector=connector, headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as client:
+        model = config.model or await _first_model(client)
+
+        async def limited(prompt: Prompt) -> dict:
+            async with gate:
+                result = await one_request(client, config, model, prompt, output_len)
+            bar.update()
+            return result
+
+        stop = asyncio.Event()
+        health = asyncio.create_task(_poll_health(client, stop))
+        tasks = []
+        start, cpu_start = time.perf_counter(), _cpu_seconds()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if config.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(config.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration, client_cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
+        stop.set()
+        health_latencies = await health
+    bar.close()
+    return {**summarize(results, duration, health_latencies), "client_cpu_s": client_cpu, "model": model}
+
+
+async def _first_model(client: aiohttp.ClientSession) -> str:
+    async with client.get("/v1/models") as response:
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _stats(values: list[float]) -> dict:
+    ordered = sorted(values) or [0.0]
+    return {"mean_ms": statistics.fmean(ordered) * 1000, "median_ms": statistics.median(ordered) * 1000,
+            "p99_ms": percentile(ordered, 99) * 1000, "values_s": ordered}
+
+
+def percentile(ordered: list[float], p: float) -> float:
+    """The nearest-rank percentile of sorted values."""
+    return ordered[min(len(ordered) - 1, max(0, int(len(ordered) * p / 100 + 0.5) - 1))] if ordered else 0.0
+
+
+def summarize(results: list[dict], duration: float, health: list[float]) -> dict:
+    done = [r for r in results if "error" not in r]
+    output_tokens = sum(r["tokens"] for r in done)
+    input_tokens = sum(len(r["prompt"]) for r in done if r["prompt"] and isinstance(r["prompt"][0], int))
+    return {"requests": len(done), "failed": len(results) - len(done),
+            "errors": sorted({r["error"] for r in results if "error" in r})[:5], "duration_s": duration,
+            "input_tokens": input_tokens, "output_tokens": output_tokens,
+            "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
+            "total_token_throughput": (input_tokens + output_tokens) / duration,
+            "ttft": _stats([r["ttft"] for r in done]), "tpot": _stats([r["tpot"] for r in done]),
+            "itl": _stats([x for r in done for x in r["itl"]]), "e2e": _stats([r["latency"] for r in done]),
+            "health": _stats(health), "health_max_ms": max(health, default=0.0) * 1000}
+
+
+def print_results(result: dict, percentiles: list[float]) -> None:
+    width = 50
+    print(" Serving benchmark ".center(width, "="))
+    rows = [("Successful requests", result["requests"]), ("Failed requests", result["failed"]),
+            ("Duration (s)", f"{result['duration_s']:.2f}"), ("Input tokens (token-id prompts)", result["input_tokens"]),
+            ("Output tokens", result["output_tokens"]),
+            ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{result['output_throughput']:.1f}"),
+            ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.1f}")]
+    for name, label in (("ttft", "Time to first token"), ("tpot", "Time per output token (excl. 1st)"),
+                        ("itl", "Inter-token latency"), ("e2e", "End-to-end latency"), ("health", "/health latency")):
+        rows.append((f"-- {label} --", ""))
+        stats = result[name]
+        rows += [(f"Mean {name.upper()} (ms)", f"{stats['mean_ms']:.2f}"),
+                 (f"Median {name.upper()} (ms)", f"{stats['median_ms']:.2f}")]
+        rows += [(f"P{p:g} {name.upper()} (ms)", f"{percentile(stats['values_s'], p) * 1000:.2f}") for p in percentiles]
+    rows.append(("Client CPU (s)", f"{result['client_cpu_s']:.2f}"))
+    for name, value in rows:
+        print(f"{name:<36}{value:>14}" if value != "" else name.center(width))
+    for error in result["errors"]:
+        print(f"error: {error}")
+    print("=" * width)
+
+
+def main(ns: argparse.Namespace, prompts: list[Prompt] | None = None) -> dict:
+    config = config_from_args(ns)
+    prompts = prompts if prompts is not None else random_prompts(ns, config.chat)
+    result = asyncio.run(benchmark(config, prompts, ns.random_output_len))
+    print_results(result, [float(p) for p in ns.metric_percentiles.split(",") if p.strip()])
+    if ns.save_result or ns.result_filename:
+        path = ns.result_filename or f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
