@@ -56,3 +56,15 @@ def test_bench_throughput_and_latency_offline(llama_dir, tmp_path, capsys):
     result = json.loads((tmp_path / "l.json").read_text())
     assert len(result["latencies"]) == 3 and result["percentiles"]["50"] == sorted(result["latencies"])[1]
     assert f"Avg latency: {result['avg_latency']:.4f} seconds" in capsys.readouterr().out
+
+
+def test_bench_serve_says_when_no_server_answers(capsys):
+    from pagedllm.entrypoints.cli import main
+    from server_utils import free_port
+
+    port = free_port()  # (nothing listens there)
+    assert main(["bench", "serve", "--port", str(port), "--num-prompts", "1", "--disable-tqdm"]) == 2
+    assert f"cannot reach the server at http://127.0.0.1:{port}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--num-prompts", "0"])
+    assert "--num-prompts: 0 must be > 0" in capsys.readouterr().err

@@ -17,17 +17,18 @@ import time
 from tqdm import tqdm
 
 from pagedllm.benchmarks.datasets import fixed_workload
+from pagedllm.benchmarks.serve import positive
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--n", type=int, default=1, help="samples a prompt")
+    parser.add_argument("--input-len", type=positive(int), default=32)
+    parser.add_argument("--output-len", type=positive(int), default=128)
+    parser.add_argument("--batch-size", type=positive(int), default=8)
+    parser.add_argument("--n", type=positive(int), default=1, help="samples a prompt")
     parser.add_argument("--num-iters-warmup", type=int, default=3)
-    parser.add_argument("--num-iters", type=int, default=10)
+    parser.add_argument("--num-iters", type=positive(int), default=10)
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--output-json", default=None, help="write the results here")
 

@@ -55,13 +55,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", default=None, help="the path requests go to (default: the backend's)")
     parser.add_argument("--model", default=None, help="the served model's name (default: the first /v1/models lists)")
     parser.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=("random",), default="random")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int, default=128)
-    parser.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=positive(int), default=64)
+    parser.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=positive(int), default=128)
+    parser.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=positive(int), default=128)
     parser.add_argument("--random-range", type=int, nargs=2, default=(1000, 20000), metavar=("LOW", "HIGH"),
                         help="token ids of random prompts are drawn from [LOW, HIGH)")
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests a second (Poisson); inf: all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument("--request-rate", type=positive(float), default=float("inf"),
+                        help="requests a second (Poisson); inf: all at once")
+    parser.add_argument("--max-concurrency", type=positive(int), default=None, help="at most this many requests in flight")
     parser.add_argument("--ignore-eos", action="store_true", help="ask each request to generate all its tokens (vLLM's extension)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
@@ -69,6 +70,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--save-result", action="store_true", help="write the results as JSON (--result-filename)")
     parser.add_argument("--result-filename", "--out", dest="result_filename", default=None)
+
+
+def positive(kind: type):
+    """An argparse type: a number above 0."""
+    def parse(value: str):
+        number = kind(value)
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        return number
+    return parse
 
 
 def config_from_args(ns: argparse.Namespace) -> ServeConfig:
@@ -97,18 +108,23 @@ async def one_request(client: aiohttp.ClientSession, config: ServeConfig, model:
     path = config.endpoint or ("/v1/chat/completions" if config.chat else "/v1/completions")
     start = time.perf_counter()
     arrivals, tokens = [], 0
-    async with client.post(path, json=body) as response:
-        if response.status != 200:
-            return {"error": f"HTTP {response.status}: {(await response.text())[:200]}"}
-        async for raw in response.content:  # one SSE line at a time
-            if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(raw[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            choice = chunk["choices"][0] if chunk.get("choices") else {}
-            if choice.get("delta", {}).get("content") if config.chat else choice.get("text"):
-                arrivals.append(time.perf_counter())
+    try:
+        async with client.post(path, json=body) as response:
+            if response.status != 200:
+                return {"error": f"HTTP {response.status}: {(await response.text())[:200]}"}
+            async for raw in response.content:  # one SSE line at a time
+                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(raw[6:])
+                if chunk.get("error"):
+                    return {"error": str(chunk["error"].get("message", chunk["error"]))[:200]}
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if choice.get("delta", {}).get("content") if config.chat else choice.get("text"):
+                    arrivals.append(time.perf_counter())
+    except aiohttp.ClientError as exc:  # the server went away mid-run
+        return {"error": f"{type(exc).__name__}: {exc}"}
     latency = time.perf_counter() - start
     ttft = arrivals[0] - start if arrivals else latency
     tokens = tokens or len(arrivals)  # a server that sends no usage: a chunk a token
@@ -140,7 +156,7 @@ async def benchmark(config: ServeConfig, prompts: list[Prompt], output_len: int)
     bar = tqdm(total=len(prompts), disable=not config.progress, desc="requests")
     async with aiohttp.ClientSession(config.base_url, connector=connector, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=3600)) as client:
-        model = config.model or await _first_model(client)
+        model = config.model or await _first_model(client, config.base_url)
 
         async def limited(prompt: Prompt) -> dict:
             async with gate:
@@ -164,10 +180,16 @@ async def benchmark(config: ServeConfig, prompts: list[Prompt], output_len: int)
     return {**summarize(results, duration, health_latencies), "client_cpu_s": client_cpu, "model": model}
 
 
-async def _first_model(client: aiohttp.ClientSession) -> str:
-    async with client.get("/v1/models") as response:
-        response.raise_for_status()
-        return (await response.json())["data"][0]["id"]
+async def _first_model(client: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model the server lists; a ValueError saying why where there is none to ask."""
+    try:
+        async with client.get("/v1/models") as response:
+            if response.status != 200:
+                raise ValueError(f"{base_url}/v1/models answered {response.status}: "
+                                 f"{(await response.text())[:200]} (--model names the model; --api-key)")
+            return (await response.json())["data"][0]["id"]
+    except aiohttp.ClientError as exc:
+        raise ValueError(f"cannot reach the server at {base_url}: {exc}") from exc
 
 
 def _cpu_seconds() -> float:

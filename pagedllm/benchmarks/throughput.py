@@ -14,13 +14,14 @@ import json
 import time
 
 from pagedllm.benchmarks.datasets import WORKLOADS, Requests, fixed_workload
+from pagedllm.benchmarks.serve import positive
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-name", choices=("random", "variable", "shared"), default="random")
-    parser.add_argument("--num-prompts", type=int, default=64, help="random dataset")
-    parser.add_argument("--input-len", type=int, default=128, help="random dataset")
-    parser.add_argument("--output-len", type=int, default=128, help="random dataset")
+    parser.add_argument("--num-prompts", type=positive(int), default=64, help="random dataset")
+    parser.add_argument("--input-len", type=positive(int), default=128, help="random dataset")
+    parser.add_argument("--output-len", type=positive(int), default=128, help="random dataset")
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--output-json", default=None, help="write the results here")
 

@@ -18,7 +18,8 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.entrypoints.openai.serving import off_loop
 
 HISTORY_S = 600  # seconds of counters the page can plot
@@ -69,7 +70,10 @@ def install_dashboard(app: FastAPI, engine: AsyncLLM, model_name: str) -> Counte
 
     @app.get("/dashboard/state", include_in_schema=False)
     async def dashboard_state():
-        snapshots = await engine.snapshots()
+        try:
+            snapshots = await engine.snapshots()
+        except (EngineDeadError, asyncio.TimeoutError) as exc:
+            raise APIError(f"no snapshot from the engine: {exc!r}", 503, "service_unavailable") from exc
         state = {"model": model_name, "time": time.time(), "replicas": [dataclasses.asdict(s) for s in snapshots],
                  "counters": history.read(), "history": list(history.samples)}
         return Response(await off_loop(json.dumps, state), media_type="application/json")
