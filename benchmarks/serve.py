@@ -76,32 +76,38 @@ def main() -> None:
     parser.add_argument("--grounded", action="store_true", help="the chats of benchmarks/data/grounded_tasks.json")
     parser.add_argument("--launch", nargs=argparse.REMAINDER, default=None,
                         help="start `pagedllm serve` with these arguments instead of using --base-url")
-    argv = sys.argv[1:]
-    if "--dataset" in argv and argv[argv.index("--dataset") + 1] == "grounded":  # the older spelling
-        i = argv.index("--dataset")
-        argv[i:i + 2] = ["--grounded"]
+    argv = [a for arg in sys.argv[1:] for a in (["--grounded"] if arg == "--dataset=grounded" else [arg])]
+    for i, arg in enumerate(argv[:-1]):  # the older spelling, --dataset grounded
+        if arg == "--dataset" and argv[i + 1] == "grounded":
+            argv[i:i + 2] = ["--grounded"]
+            break
     args = parser.parse_args(argv)
-    prompts = None
+    out, args.result_filename, args.save_result = args.result_filename, None, False  # written below, RSS included
+    requests = None
     if args.grounded:
         with open(GROUNDED) as f:
             tasks = json.load(f)
         args.backend = "openai-chat"
-        prompts = [[{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}]
-                   for t in (tasks[i % len(tasks)] for i in range(args.num_prompts))]
+        requests = [([{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}], args.random_output_len)
+                    for t in (tasks[i % len(tasks)] for i in range(args.num_prompts))]
         args.ignore_eos = False
     process, sampler = None, None
     if args.launch is not None:
         process, args.base_url = launch(args.launch)
         sampler = RssPeak(process.pid)
     try:
-        result = serve.main(args, prompts)
+        result = serve.main(args, requests)
     finally:
         if process is not None:
             sampler.stop()
             process.terminate()
             process.wait(timeout=60)
     if sampler is not None:
+        result["rss_ready_mib"], result["rss_peak_mib"] = sampler.ready / 2**20, sampler.peak / 2**20
         print(f"server RSS: {sampler.ready / 2**20:.0f} MiB once ready, {sampler.peak / 2**20:.0f} MiB at most")
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
     r = result
     print("| requests | rate | req/s | output tok/s | TTFT mean/median/p99 ms | TPOT median ms | "
           "ITL median ms | E2E median s | /health median/max ms | client CPU s |")

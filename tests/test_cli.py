@@ -42,9 +42,11 @@ def test_bench_throughput_and_latency_offline(llama_dir, tmp_path, capsys):
     """`pagedllm bench throughput|latency` in this process: their JSON agrees with what they print
     and with the workload asked for."""
     import json
+    import logging
 
     from pagedllm.entrypoints.cli import main
 
+    level = logging.getLogger("pagedllm").level
     engine = ["--model", llama_dir, "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--disable-tqdm"]
     assert main(["bench", "throughput", *engine, "--num-prompts", "6", "--input-len", "20", "--output-len", "7",
                  "--output-json", str(tmp_path / "t.json")]) == 0
@@ -56,6 +58,7 @@ def test_bench_throughput_and_latency_offline(llama_dir, tmp_path, capsys):
     result = json.loads((tmp_path / "l.json").read_text())
     assert len(result["latencies"]) == 3 and result["percentiles"]["50"] == sorted(result["latencies"])[1]
     assert f"Avg latency: {result['avg_latency']:.4f} seconds" in capsys.readouterr().out
+    assert logging.getLogger("pagedllm").level == level  # (quiet while it ran, as it was after)
 
 
 def test_bench_serve_says_when_no_server_answers(capsys):

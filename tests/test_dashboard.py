@@ -122,7 +122,7 @@ def test_the_page_in_chromium_shows_what_metrics_says(llama_dir, tmp_path):
 
         def complete(i: int) -> None:
             httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=120,
-                       json={"prompt": prompt + str(i), "max_tokens": 32 if i < 6 else 8, "ignore_eos": True})
+                       json={"prompt": prompt + str(i), "max_tokens": 48 if i < 6 else 8, "ignore_eos": True})
 
         load = [threading.Thread(target=complete, args=(i,)) for i in range(8)]
         for thread in load:
@@ -138,20 +138,33 @@ def test_the_page_in_chromium_shows_what_metrics_says(llama_dir, tmp_path):
             page.fill("#key", KEY)
             page.click("#keyform button")
             page.wait_for_function("Number(document.getElementById('running').textContent) > 0", timeout=30_000)
-            busy = next(filter(None, (_agrees_with_metrics(page, server) for _ in range(10))))
+            busy = next(filter(None, (_agrees_with_metrics(page, server) for _ in range(20))))
             assert busy["running"] > 0 and busy["h"] + busy["s"] > 0
             assert busy["waiting"] > 0  # 8 requests, 6 run at most
-            page.hover('.grid[data-replica="0"] .cell.s')  # a shared block names the requests holding it
+            # A shared block (the prompts' common prefix) names the requests holding it.
+            page.hover('.grid[data-replica="0"] .cell.s', timeout=10_000)
             tip = page.inner_text("#tip")
             owners = page.evaluate("[...document.querySelectorAll('#queue tr.running')].map((r) => r.dataset.id)")
             assert "shared by" in tip and any(owner in tip for owner in owners)
             for thread in load:
                 thread.join()
             page.wait_for_function("Number(document.getElementById('running').textContent) === 0", timeout=30_000)
-            idle = next(filter(None, (_agrees_with_metrics(page, server) for _ in range(5))))
+            idle = next(filter(None, (_agrees_with_metrics(page, server) for _ in range(10))))
             assert idle["c"] > 0 and idle["h"] == idle["s"] == 0  # finished prompts stay cached
             steps = page.evaluate("window.lastState.replicas[0].steps")
             assert sum(s["decode_tokens"] for s in steps) > 0 and sum(s["prefill_tokens"] for s in steps) > 0
+            # A pool past MAX_CELLS blocks: a cell for several, the busiest state showing, counts whole.
+            big = page.evaluate("""() => {
+                const snap = {...window.lastState.replicas[0], requests: [],
+                              blocks: 'f'.repeat(39990) + 'c'.repeat(5) + 's'.repeat(5)};
+                drawPool(7, snap);
+                const grid = document.querySelector('.grid[data-replica="7"]');
+                const section = grid.closest('section');
+                return {cells: grid.children.length, last: grid.lastElementChild.className,
+                        s: section.querySelector('.count-s').textContent,
+                        f: section.querySelector('.count-f').textContent};
+            }""")
+            assert big == {"cells": 13334, "last": "cell s", "s": "5", "f": "39990"}
             assert errors == []
             browser.close()
     finally:

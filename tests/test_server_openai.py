@@ -122,7 +122,7 @@ def test_bench_serve_against_the_server_counts_what_the_server_counted(server, t
 
     before = generated()
     common = ["bench", "serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "5", "--disable-tqdm",
-              "--random-output-len", "6", "--random-range", "100", "1000", "--seed", "3"]
+              "--random-output-len", "6", "--random-token-range", "100", "1000", "--seed", "3"]
     assert main([*common, "--random-input-len", "12", "--ignore-eos", "--max-concurrency", "2",
                  "--result-filename", str(tmp_path / "r.json")]) == 0
     result = json.loads((tmp_path / "r.json").read_text())

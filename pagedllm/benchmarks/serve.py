@@ -7,9 +7,12 @@ Definitions follow vLLM's benchmark: TTFT is the time to the first streamed toke
 (latency - TTFT) / (output tokens - 1) per request; ITL is every gap between streamed chunks (with
 speculative decoding a chunk may carry several tokens: TPOT is the per-token figure). It also polls
 GET /health every 50 ms during the run and reports that latency: whether the HTTP side stays
-responsive under load. Random prompts are token ids (completions) or words (chat), drawn from
---random-range. The client is aiohttp, as vLLM's own: on a small machine the client shares the
-CPUs with the server it measures; its CPU seconds are reported.
+responsive under load. Random prompts are token ids (completions) drawn from --random-token-range,
+or words (chat); with --random-range-ratio R each request's input and output lengths are drawn
+from [len x (1 - R), len x (1 + R)], as vLLM's. Percentiles interpolate linearly between ranks (as
+numpy's, which vLLM's client uses). The client is aiohttp, as vLLM's own (imported when a run
+starts): on a small machine the client shares the CPUs with the server it measures; its CPU
+seconds are reported.
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import aiohttp
 from tqdm import tqdm
 
 Prompt = list[int] | list[dict]  # token ids (completions) or messages (chat)
@@ -58,7 +60,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=positive(int), default=64)
     parser.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=positive(int), default=128)
     parser.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=positive(int), default=128)
-    parser.add_argument("--random-range", type=int, nargs=2, default=(1000, 20000), metavar=("LOW", "HIGH"),
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="input and output lengths drawn from [len x (1 - R), len x (1 + R)] (0: all equal)")
+    parser.add_argument("--random-token-range", type=int, nargs=2, default=(1000, 20000), metavar=("LOW", "HIGH"),
                         help="token ids of random prompts are drawn from [LOW, HIGH)")
     parser.add_argument("--request-rate", type=positive(float), default=float("inf"),
                         help="requests a second (Poisson); inf: all at once")
@@ -66,10 +70,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="ask each request to generate all its tokens (vLLM's extension)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
-    parser.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles to report, e.g. 50,90,99")
+    parser.add_argument("--metric-percentiles", type=_percentiles, default=[99.0],
+                        help="comma-separated percentiles to report, e.g. 50,90,99")
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--save-result", action="store_true", help="write the results as JSON (--result-filename)")
     parser.add_argument("--result-filename", "--out", dest="result_filename", default=None)
+
+
+def _percentiles(value: str) -> list[float]:
+    try:
+        chosen = [float(p) for p in value.split(",") if p.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated numbers, e.g. 50,90,99") from exc
+    if not chosen or not all(0 < p <= 100 for p in chosen):
+        raise argparse.ArgumentTypeError(f"{value!r}: percentiles in (0, 100]")
+    return chosen
 
 
 def positive(kind: type):
@@ -88,18 +103,29 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
                        not ns.disable_tqdm)
 
 
-def random_prompts(ns: argparse.Namespace, chat: bool) -> list[Prompt]:
+def random_requests(ns: argparse.Namespace, chat: bool) -> list[tuple[Prompt, int]]:
+    """(prompt, output length) pairs: token ids, or for chat words (about a token each)."""
     rng = random.Random(ns.seed)
-    low, high = ns.random_range
-    if chat:  # words, about a token each
-        return [[{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(ns.random_input_len))}]
-                for _ in range(ns.num_prompts)]
-    return [[rng.randrange(low, high) for _ in range(ns.random_input_len)] for _ in range(ns.num_prompts)]
+    low, high = ns.random_token_range
+    ratio = ns.random_range_ratio
+
+    def length(center: int) -> int:
+        return max(1, rng.randint(int(center * (1 - ratio)), int(center * (1 + ratio))))
+
+    requests = []
+    for _ in range(ns.num_prompts):
+        n_in, n_out = length(ns.random_input_len), length(ns.random_output_len)
+        prompt = ([{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(n_in))}] if chat
+                  else [rng.randrange(low, high) for _ in range(n_in)])
+        requests.append((prompt, n_out))
+    return requests
 
 
-async def one_request(client: aiohttp.ClientSession, config: ServeConfig, model: str, prompt: Prompt,
-                      output_len: int) -> dict:
-    """A streamed greedy request; its timings, or its error."""
+async def one_request(client, config: ServeConfig, model: str, prompt: Prompt, output_len: int) -> dict:
+    """A streamed greedy request; its timings, or its error (a stream that ends without [DONE]
+    included)."""
+    import aiohttp
+
     body = {"model": model, "max_tokens": output_len, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
     body.update({"messages": prompt} if config.chat else {"prompt": prompt})
@@ -107,33 +133,39 @@ async def one_request(client: aiohttp.ClientSession, config: ServeConfig, model:
         body["ignore_eos"] = True
     path = config.endpoint or ("/v1/chat/completions" if config.chat else "/v1/completions")
     start = time.perf_counter()
-    arrivals, tokens = [], 0
+    arrivals, usage, done = [], {}, False
     try:
         async with client.post(path, json=body) as response:
             if response.status != 200:
                 return {"error": f"HTTP {response.status}: {(await response.text())[:200]}"}
             async for raw in response.content:  # one SSE line at a time
-                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
+                if raw.startswith(b"data: [DONE]"):
+                    done = True
+                if not raw.startswith(b"data: ") or done:
                     continue
                 chunk = json.loads(raw[6:])
                 if chunk.get("error"):
                     return {"error": str(chunk["error"].get("message", chunk["error"]))[:200]}
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk.get("usage") or usage
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
                 if choice.get("delta", {}).get("content") if config.chat else choice.get("text"):
                     arrivals.append(time.perf_counter())
-    except aiohttp.ClientError as exc:  # the server went away mid-run
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}  # the server went away, or sent what is not a stream
+    if not done:
+        return {"error": "the stream ended without [DONE]"}
     latency = time.perf_counter() - start
     ttft = arrivals[0] - start if arrivals else latency
-    tokens = tokens or len(arrivals)  # a server that sends no usage: a chunk a token
-    return {"ttft": ttft, "latency": latency, "tokens": tokens, "prompt": prompt,
-            "tpot": (latency - ttft) / (tokens - 1) if tokens > 1 else 0.0,
+    tokens = usage.get("completion_tokens") or len(arrivals)  # a server that sends no usage: a chunk a token
+    prompt_tokens = usage.get("prompt_tokens") or (len(prompt) if not config.chat else 0)
+    return {"ttft": ttft, "latency": latency, "tokens": tokens, "prompt_tokens": prompt_tokens,
+            "tpot": (latency - ttft) / (tokens - 1) if tokens > 1 else None,
             "itl": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
-async def _poll_health(client: aiohttp.ClientSession, stop: asyncio.Event) -> list[float]:
+async def _poll_health(client, stop: asyncio.Event) -> list[float]:
+    import aiohttp
+
     latencies = []
     while not stop.is_set():
         start = time.perf_counter()
@@ -147,18 +179,20 @@ async def _poll_health(client: aiohttp.ClientSession, stop: asyncio.Event) -> li
     return latencies
 
 
-async def benchmark(config: ServeConfig, prompts: list[Prompt], output_len: int) -> dict:
-    """Send every prompt (at the configured rate and concurrency) and summarize the timings."""
+async def benchmark(config: ServeConfig, requests: list[tuple[Prompt, int]]) -> dict:
+    """Send every (prompt, output length) at the configured rate and concurrency; summarize the timings."""
+    import aiohttp
+
     rng = random.Random(config.seed)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    connector = aiohttp.TCPConnector(limit=len(prompts) + 8)
-    gate = asyncio.Semaphore(config.max_concurrency or len(prompts) or 1)
-    bar = tqdm(total=len(prompts), disable=not config.progress, desc="requests")
+    connector = aiohttp.TCPConnector(limit=len(requests) + 8)
+    gate = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
+    bar = tqdm(total=len(requests), disable=not config.progress, desc="requests")
     async with aiohttp.ClientSession(config.base_url, connector=connector, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=3600)) as client:
         model = config.model or await _first_model(client, config.base_url)
 
-        async def limited(prompt: Prompt) -> dict:
+        async def limited(prompt: Prompt, output_len: int) -> dict:
             async with gate:
                 result = await one_request(client, config, model, prompt, output_len)
             bar.update()
@@ -168,8 +202,8 @@ async def benchmark(config: ServeConfig, prompts: list[Prompt], output_len: int)
         health = asyncio.create_task(_poll_health(client, stop))
         tasks = []
         start, cpu_start = time.perf_counter(), _cpu_seconds()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for prompt, output_len in requests:
+            tasks.append(asyncio.create_task(limited(prompt, output_len)))
             if config.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(config.request_rate))
         results = await asyncio.gather(*tasks)
@@ -180,8 +214,10 @@ async def benchmark(config: ServeConfig, prompts: list[Prompt], output_len: int)
     return {**summarize(results, duration, health_latencies), "client_cpu_s": client_cpu, "model": model}
 
 
-async def _first_model(client: aiohttp.ClientSession, base_url: str) -> str:
+async def _first_model(client, base_url: str) -> str:
     """The first model the server lists; a ValueError saying why where there is none to ask."""
+    import aiohttp
+
     try:
         async with client.get("/v1/models") as response:
             if response.status != 200:
@@ -204,20 +240,26 @@ def _stats(values: list[float]) -> dict:
 
 
 def percentile(ordered: list[float], p: float) -> float:
-    """The nearest-rank percentile of sorted values."""
-    return ordered[min(len(ordered) - 1, max(0, int(len(ordered) * p / 100 + 0.5) - 1))] if ordered else 0.0
+    """The p-th percentile of sorted values, interpolated linearly between ranks (numpy's default)."""
+    if not ordered:
+        return 0.0
+    position = (len(ordered) - 1) * p / 100
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def summarize(results: list[dict], duration: float, health: list[float]) -> dict:
     done = [r for r in results if "error" not in r]
     output_tokens = sum(r["tokens"] for r in done)
-    input_tokens = sum(len(r["prompt"]) for r in done if r["prompt"] and isinstance(r["prompt"][0], int))
+    input_tokens = sum(r["prompt_tokens"] for r in done)
     return {"requests": len(done), "failed": len(results) - len(done),
             "errors": sorted({r["error"] for r in results if "error" in r})[:5], "duration_s": duration,
             "input_tokens": input_tokens, "output_tokens": output_tokens,
             "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
             "total_token_throughput": (input_tokens + output_tokens) / duration,
-            "ttft": _stats([r["ttft"] for r in done]), "tpot": _stats([r["tpot"] for r in done]),
+            "ttft": _stats([r["ttft"] for r in done]),
+            "tpot": _stats([r["tpot"] for r in done if r["tpot"] is not None]),  # (as vLLM: 2 tokens or more)
             "itl": _stats([x for r in done for x in r["itl"]]), "e2e": _stats([r["latency"] for r in done]),
             "health": _stats(health), "health_max_ms": max(health, default=0.0) * 1000}
 
@@ -226,7 +268,7 @@ def print_results(result: dict, percentiles: list[float]) -> None:
     width = 50
     print(" Serving benchmark ".center(width, "="))
     rows = [("Successful requests", result["requests"]), ("Failed requests", result["failed"]),
-            ("Duration (s)", f"{result['duration_s']:.2f}"), ("Input tokens (token-id prompts)", result["input_tokens"]),
+            ("Duration (s)", f"{result['duration_s']:.2f}"), ("Input tokens", result["input_tokens"]),
             ("Output tokens", result["output_tokens"]),
             ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{result['output_throughput']:.1f}"),
@@ -246,11 +288,11 @@ def print_results(result: dict, percentiles: list[float]) -> None:
     print("=" * width)
 
 
-def main(ns: argparse.Namespace, prompts: list[Prompt] | None = None) -> dict:
+def main(ns: argparse.Namespace, requests: list[tuple[Prompt, int]] | None = None) -> dict:
     config = config_from_args(ns)
-    prompts = prompts if prompts is not None else random_prompts(ns, config.chat)
-    result = asyncio.run(benchmark(config, prompts, ns.random_output_len))
-    print_results(result, [float(p) for p in ns.metric_percentiles.split(",") if p.strip()])
+    requests = requests if requests is not None else random_requests(ns, config.chat)
+    result = asyncio.run(benchmark(config, requests))
+    print_results(result, ns.metric_percentiles)
     if ns.save_result or ns.result_filename:
         path = ns.result_filename or f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
         with open(path, "w") as f:

@@ -167,7 +167,8 @@ class AsyncLLM:
         """Each engine replica's block pool, queues and last steps (the dashboard's), taken between steps."""
         if self.is_dead:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        waiter = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        waiter = self._loop.create_future()
         self._commands.put(("snapshot", waiter))
         return await asyncio.wait_for(waiter, timeout)
 
@@ -249,6 +250,8 @@ class AsyncLLM:
             self.error = exc
             self._post(self._fail_all, exc)
         finally:
+            for waiter in self._snapshot_waiters:
+                self._post(_resolve, waiter, EngineDeadError("the engine has stopped"))
             self.engine.shutdown()
 
     def _take_commands(self, wait: bool) -> None:
@@ -271,9 +274,10 @@ class AsyncLLM:
 
     def _apply(self, command: tuple) -> None:
         kind, request_id = command[0], command[1]
-        if kind == "snapshot":
+        if kind == "snapshot":  # one snapshot asked for at a time, for every waiter (pages polling together)
+            if not self._snapshot_waiters:
+                self.engine.request_snapshot()
             self._snapshot_waiters.append(command[1])
-            self.engine.request_snapshot()
             return
         if kind == "abort":
             self.engine.abort_request(request_id)
@@ -296,5 +300,9 @@ class AsyncLLM:
 
 
 def _resolve(waiter: asyncio.Future, result) -> None:
-    if not waiter.done():  # (its caller may have timed out)
+    if waiter.done():  # (its caller may have timed out)
+        return
+    if isinstance(result, BaseException):
+        waiter.set_exception(result)
+    else:
         waiter.set_result(result)

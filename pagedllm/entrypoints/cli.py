@@ -174,8 +174,13 @@ def _bench(ns: argparse.Namespace) -> int:
         result = serve.main(ns)
         return 0 if result["requests"] else 1
     module = throughput if ns.bench_command == "throughput" else latency
-    logging.getLogger("pagedllm").setLevel(logging.WARNING)  # the results, not the start-up's lines
-    module.main(ns, engine_args(ns))
+    logger = logging.getLogger("pagedllm")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # the results, not the start-up's lines
+    try:
+        module.main(ns, engine_args(ns))
+    finally:
+        logger.setLevel(level)
     return 0
 
 
