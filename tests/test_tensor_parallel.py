@@ -73,8 +73,10 @@ def _processes(llm: LLM) -> list:
     return llm.engine._core_in_process().executor.processes
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
-                                         ("mistral", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")])
+# (Llama in fp32 runs in the fault tests below; Qwen2's q/k/v biases are split in the uneven test's
+# biased Llama: each case starts two rank processes, ~9 s.)
+@pytest.mark.parametrize("arch, dtype", [("qwen3", "float32"), ("mistral", "float32"), ("llama", "bfloat16"),
+                                         ("qwen3", "bfloat16")])
 def test_two_ranks_give_one_rank_greedy_tokens(tiny_models, arch, dtype):
     """The heads, K/V heads, MLP features and vocabulary split over 2 worker processes, with qkv
     biases (Qwen2), per-head q/k norms (Qwen3), a sliding window (Mistral), a tied head (Llama).
