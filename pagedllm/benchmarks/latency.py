@@ -17,7 +17,7 @@ import time
 from tqdm import tqdm
 
 from pagedllm.benchmarks.datasets import fixed_workload
-from pagedllm.benchmarks.serve import positive
+from pagedllm.entrypoints.cli import positive
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from pagedllm.entrypoints.cli import positive
+
 Prompt = list[int] | list[dict]  # token ids (completions) or messages (chat)
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
           "number group problem fact").split()
@@ -85,16 +87,6 @@ def _percentiles(value: str) -> list[float]:
     if not chosen or not all(0 < p <= 100 for p in chosen):
         raise argparse.ArgumentTypeError(f"{value!r}: percentiles in (0, 100]")
     return chosen
-
-
-def positive(kind: type):
-    """An argparse type: a number above 0."""
-    def parse(value: str):
-        number = kind(value)
-        if not number > 0:
-            raise argparse.ArgumentTypeError(f"{value} must be > 0")
-        return number
-    return parse
 
 
 def config_from_args(ns: argparse.Namespace) -> ServeConfig:

@@ -14,7 +14,7 @@ import json
 import time
 
 from pagedllm.benchmarks.datasets import WORKLOADS, Requests, fixed_workload
-from pagedllm.benchmarks.serve import positive
+from pagedllm.entrypoints.cli import positive
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -47,10 +47,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (drafts from the request\'s own tokens)')
-    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=defaults.tensor_parallel_size,
+    parser.add_argument("--tensor-parallel-size", "-tp", type=positive(int), default=defaults.tensor_parallel_size,
                         help="split the model's layers over this many worker processes (ranks), each on its own "
                              "cores (PAGEDLLM_CPU_OMP_THREADS_BIND: auto, or core lists like 0-7|8-15)")
-    parser.add_argument("--data-parallel-size", "-dp", type=_positive(int), default=defaults.data_parallel_size,
+    parser.add_argument("--data-parallel-size", "-dp", type=positive(int), default=defaults.data_parallel_size,
                         help="serve with this many engine replicas (a process each, with its own copy of the "
                              "weights, its share of the cores and of the KV cache budget); a request goes to the "
                              "replica holding its prompt's prefix, else to the least loaded")
@@ -79,10 +79,11 @@ def _port(value: str) -> int:
     return port
 
 
-def _positive(kind: type):
+def positive(kind: type):
+    """An argparse type: a number above 0 (the bench commands' too)."""
     def parse(value: str):
         number = kind(value)
-        if number <= 0:
+        if not number > 0:
             raise argparse.ArgumentTypeError(f"{value} must be > 0")
         return number
     return parse
@@ -97,11 +98,11 @@ def _origins(value: str) -> list[str]:
 
 def add_server_limits(parser: argparse.ArgumentParser) -> None:
     """What one client may ask of the server, and how it stops."""
-    parser.add_argument("--max-request-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,
+    parser.add_argument("--max-request-body-bytes", type=positive(int), default=MAX_BODY_BYTES,
                         help="larger bodies get 413, counted as they arrive")
-    parser.add_argument("--max-waiting-requests", type=_positive(int), default=1024,
+    parser.add_argument("--max-waiting-requests", type=positive(int), default=1024,
                         help="past this many requests waiting to start, new ones get 503 with Retry-After")
-    parser.add_argument("--request-timeout", type=_positive(float), default=None,
+    parser.add_argument("--request-timeout", type=positive(float), default=None,
                         help="seconds a request may take from admission to its last token (default: no limit)")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are ended")
