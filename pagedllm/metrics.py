@@ -80,6 +80,11 @@ class EngineMetrics:
             if sample.finish_reason:
                 self._success.labels(self.model_name, sample.finish_reason).inc()
 
+    def observe_aborted(self, stream) -> None:
+        """A request ended before it finished (its client left, a deadline, shutdown): each of its
+        samples counts as finished for reason "abort", as vLLM counts them."""
+        self._success.labels(self.model_name, "abort").inc(stream.num_samples)
+
     def render(self, replicas: list[SchedulerStats]) -> bytes:
         """The exposition, with each engine replica's scheduler stats (as of its last step)."""
         for engine, stats in enumerate(replicas):

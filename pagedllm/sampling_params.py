@@ -8,6 +8,14 @@ from enum import IntEnum
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 
 
+class InvalidParamError(ValueError):
+    """A parameter's value is invalid; `param` names the field, for the API's error."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # every output carries everything so far
     DELTA = 1  # every output carries only what is new (streaming)
@@ -134,9 +142,10 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the user gave must exist in the model's vocabulary."""
-        ids = list(self.logit_bias or ()) + list(self.allowed_token_ids or ()) + self.stop_token_ids
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        _check(not bad, f"token ids out of vocabulary (size {vocab_size}): {bad[:5]}")
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            bad = [t for t in getattr(self, name) or () if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidParamError(f"{name}: token ids out of vocabulary (size {vocab_size}): {bad[:5]}", name)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -48,6 +48,13 @@ BAD = [
     ("token out of vocabulary", "/v1/completions", {**GOOD, "prompt": [1, 10**9]}, 400, "prompt"),
     ("logprobs too large", "/v1/completions", {**GOOD, "logprobs": 50}, 400, "logprobs"),
     ("bad logit_bias key", "/v1/completions", {**GOOD, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("logit_bias key out of vocabulary", "/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, 400,
+     "logit_bias"),
+    ("stop token out of vocabulary", "/v1/completions", {**GOOD, "stop_token_ids": [99999999]}, 400,
+     "stop_token_ids"),
+    # More than the waiting queue (--max-waiting-requests, 1024) admits at once: no retry could help, and
+    # none of them is queued (the next request is served at once, not refused while they are taken back).
+    ("more prompts than the server queues", "/v1/completions", {**GOOD, "prompt": [[1, 2]] * 1025}, 400, "prompt"),
     ("empty prompt list", "/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
     # Each of these once killed the engine for good (an overflow inside a step).
     ("seed past 64 bits", "/v1/completions", {**GOOD, "seed": 99999999999999999999999}, 400, "seed"),
@@ -82,6 +89,9 @@ BAD = [
      400, "response_format"),
     ("json_schema without its schema", "/v1/chat/completions",
      {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("json_schema format without a schema", "/v1/chat/completions",
+     {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format.json_schema.schema"),
     ("unknown response_format", "/v1/completions", {**GOOD, "response_format": {"type": "yaml"}}, 400,
      "response_format"),
     ("invalid regex", "/v1/completions", {**GOOD, "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
@@ -195,3 +205,23 @@ def test_tokenization_runs_off_the_event_loop(http):
         longest = max(longest, time.monotonic() - start)
     worker.join()
     assert longest < 0.25 * took[0], (longest, took)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_tokenize_messages_renders_the_chat_template(http, llama_dir, add_generation_prompt):
+    """/tokenize with messages: the ids transformers' own rendering of the template gives, and the
+    prompt a chat completion is then charged for."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    response = _post(http, "/tokenize", {"model": "tiny", "messages": messages,
+                                         "add_generation_prompt": add_generation_prompt})
+    assert response.status_code == 200, response.text
+    expected = AutoTokenizer.from_pretrained(llama_dir).apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+    assert response.json()["tokens"] == list(expected) and response.json()["count"] == len(expected)
+    if add_generation_prompt:
+        usage = _post(http, "/v1/chat/completions", {**CHAT, "messages": messages}).json()["usage"]
+        assert usage["prompt_tokens"] == len(expected)
+    both = _post(http, "/tokenize", {"prompt": "x", "messages": messages})
+    assert _assert_error_shape(both, 400)["param"] == "prompt"

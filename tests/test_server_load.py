@@ -56,6 +56,11 @@ def _metric(text: str, name: str) -> float:
     return float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
 
 
+def _success(text: str, reason: str) -> float:
+    found = re.search(rf'^pagedllm:request_success_total{{[^}}]*finished_reason="{reason}"[^}}]*}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_64_streams_with_disconnects(server):
     async def main():
         stop = asyncio.Event()
@@ -76,6 +81,7 @@ def test_64_streams_with_disconnects(server):
         choices = [c["choices"][0] for c in result["chunks"]]
         assert [c["finish_reason"] for c in choices][-1] == "length"
         assert all(c["finish_reason"] is None for c in choices[:-1])
+    assert latencies  # every /health probe during the load answered 200 (asserted as it came)
     latencies.sort()
     print(f"\n{STREAMS} streams in {elapsed:.1f}s; /health latency under load: median "
           f"{latencies[len(latencies) // 2] * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms, n={len(latencies)}")
@@ -91,3 +97,7 @@ def test_64_streams_with_disconnects(server):
         time.sleep(0.2)
     assert idle, metrics
     assert _metric(metrics, "pagedllm:generation_tokens_total") >= len(complete) * MAX_TOKENS
+    # Each client that left counts as an aborted request (unless its request had finished by the
+    # time the server saw it go), the others by their finish reason.
+    aborted, finished = _success(metrics, "abort"), _success(metrics, "length")
+    assert aborted + finished == STREAMS and 0 < aborted <= STREAMS - len(complete), metrics

@@ -105,6 +105,19 @@ def test_required_tool_calls_round_trip(client):
     assert isinstance(final.choices[0].message.content, str) or final.choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "ping"}}],
+                         ids=["required", "named"])
+def test_a_tool_without_parameters_is_called_with_none(client, tool_choice):
+    """OpenAI: a function defined without `parameters` takes none; its arguments are `{}`."""
+    ping = {"type": "function", "function": {"name": "ping", "description": "Check that the service answers"}}
+    for seed_text in ("Ping it.", "Is the service up? Check twice.", "Hello"):
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": seed_text}],
+                                               tools=[ping], tool_choice=tool_choice, max_tokens=80, temperature=0,
+                                               parallel_tool_calls=False)
+        calls = reply.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "ping" and json.loads(c.function.arguments) == {} for c in calls)
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])
 def test_streamed_tool_calls_reassemble_into_the_same_calls(client, tool_choice):

@@ -29,6 +29,16 @@ def test_offline_llm_logs_kv_cache_once_and_no_carriage_returns(llama_dir):
     assert "Model: LlamaForCausalLM (llama), Hugging Face folder, quantization none" in text, text
 
 
+def test_speculative_decoding_is_announced_at_start_up(llama_dir):
+    config = "{'method': 'ngram', 'num_speculative_tokens': 3}"
+    code = f"from pagedllm import LLM; LLM({llama_dir!r}, dtype='float32', kv_cache_memory='32MiB', speculative_config={config})"
+    status, stderr = _run(["-c", code])
+    assert status == 0, stderr.decode()
+    assert "Speculative decoding: ngram, up to 3 draft tokens a step" in stderr.decode(), stderr.decode()
+    status, stderr = _run(["-c", f"from pagedllm import LLM; LLM({llama_dir!r}, dtype='float32', kv_cache_memory='32MiB')"])
+    assert status == 0 and b"Speculative decoding" not in stderr
+
+
 def test_cli_prints_each_line_once_beside_its_basic_config(llama_dir):
     status, stderr = _run(["-m", "pagedllm.entrypoints.cli", "generate", "Hi", "--model", llama_dir,
                            "--max-tokens", "2", "--kv-cache-memory", "16MiB"])

@@ -57,6 +57,7 @@ class _Stream:
     last_token: float | None = None
     num_prompt_tokens: int = 0
     num_generated: int = 0
+    num_samples: int = 1  # n
     finished: bool = False
 
 
@@ -129,23 +130,38 @@ class AsyncLLM:
         return self.engine.process_inputs(prompt, params)
 
     def add_request(self, request_id: str, processed: ProcessedRequest) -> RequestStream:
-        """Queue a validated request; raises EngineDeadError if the engine has stopped, and
-        EngineUnavailableError while it drains for shutdown or when too many requests wait."""
+        return self.add_requests([(request_id, processed)])[0]
+
+    def add_requests(self, requests: list[tuple[str, ProcessedRequest]]) -> list[RequestStream]:
+        """Queue validated requests, all or none. Raises EngineDeadError if the engine has stopped;
+        EngineUnavailableError while it drains for shutdown or when they would take the waiting
+        queue past its limit; ValueError for more requests than that limit admits at once (no
+        retry could ever succeed) and for an id in use."""
         if self.is_dead:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if self.draining:
             raise EngineUnavailableError("the server is shutting down")
+        limit = self.max_waiting_requests
+        if limit is not None and len(requests) > limit:
+            raise ValueError(f"{len(requests)} prompts in one request, more than the {limit} this server queues "
+                             f"at once (--max-waiting-requests): send them in smaller requests")
         with self._adds_lock:
             waiting = self.stats.num_waiting + self._unapplied_adds
-        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+        if limit is not None and waiting + len(requests) > limit:
             raise EngineUnavailableError(f"too many requests waiting ({waiting}): try again shortly", retry_after=1)
+        ids = [request_id for request_id, _ in requests]
+        in_use = [request_id for request_id in ids if request_id in self._streams]
+        if in_use or len(set(ids)) < len(ids):
+            raise ValueError(f"request id {(in_use or ids)[0]!r} is already in use")
         self._loop = asyncio.get_running_loop()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        return [self._queue_add(request_id, processed) for request_id, processed in requests]
+
+    def _queue_add(self, request_id: str, processed: ProcessedRequest) -> RequestStream:
         params = processed.params
         if isinstance(params, SamplingParams):
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        stream = _Stream(num_prompt_tokens=len(processed.prompt_token_ids))
+        stream = _Stream(num_prompt_tokens=len(processed.prompt_token_ids),
+                         num_samples=params.n if isinstance(params, SamplingParams) else 1)
         self._streams[request_id] = stream
         with self._adds_lock:
             self._unapplied_adds += 1
@@ -176,6 +192,7 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             self._commands.put(("abort", request_id))
+            self.metrics.observe_aborted(stream)
 
     def _dispatch(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
         now = time.monotonic()

@@ -51,6 +51,8 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
         torch.manual_seed(args.seed)
     set_threads()
     spec = parse_speculative_config(args.speculative_config)
+    if spec is not None:
+        logger.info("Speculative decoding: %s", spec.describe())
     draft_config = draft_model_config(spec, args, model_config)
     executor = make_executor(args, model_config, draft_config)
     try:

@@ -26,6 +26,12 @@ class SpeculativeConfig:
     def uses_draft_model(self) -> bool:
         return self.method == "draft_model"
 
+    def describe(self) -> str:
+        """One start-up line's worth: the method, its draft and how many tokens a step may verify."""
+        source = (f"n-gram lookup in the context ({self.prompt_lookup_min}-{self.prompt_lookup_max} tokens)"
+                  if self.method == "ngram" else f"draft model {self.model}")
+        return f"{self.method}, up to {self.num_speculative_tokens} draft tokens a step from {source}"
+
 
 def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     """vLLM's speculative_config dict, checked (None: no speculation). Raises ValueError on one it

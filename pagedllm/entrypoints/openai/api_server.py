@@ -96,7 +96,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = await chat.prompt_ids(body.messages, body.add_generation_prompt)
+            tokens = await chat.prompt_ids(body)
         else:
             tokens = await off_loop(partial(engine.tokenizer.encode, add_special_tokens=body.add_special_tokens),
                                     body.prompt)

@@ -86,7 +86,9 @@ class ResponseFormat(_Request):
             return StructuredOutputsParams(json_object=True)
         if self.json_schema is None:
             raise APIError("response_format of type json_schema needs json_schema", param="response_format")
-        return StructuredOutputsParams(json=self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
+        if self.json_schema.schema_ is None:  # as OpenAI: a json_schema format names its schema
+            raise APIError("response_format's json_schema needs a schema", param="response_format.json_schema.schema")
+        return StructuredOutputsParams(json=self.json_schema.schema_)
 
 
 class StructuredOutputsFields(_Request):
@@ -314,9 +316,12 @@ class EmbeddingRequest(_Request):
 
 
 class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or a conversation rendered by the chat template (with its tools)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

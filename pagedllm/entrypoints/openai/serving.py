@@ -106,8 +106,8 @@ class OpenAIServing:
                 item.cache_salt = cache_salt
             except InvalidConstraintError as exc:
                 raise APIError(str(exc), param=constraint_field) from exc
-            except ValueError as exc:
-                raise APIError(str(exc), param="prompt") from exc
+            except ValueError as exc:  # the prompt's, unless it names a parameter
+                raise APIError(str(exc), param=getattr(exc, "param", "prompt")) from exc
             if requested_max_tokens is not None and len(item.prompt_token_ids) + requested_max_tokens > limit:
                 raise APIError(
                     f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -118,15 +118,12 @@ class OpenAIServing:
         return processed
 
     def start(self, request_id: str, processed: list[ProcessedRequest]) -> list[RequestStream]:
-        streams: list[RequestStream] = []
-        try:
-            for i, p in enumerate(processed):
-                streams.append(self.engine.add_request(f"{request_id}-{i}", p))
+        try:  # all of a request's prompts, or none
+            return self.engine.add_requests([(f"{request_id}-{i}", p) for i, p in enumerate(processed)])
+        except ValueError as exc:
+            raise APIError(str(exc), param="prompt") from exc
         except (EngineDeadError, EngineUnavailableError) as exc:
-            for request_stream in streams:  # all of a request's prompts, or none
-                request_stream.close()
             raise api_error(exc) from exc
-        return streams
 
     async def respond(self, stream: bool, run: Run, streams: list[RequestStream]):
         """SSE as the outputs come, or one JSON body once they are all in."""

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.chat_utils import apply_chat_template
-from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage, NamedToolChoice
+from pagedllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, ChatMessage, NamedToolChoice,
+                                                  TokenizeRequest)
 from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, new_id, off_loop,
                                                  top_entries, usage)
 from pagedllm.entrypoints.openai.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser, get_tool_parser
-from pagedllm.entrypoints.openai.tool_parsers.constrained import (ANY_OBJECT, NamedFunctionOutput,
-                                                                  RequiredFunctionsOutput, required_schema)
+from pagedllm.entrypoints.openai.tool_parsers.constrained import (NamedFunctionOutput, RequiredFunctionsOutput,
+                                                                  parameters_schema, required_schema)
 from pagedllm.outputs import Logprob
 from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -47,11 +48,11 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = (get_reasoning_parser(self.options.reasoning_parser)
                                  if self.options.reasoning_parser else None)
 
-    async def prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
+    async def prompt_ids(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The conversation's prompt token ids, rendered and tokenized off the event loop."""
         return await off_loop(self._prompt_ids, request)
 
-    def _prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
+    def _prompt_ids(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         tools = [tool.model_dump(by_alias=True, exclude_none=True) for tool in request.tools or []] or None
         try:
             return apply_chat_template(self.engine.tokenizer, [m.as_template_input() for m in request.messages],
@@ -95,7 +96,7 @@ class OpenAIServingChat(OpenAIServing):
             if function is None:
                 raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not among the "
                                f"tools ({', '.join(tools) or 'none given'})", param="tool_choice")
-            schema = function.parameters or ANY_OBJECT
+            schema = parameters_schema(function.parameters)
             return NamedFunctionOutput(function.name), StructuredOutputsParams(json=schema, disable_any_whitespace=True), "tools"
         if choice == "required":
             if not tools:

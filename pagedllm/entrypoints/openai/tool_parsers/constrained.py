@@ -14,13 +14,22 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (ParsedOutput, ToolCal
                                                            ToolParser, call_from_object, loads_json)
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: a function defined without `parameters` takes none, so its arguments are `{}`.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The schema of a function's arguments: none without `parameters`, any object for `{}`."""
+    if parameters is None:
+        return NO_PARAMETERS
+    return parameters or ANY_OBJECT
 
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
     """The JSON schema of "required" tool calls over `tools` (OpenAI's function definitions)."""
     items = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [tool["name"]]},
-                             "parameters": tool.get("parameters") or ANY_OBJECT},
+                             "parameters": parameters_schema(tool.get("parameters"))},
               "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
