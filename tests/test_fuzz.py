@@ -1,5 +1,9 @@
 """Fuzzing every route of the real server from its own OpenAPI schema (schemathesis): whatever the
-body, valid by the schema or not, no 5xx, and every 4xx in OpenAI's error shape. A short run here;
+body, valid by the schema or not, no 5xx, and every 4xx in OpenAI's error shape. The server runs
+with every feature a request can reach: tool calls (auto, with the hermes parser and template),
+reasoning, n-gram speculation, structured output (always on), embeddings (a decoder serves them)
+and the dashboard. Two phases: schemathesis' coverage phase (deterministic boundary and
+missing-field cases of every schema) and random fuzzing, 20 examples a route and mode here;
 `PAGEDLLM_FUZZ_EXAMPLES=500 pytest tests/test_fuzz.py` is the longer one (BENCHMARKS.md)."""
 from __future__ import annotations
 
@@ -17,13 +21,18 @@ from server_utils import Server
 EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "20"))
 STATUSES: Counter = Counter()  # (route, status) -> requests, printed at the end (pytest -s)
 ROUTES = ["POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "POST /tokenize",
-          "POST /detokenize", "GET /v1/models", "GET /health", "GET /version", "GET /metrics"]
+          "POST /detokenize", "GET /v1/models", "GET /health", "GET /version", "GET /metrics", "GET /dashboard",
+          "GET /dashboard/state"]
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "examples", "tool_chat_template_hermes.jinja")
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(llama_dir):
     # A short context keeps what a generated request may ask for (n x max_tokens) small.
-    server = Server(llama_dir, "--max-model-len", "64", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny")
+    server = Server(llama_dir, "--max-model-len", "64", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
+                    "--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                    "--reasoning-parser", "qwen3",
+                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     yield server
     server.stop()
 
@@ -43,6 +52,38 @@ CASES = [(route, mode) for route in ROUTES for mode in schemathesis.GenerationMo
          if route.startswith("POST") or mode == schemathesis.GenerationMode.POSITIVE]
 
 
+def _check_response(route: str, case, fuzz_server) -> None:
+    response = case.call(base_url=fuzz_server.url, timeout=120)
+    STATUSES[route, response.status_code] += 1
+    assert response.status_code < 500, (case.as_curl_command(), response.text[:500])
+    if response.status_code >= 400:
+        error = response.json().get("error")
+        assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, response.text
+        assert isinstance(error["message"], str) and error["message"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_coverage_phase_no_5xx_and_every_4xx_in_openai_shape(route, api_schema, fuzz_server):
+    """Schemathesis' coverage phase: each schema's boundary values, missing required fields,
+    wrong types, with and without `model` (as the CLI's `--phases coverage` generates them)."""
+    from schemathesis.generation.drivers import CoverageGenerator
+    from schemathesis.generation.feedback import FeedbackSources
+    from schemathesis.generation.overrides import Override
+
+    method, path = route.split()
+    operation = api_schema[path][method]
+    config = api_schema.config.generation_for(operation=operation, phase="coverage")
+    cases = CoverageGenerator(operation=operation, generation_modes=list(schemathesis.GenerationMode),
+                              generation_config=config, auth_storage=None, override=Override(),
+                              feedback=FeedbackSources())
+    count = 0
+    for case in cases:
+        _check_response(route, case, fuzz_server)
+        count += 1
+    assert count > 0
+    assert fuzz_server.process.poll() is None, "the server died under the coverage phase"
+
+
 @pytest.mark.parametrize("route, mode", CASES, ids=[f"{r}-{m.value}" for r, m in CASES])
 def test_no_5xx_and_every_4xx_in_openai_shape(route, mode, api_schema, fuzz_server):
     method, path = route.split()
@@ -57,13 +98,7 @@ def test_no_5xx_and_every_4xx_in_openai_shape(route, mode, api_schema, fuzz_serv
     def check(case, any_model: bool) -> None:
         if not any_model and isinstance(case.body, dict):
             case.body.pop("model", None)
-        response = case.call(base_url=fuzz_server.url, timeout=120)
-        STATUSES[route, response.status_code] += 1
-        assert response.status_code < 500, (case.as_curl_command(), response.text[:500])
-        if response.status_code >= 400:
-            error = response.json().get("error")
-            assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, response.text
-            assert isinstance(error["message"], str) and error["message"]
+        _check_response(route, case, fuzz_server)
 
     check()
     assert fuzz_server.process.poll() is None, "the server died under fuzzing"

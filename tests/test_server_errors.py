@@ -95,6 +95,11 @@ BAD = [
     ("unknown response_format", "/v1/completions", {**GOOD, "response_format": {"type": "yaml"}}, 400,
      "response_format"),
     ("invalid regex", "/v1/completions", {**GOOD, "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
+    # The default tokenizer has no token for the byte 0xF1 that starts U+40000's UTF-8: no output can match.
+    ("regex the vocabulary cannot spell", "/v1/completions", {**GOOD, "structured_outputs": {"regex": "\U00040000"}},
+     400, None),
+    ("regex the vocabulary cannot finish", "/v1/completions",
+     {**GOOD, "max_tokens": 8, "structured_outputs": {"regex": "a\U00040000b"}}, 400, None),
     ("invalid grammar", "/v1/completions", {**GOOD, "guided_grammar": "root ::= nothing_defined"}, 400,
      "guided_grammar"),
     ("guided_json not JSON", "/v1/completions", {**GOOD, "guided_json": "{nope"}, 400, "guided_json"),

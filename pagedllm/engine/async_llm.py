@@ -29,6 +29,7 @@ from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.structured_output.backend import InvalidConstraintError
 
 logger = logging.getLogger("pagedllm")
 _IDLE_POLL_S = 0.1
@@ -48,6 +49,17 @@ class EngineUnavailableError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request failed inside the engine (the others go on)."""
+
+
+class RequestRefusedError(RequestFailedError):
+    """This request's own parameters made it fail inside the engine (a structured output
+    constraint the model's vocabulary cannot satisfy): the client's error."""
+
+
+def request_error(error: str) -> RequestFailedError:
+    """The exception a failed request's stream raises, from the engine core's report."""
+    refused = error.startswith(f"{InvalidConstraintError.__name__}:")
+    return RequestRefusedError(error) if refused else RequestFailedError(error)
 
 
 @dataclass
@@ -209,7 +221,7 @@ class AsyncLLM:
                 # The consumer keeps its own handle; forgetting it here means a stream nobody
                 # ever read (its client left before the first byte) leaves nothing behind.
                 del self._streams[output.request_id]
-            stream.queue.put_nowait(output if output.error is None else RequestFailedError(output.error))
+            stream.queue.put_nowait(output if output.error is None else request_error(output.error))
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

@@ -29,7 +29,7 @@ from pagedllm.engine.child_process import connect_to_parent, start_child
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.cpu_binding import BIND_ENV, physical_cores
+from pagedllm.executor.cpu_binding import BIND_ENV, usable_cores
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
@@ -137,10 +137,12 @@ def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) 
 
 
 def set_threads() -> None:
-    """One thread per physical core: hyper-threads only contend for the same vector units."""
+    """One thread per physical core this process may use (fewer under a cgroup quota): hyper-threads
+    only contend for the same vector units. The executor's governor lowers it while the machine is
+    busy (executor/thread_governor.py)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    torch.set_num_threads(physical_cores())
+    torch.set_num_threads(usable_cores())
 
 
 class EngineCoreDeadError(RuntimeError):

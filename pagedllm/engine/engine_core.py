@@ -27,6 +27,7 @@ from pagedllm.executor.abstract import Executor, ExecutorFailure
 from pagedllm.spec_decode.adaptive import SpeculationController
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.structured_output.backend import InvalidConstraintError
 
 logger = logging.getLogger(__name__)
 # With nothing to run but grammars compiling, a step waits this long for one (then the caller takes
@@ -222,7 +223,9 @@ class EngineCore:
             if not manager.is_constrained(request_id):
                 continue
             if not manager.accept(request_id, request.output_token_ids[request.num_reported_tokens:]):
-                refused[request_id] = self._fail(request_id, ValueError(
+                refused[request_id] = self._fail(request_id, InvalidConstraintError(
+                    "no token of this model's vocabulary can continue the structured output constraint here "
+                    "(it needs a character the vocabulary cannot spell)" if manager.is_dead_end(request_id) else
                     "the sampled token is outside the request's grammar (min_tokens can bar the only tokens "
                     "a complete grammar allows: its end)"))
                 continue

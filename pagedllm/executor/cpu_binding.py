@@ -4,6 +4,7 @@ order, a core's hyper-threads together; "0-7|8-15" names each rank's, as many fo
 leaves them unbound. With data parallelism the ranks are every replica's, replica by replica."""
 from __future__ import annotations
 
+import math
 import os
 
 BIND_ENV = "PAGEDLLM_CPU_OMP_THREADS_BIND"
@@ -76,3 +77,56 @@ def _cores(part: str, spec: str) -> list[int]:
 def physical_cores() -> int:
     """The physical cores this process may run on."""
     return len(physical_cores_of(sorted(os.sched_getaffinity(0))))
+
+
+def usable_cores() -> int:
+    """The cores' worth of CPU time this process may use: its physical cores, fewer where a cgroup
+    quota (a container's --cpus, a systemd CPUQuota) allows less (rounded up, at least 1)."""
+    cores = physical_cores()
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs' worth of time a period the cgroups above this process allow (the tightest), or None."""
+    quotas = []
+    for line in _read(proc_cgroup).splitlines():
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        base = root if v2 else next((f"{root}/{name}" for name in ("cpu", "cpu,cpuacct", controllers)
+                                     if os.path.isdir(f"{root}/{name}")), None)
+        if base is None:
+            continue
+        # The process's own group and each one above it, to the mount's root (a container sees its
+        # own group as "/").
+        parts = [p for p in path.strip("/").split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            group = os.path.join(base, *parts[:depth])
+            quota = _v2_quota(group) if v2 else _v1_quota(group)
+            if quota is not None:
+                quotas.append(quota)
+    return min(quotas) if quotas else None
+
+
+def _v2_quota(group: str) -> float | None:
+    fields = _read(f"{group}/cpu.max").split()
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    return int(fields[0]) / int(fields[1])
+
+
+def _v1_quota(group: str) -> float | None:
+    quota, period = _read(f"{group}/cpu.cfs_quota_us").strip(), _read(f"{group}/cpu.cfs_period_us").strip()
+    if not quota or not period or int(quota) <= 0:
+        return None
+    return int(quota) / int(period)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, ValueError):
+        return ""

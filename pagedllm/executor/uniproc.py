@@ -1,8 +1,11 @@
 """The uniprocess executor: one worker, called directly in the engine's thread."""
 from __future__ import annotations
 
+import torch
+
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
+from pagedllm.executor.thread_governor import make_governor
 from pagedllm.models.loader import ModelConfig
 from pagedllm.worker.worker import Worker
 
@@ -11,6 +14,8 @@ class UniprocExecutor(Executor):
     def __init__(self, model_config: ModelConfig, device: str, block_size: int,
                  draft_config: ModelConfig | None = None) -> None:
         self.driver_worker = Worker(model_config, device, block_size, draft_config)
+        # Built in the thread that steps (torch's thread count is the calling thread's own).
+        self.governor = make_governor(torch.get_num_threads(), torch.set_num_threads) if device == "cpu" else None
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.driver_worker.kv_cache_bytes_per_block()
@@ -22,4 +27,7 @@ class UniprocExecutor(Executor):
         self.driver_worker.initialize_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.driver_worker.execute_model(scheduler_output)
+        output = self.driver_worker.execute_model(scheduler_output)
+        if self.governor is not None:
+            self.governor.stepped()
+        return output

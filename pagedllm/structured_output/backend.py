@@ -14,7 +14,9 @@ GrammarKey = tuple[str, str, bool]
 
 
 class InvalidConstraintError(ValueError):
-    """A structured output constraint that cannot be compiled (a bad schema, regex or grammar)."""
+    """A structured output constraint that cannot be compiled (a bad schema, regex or grammar), or
+    that this model's vocabulary cannot satisfy. Its name starts the error an engine core reports
+    for such a request, so that the frontend answers it as the client's error (a 400)."""
 
 
 class GrammarMatcher(ABC):

@@ -15,7 +15,8 @@ from typing import Any
 
 from pagedllm.core.step import ScheduledRequest, TokenBitmask
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import GrammarKey, GrammarMatcher, StructuredOutputBackend
+from pagedllm.structured_output.backend import (GrammarKey, GrammarMatcher, InvalidConstraintError,
+                                                StructuredOutputBackend)
 
 logger = logging.getLogger(__name__)
 CACHE_SIZE = 256  # compiled grammars kept
@@ -80,10 +81,16 @@ class StructuredOutputManager:
                 continue
             del self._pending[request_id]
             try:
-                self._matchers[request_id] = self.backend.matcher(future.result())
-                ready.append(payload)
+                matcher = self.backend.matcher(future.result())
             except Exception as exc:  # noqa: BLE001 - this request's grammar; the others go on
-                failed[request_id] = (payload, f"the grammar failed to compile: {exc}")
+                failed[request_id] = (payload, f"{InvalidConstraintError.__name__}: the grammar failed to compile: {exc}")
+                continue
+            if self._is_dead_end(matcher):
+                failed[request_id] = (payload, f"{InvalidConstraintError.__name__}: the structured output constraint "
+                                               "allows no token of this model's vocabulary at its start")
+                continue
+            self._matchers[request_id] = matcher
+            ready.append(payload)
         return ready, failed
 
     def wait(self, timeout: float) -> None:
@@ -143,6 +150,16 @@ class StructuredOutputManager:
         if walked:
             matcher.rollback(walked)
         return drafts[:taken]
+
+    def is_dead_end(self, request_id: str) -> bool:
+        """Whether the request's grammar, where it stands, allows no token of the vocabulary (it
+        needs a character no token spells) and is not complete."""
+        return self._is_dead_end(self._matchers[request_id])
+
+    def _is_dead_end(self, matcher: GrammarMatcher) -> bool:
+        words = self.backend.allocate_bitmask(1)
+        matcher.fill_bitmask(words, 0)
+        return not words.any() and not matcher.is_terminated()
 
     def accept(self, request_id: str, token_ids: list[int]) -> bool:
         """Advance a request's matcher over its new tokens; False if the grammar refused one."""

@@ -64,11 +64,11 @@ def install_dashboard(app: FastAPI, engine: AsyncLLM, model_name: str) -> Counte
     history = CounterHistory(engine)
     page = resources.files(__package__).joinpath("dashboard.html").read_text()
 
-    @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+    @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard():
         return HTMLResponse(page)
 
-    @app.get("/dashboard/state", include_in_schema=False)
+    @app.get("/dashboard/state")
     async def dashboard_state():
         try:
             snapshots = await engine.snapshots()

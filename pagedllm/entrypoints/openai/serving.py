@@ -15,7 +15,7 @@ from typing import TypeVar
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, EngineUnavailableError, RequestFailedError,
-                                       RequestStream)
+                                       RequestRefusedError, RequestStream)
 from pagedllm.engine.llm_engine import ProcessedRequest
 from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.outputs import Logprob, RequestOutput
@@ -48,6 +48,8 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), 503, "service_unavailable")
     if isinstance(exc, RequestTimeoutError):
         return APIError(str(exc), 504, "timeout_error", code="request_timeout")
+    if isinstance(exc, RequestRefusedError):
+        return APIError(str(exc).split(": ", 1)[-1])
     if isinstance(exc, RequestFailedError):
         return APIError(f"the request failed in the engine: {exc}", 500, "internal_server_error")
     if isinstance(exc, ValueError):

@@ -1,0 +1,118 @@
+"""How many threads the engine's steps use, following how busy the machine is.
+
+A parallel region ends when its slowest thread does. When another process wants one of our cores,
+the scheduler preempts one of our threads for a time slice, and every region it was part of waits
+for it: on 2 cores with one busy neighbour, 2 threads decoded at about a quarter of the speed of 1
+(BENCHMARKS.md, issue 42). The sign is our threads' time spent runnable but waiting for a core
+(the kernel's schedstat), which stays near zero while we have the cores to ourselves.
+
+So after each window of stepping, the governor reads that wait as a share of our threads' time:
+above `HIGH` it takes a thread away; after a quiet spell it tries one more for a window, keeps it
+if the wait stays low, and otherwise goes back and waits twice as long before the next try (up
+to `MAX_PROBE_S`). The thread count never changes a result: every kernel computes a row the same
+way whatever the count (tests/test_thread_governor.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger("pagedllm")
+
+WINDOW_S = 0.25  # of stepping, between two readings
+MIN_BUSY_S = 0.05  # a window decides only with at least this much thread time in it
+HIGH = 0.15  # waiting share above which a thread is taken away (quiet: < 0.01; one busy neighbour: ~0.35)
+FIRST_PROBE_S = 2.0
+MAX_PROBE_S = 8.0
+ADAPTIVE_ENV = "PAGEDLLM_ADAPTIVE_THREADS"
+
+
+class SchedStat:
+    """Run and run-queue wait nanoseconds summed over this process's threads (Linux schedstat)."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, int] = {}
+
+    def available(self) -> bool:
+        return os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+
+    def read(self) -> tuple[int, int]:
+        run = wait = 0
+        tids = set(os.listdir("/proc/self/task"))
+        for tid in list(self._files):
+            if tid not in tids:  # the thread has ended
+                os.close(self._files.pop(tid))
+        for tid in tids:
+            try:
+                if tid not in self._files:
+                    self._files[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+                fields = os.pread(self._files[tid], 128, 0).split()
+            except OSError:  # it ended as we read
+                continue
+            run += int(fields[0])
+            wait += int(fields[1])
+        return run, wait
+
+
+class ThreadGovernor:
+    """Call `stepped()` after each engine step; it sets the thread count through `set_threads`."""
+
+    def __init__(self, max_threads: int, set_threads: Callable[[int], None],
+                 read: Callable[[], tuple[int, int]], clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_threads = self.threads = max_threads
+        self._set, self._read, self._clock = set_threads, read, clock
+        self._probing_from: int | None = None  # the count a probe of one more thread came from
+        self._probe_wait_s = FIRST_PROBE_S
+        self._window_start = clock()
+        self._last_change = self._window_start
+        self._start_sample = read()
+
+    def stepped(self) -> None:
+        now = self._clock()
+        if now - self._window_start < WINDOW_S:
+            return
+        run, wait = self._read()
+        d_run, d_wait = run - self._start_sample[0], wait - self._start_sample[1]
+        self._window_start, self._start_sample = now, (run, wait)
+        if d_run + d_wait < MIN_BUSY_S * 1e9:  # mostly idle: nothing to learn
+            return
+        self._decide(d_wait / (d_run + d_wait), now)
+
+    def _decide(self, waiting: float, now: float) -> None:
+        if self._probing_from is not None:  # a probe's window
+            came_from, self._probing_from = self._probing_from, None
+            if waiting > HIGH:
+                self._probe_wait_s = min(2 * self._probe_wait_s, MAX_PROBE_S)
+                self._change(came_from, now, waiting, logging.DEBUG)
+            else:
+                self._probe_wait_s = FIRST_PROBE_S
+                logger.info("CPU threads: back to %d (waiting for a core %.0f%% of the time)", self.threads,
+                            100 * waiting)
+            return
+        if waiting > HIGH and self.threads > 1:
+            self._change(self.threads - 1, now, waiting, logging.INFO)
+        elif self.threads < self.max_threads and now - self._last_change >= self._probe_wait_s:
+            self._probing_from = self.threads
+            self._change(self.threads + 1, now, waiting, logging.DEBUG)
+
+    def _change(self, threads: int, now: float, waiting: float, level: int) -> None:
+        logger.log(level, "CPU threads: %d -> %d (our threads waited for a core %.0f%% of the last %.2f s: "
+                   "other processes are using the cores)" if threads < self.threads else
+                   "CPU threads: %d -> %d (trying one more; waiting %.0f%% of the last %.2f s)",
+                   self.threads, threads, 100 * waiting, WINDOW_S)
+        self.threads, self._last_change = threads, now
+        self._set(threads)
+
+
+def make_governor(max_threads: int, set_threads: Callable[[int], None]) -> ThreadGovernor | None:
+    """A governor for this process's steps, unless the thread count is fixed (OMP_NUM_THREADS or
+    PAGEDLLM_ADAPTIVE_THREADS=0), there is one thread to govern, or the kernel keeps no schedstat."""
+    if "OMP_NUM_THREADS" in os.environ or os.environ.get(ADAPTIVE_ENV, "1") == "0" or max_threads < 2:
+        return None
+    stat = SchedStat()
+    if not stat.available():
+        return None
+    return ThreadGovernor(max_threads, set_threads, stat.read)
