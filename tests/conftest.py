@@ -123,6 +123,20 @@ def greedy_without_kernels(llm_args: dict, prompts: list[list[int]], max_tokens:
     return tokens, graphs
 
 
+# Modules whose tests start real servers, worker processes or a browser: `make test-fast` (-m "not
+# slow and not e2e") leaves them out; `make test` runs them.
+E2E_MODULES = {"test_cli", "test_dashboard", "test_data_parallel", "test_engine_core_process", "test_fuzz",
+               "test_ray_executor", "test_server_embeddings", "test_server_errors", "test_server_faults",
+               "test_server_load", "test_server_openai", "test_server_structured", "test_startup_logs",
+               "test_tensor_parallel"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__ in E2E_MODULES:
+            item.add_marker(pytest.mark.e2e)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Stop the run where the C++ kernels should build but did not: their tests would only skip, and the
     model tests would compare torch with torch."""

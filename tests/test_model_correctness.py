@@ -58,6 +58,7 @@ def test_default_model_matches_transformers_gguf_loader(default_hf_model):
     assert outputs[0].outputs[0].text.startswith(" Paris")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True])
 def test_pure_torch_path_gives_the_same_greedy_tokens(tiny_models, compile):
     """Without the C++ kernels (as on a GPU, or with no compiler) every layer takes its torch

@@ -55,8 +55,8 @@ def teacher_forced(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("scheme, bound", [("int8", 0.05), ("int4_g32", 0.35), ("int4", 0.4)])
-def test_online_quantization_near_the_float_model(wide_llama, scheme, bound):
+@pytest.mark.parametrize("scheme, bound, worst", [("int8", 0.05, 0.1), ("int4_g32", 0.35, 1.0), ("int4", 0.4, 1.2)])
+def test_online_quantization_near_the_float_model(wide_llama, scheme, bound, worst):
     """Teacher-forced on mixed-length prompts, fp32: each position's logprob of the next token within
     the scheme's rounding of the unquantized model's. Measured mean (max) |delta|: int8 0.018
     (0.057), int4_g32 0.165 (0.57), int4 0.181 (0.76); for scale, the same model written as a Q4_1
@@ -70,7 +70,7 @@ def test_online_quantization_near_the_float_model(wide_llama, scheme, bound):
     sequences = [s for s in prompts_of_mixed_lengths(model.decoder_config.vocab_size, seed=3) if len(s) > 1]
     delta = (teacher_forced(quantized, sequences) - teacher_forced(plain, sequences)).abs()
     print(f"{scheme}: mean {delta.mean():.4f} max {delta.max():.4f}")
-    assert delta.mean() < bound and delta.max() < 5 * bound
+    assert delta.mean() < bound and delta.max() < worst
 
 
 @needs_kernels

@@ -45,3 +45,28 @@ def test_the_soak_going_on_where_the_alone_run_ended_its_turn():
     assert flip_gap(alone_steps, "watching.\nassistant", "watching. I've") is None  # "watching" not a step here
     alone_steps = steps(("watching", {"watching": -0.2}), *alone_steps)
     assert flip_gap(alone_steps, "watching.\nassistant", "watching. I've") == pytest.approx(0.1)
+
+
+def test_the_mixed_runs_checks_of_json_tool_calls_and_embeddings():
+    from soak import SCHEMA, Result, Spec, bad_calls, bad_vectors, schema_error, take_choice
+
+    assert schema_error('{"topic": "rivers", "rating": 4}', SCHEMA) is None
+    assert "schema" in schema_error('{"topic": "rivers", "rating": 9}', SCHEMA)
+    assert "schema" in schema_error('{"topic": "riv', SCHEMA)
+    spec = Spec(index=0, chat=True, stream=True, n=1, greedy=True, long=False, max_tokens=64, ignore_eos=False,
+                seed=None, drop_after=None, prompt="?", kind="tools",
+                tool_choice={"type": "function", "function": {"name": "get_time"}})
+    result = Result(spec)
+    for delta in ({"tool_calls": [{"index": 0, "id": "x", "function": {"name": "get_time", "arguments": ""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}):
+        take_choice(result, {"index": 0, "delta": delta, "finish_reason": None}, chat=True)
+    take_choice(result, {"index": 0, "delta": {}, "finish_reason": "tool_calls"}, chat=True)
+    assert result.calls == {0: {0: ["get_time", '{"city": "Oslo"}']}} and bad_calls(result, spec) is None
+    result.calls[0][0][0] = "get_weather"  # a tool the named choice does not allow
+    assert "allowed" in bad_calls(result, spec)
+    result.calls[0][0] = ["get_time", '{"city": "Lima"}']
+    assert "schema" in bad_calls(result, spec)
+    assert bad_vectors([[0.6, 0.8], [1.0, 0.0]], 2) is None
+    assert bad_vectors([[0.6, 0.8]], 2) is not None and bad_vectors([[0.6, 0.9], [1.0, 0.0]], 2) is not None
+    assert bad_vectors([[0.6, 0.8], [1.0, 0.0, 0.0]], 2) is not None

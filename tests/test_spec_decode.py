@@ -257,7 +257,12 @@ def test_server_streams_speculated_tokens_and_counts_them(llama_dir, engines, tm
               if line.startswith("pagedllm:spec_decode")}
     assert counts["pagedllm:spec_decode_num_draft_tokens_total"] > 0
     assert counts["pagedllm:spec_decode_num_drafts_total"] > 0
-    assert counts["pagedllm:spec_decode_num_accepted_tokens_total"] <= counts["pagedllm:spec_decode_num_draft_tokens_total"]
+    accepted, drafted = (counts["pagedllm:spec_decode_num_accepted_tokens_total"],
+                         counts["pagedllm:spec_decode_num_draft_tokens_total"])
+    if method == "draft_model":  # the draft is the target, greedy in fp32: every draft token is accepted
+        assert accepted == drafted
+    else:  # (a random model seldom continues the prompt's pattern: its drafts mostly fail)
+        assert accepted <= drafted
     # The dashboard's acceptance is read from the same totals.
     assert (dashboard["spec_num_draft_tokens"], dashboard["spec_num_accepted_tokens"]) == (
         counts["pagedllm:spec_decode_num_draft_tokens_total"], counts["pagedllm:spec_decode_num_accepted_tokens_total"])

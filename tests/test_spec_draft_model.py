@@ -129,6 +129,7 @@ def test_preemption_leaves_outputs_unchanged(llama_dir, draft_dir):
 CHI2_24_999 = 51.18
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_targets_distribution(engines):
     """The first two sampled tokens of many seeded requests at temperature 1, top-k 5: the second
     is a draft verified by rejection sampling. Their joint frequencies match the target's joint

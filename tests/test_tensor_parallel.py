@@ -94,6 +94,7 @@ def test_two_ranks_give_one_rank_greedy_tokens(tiny_models, arch, dtype):
     assert all(p.poll() is not None for p in processes)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_engine_at_once(llama_dir):
     llm = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB", tensor_parallel_size=2)
     processes = _processes(llm)
@@ -201,6 +202,7 @@ def _ranks_of(pid: int) -> list[psutil.Process]:
             if "pagedllm.executor.multiproc" in " ".join(p.cmdline())]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_request_fails_the_stream_and_the_server_exits(llama_dir):
     """The server with -tp 2: a rank killed while a stream runs; the client gets the engine's error
     event within seconds, the server exits non-zero, and no rank process is left."""
@@ -219,6 +221,7 @@ def test_a_rank_killed_mid_request_fails_the_stream_and_the_server_exits(llama_d
         server.stop()
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_no_rank_behind(llama_dir):
     server = Server(llama_dir, "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--dtype", "float32", "-tp", "2")
     ranks = _ranks_of(server.process.pid)
