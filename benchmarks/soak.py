@@ -51,8 +51,10 @@ Checks (any failing makes the exit status 1):
   pick can flip: a differing request is then resent once more with top-5 logprobs, and the
   difference passes only where, at its first differing token, the soak's pick is within
   --tie-margin nats (0.3, tests/test_bf16_oracle.py's EPS) of the alone run's best, with the same
-  token count. --strict-greedy fails any difference; with --extra-server-args "--dtype float32"
-  (where the engine's batch invariance is exact and tested) it is the strict form of this check;
+  token count where ignore_eos was set (without it, a flip also moves where the answer ends).
+  --strict-greedy fails any difference; with --extra-server-args "--dtype float32" (where the
+  engine's batch invariance is exact and tested) it is the strict form of this check. The replay
+  covers text requests (a constrained one's flip has no text to place it by);
 - resident memory flat over the second half: the server's RSS is sampled every --rss-interval s
   (1; at least 10 samples are needed); growth = median of the last 10% of samples / median of
   the 10% around the run's midpoint - 1 < 5%;
@@ -321,7 +323,7 @@ async def send(client: httpx.AsyncClient | Clients, spec: Spec, timeout: float, 
     body = spec.body(stream, cache_salt)
     start = time.monotonic()
     try:
-        exchange = streamed(client, spec, body, result) if body["stream"] else plain(client, spec, body, result)
+        exchange = streamed(client, spec, body, result) if body.get("stream") else plain(client, spec, body, result)
         await asyncio.wait_for(exchange, timeout)
     except asyncio.TimeoutError:
         result.hang = True
@@ -523,10 +525,11 @@ async def flip_gaps(client: httpx.AsyncClient, original: Result, alone: Result, 
 
 
 def is_rounding_flip(mismatch: dict, margin: float) -> bool:
-    """Every differing choice left at a near-tie (within `margin` nats), with the same token count."""
+    """Every differing choice left at a near-tie (within `margin` nats), with the same token count
+    where ignore_eos fixed it (else a flip also moves where the answer ends)."""
     gaps = mismatch["gaps"]
-    return (mismatch["tokens_in_soak"] == mismatch["tokens_alone"] and bool(gaps)
-            and all(g is not None and g <= margin for g in gaps.values()))
+    same_length = mismatch["tokens_in_soak"] == mismatch["tokens_alone"] or not mismatch["body"].get("ignore_eos")
+    return same_length and bool(gaps) and all(g is not None and g <= margin for g in gaps.values())
 
 
 # -- the server: process, metrics, memory --------------------------------------------------------
