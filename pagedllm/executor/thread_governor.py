@@ -6,7 +6,8 @@ for it: on 2 cores with one busy neighbour, 2 threads decoded at about a quarter
 (BENCHMARKS.md, issue 42). The sign is our threads' time spent runnable but waiting for a core
 (the kernel's schedstat), which stays near zero while we have the cores to ourselves.
 
-So after each window of stepping, the governor reads that wait as a share of our threads' time:
+So after each window of stepping, the governor reads that wait as a share of the stepping
+thread's time:
 above `HIGH` it takes a thread away; after a quiet spell it tries one more for a window, keeps it
 if the wait stays low, and otherwise goes back and waits twice as long before the next try (up
 to `MAX_PROBE_S`). The thread count never changes a result: every kernel computes a row the same
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 
@@ -24,37 +24,24 @@ logger = logging.getLogger("pagedllm")
 
 WINDOW_S = 0.25  # of stepping, between two readings
 MIN_BUSY_S = 0.05  # a window decides only with at least this much thread time in it
-HIGH = 0.15  # waiting share above which a thread is taken away (quiet: < 0.01; one busy neighbour: ~0.35)
+HIGH = 0.25  # waiting share above which a thread is taken away (quiet: < 0.01, serving with a local client
+# up to ~0.15; one busy neighbour: 0.34-0.42)
 FIRST_PROBE_S = 2.0
 MAX_PROBE_S = 8.0
 ADAPTIVE_ENV = "PAGEDLLM_ADAPTIVE_THREADS"
 
 
-class SchedStat:
-    """Run and run-queue wait nanoseconds summed over this process's threads (Linux schedstat)."""
+def thread_schedstat() -> tuple[int, int]:
+    """Run and run-queue wait nanoseconds of the calling thread (Linux schedstat). The stepping
+    thread leads every parallel region and is preempted as often as its helpers; the process's
+    other threads (the server's event loop, tokenizers) are left out: their waits are ours."""
+    with open("/proc/thread-self/schedstat", "rb") as f:
+        run, wait = f.read().split()[:2]
+    return int(run), int(wait)
 
-    def __init__(self) -> None:
-        self._files: dict[str, int] = {}
 
-    def available(self) -> bool:
-        return os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
-
-    def read(self) -> tuple[int, int]:
-        run = wait = 0
-        tids = set(os.listdir("/proc/self/task"))
-        for tid in list(self._files):
-            if tid not in tids:  # the thread has ended
-                os.close(self._files.pop(tid))
-        for tid in tids:
-            try:
-                if tid not in self._files:
-                    self._files[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
-                fields = os.pread(self._files[tid], 128, 0).split()
-            except OSError:  # it ended as we read
-                continue
-            run += int(fields[0])
-            wait += int(fields[1])
-        return run, wait
+def schedstat_available() -> bool:
+    return os.path.exists("/proc/thread-self/schedstat")
 
 
 class ThreadGovernor:
@@ -66,12 +53,14 @@ class ThreadGovernor:
         self._set, self._read, self._clock = set_threads, read, clock
         self._probing_from: int | None = None  # the count a probe of one more thread came from
         self._probe_wait_s = FIRST_PROBE_S
-        self._window_start = clock()
-        self._last_change = self._window_start
-        self._start_sample = read()
+        self._window_start = self._last_change = clock()
+        self._start_sample: tuple[int, int] | None = None  # read by the stepping thread, at its first step
 
     def stepped(self) -> None:
         now = self._clock()
+        if self._start_sample is None:
+            self._window_start, self._start_sample = now, self._read()
+            return
         if now - self._window_start < WINDOW_S:
             return
         run, wait = self._read()
@@ -112,7 +101,6 @@ def make_governor(max_threads: int, set_threads: Callable[[int], None]) -> Threa
     PAGEDLLM_ADAPTIVE_THREADS=0), there is one thread to govern, or the kernel keeps no schedstat."""
     if "OMP_NUM_THREADS" in os.environ or os.environ.get(ADAPTIVE_ENV, "1") == "0" or max_threads < 2:
         return None
-    stat = SchedStat()
-    if not stat.available():
+    if not schedstat_available():
         return None
-    return ThreadGovernor(max_threads, set_threads, stat.read)
+    return ThreadGovernor(max_threads, set_threads, thread_schedstat)
