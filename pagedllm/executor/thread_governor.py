@@ -24,8 +24,7 @@ logger = logging.getLogger("pagedllm")
 
 WINDOW_S = 0.25  # of stepping, between two readings
 MIN_BUSY_S = 0.05  # a window decides only with at least this much thread time in it
-HIGH = 0.25  # waiting share above which a thread is taken away (quiet: < 0.01, serving with a local client
-# up to ~0.15; one busy neighbour: 0.34-0.42)
+HIGH = 0.25  # waiting share above which a thread is taken away: far from a quiet machine's and a busy one's
 FIRST_PROBE_S = 2.0
 MAX_PROBE_S = 8.0
 ADAPTIVE_ENV = "PAGEDLLM_ADAPTIVE_THREADS"
