@@ -168,4 +168,5 @@ def test_the_page_in_chromium_shows_what_metrics_says(llama_dir, tmp_path):
             assert errors == []
             browser.close()
     finally:
-        assert server.stop() in (0, -15)
+        status = server.stop()
+    assert status in (0, -15)
