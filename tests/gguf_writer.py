@@ -219,6 +219,8 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         if name is None:
             raise ValueError(f"cannot map tensor {hf_name}")
         data = t.to(torch.float32).numpy()
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)  # llama.cpp's shared-expert gate is one row, stored 1-D ({n_embd})
         if arch in (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3) and hf_name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's converter stores Gemma's norms as the scale itself
         if arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_q." in name:

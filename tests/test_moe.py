@@ -14,27 +14,29 @@ COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_ke
               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
 
 
-def _config(family: str, vocab: int, dense_layers: list[int]):
+def _config(family: str, vocab: int, dense_layers: list[int], **overrides):
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family == "qwen3_moe":
-        return Qwen3MoeConfig(vocab_size=vocab, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                              num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, mlp_only_layers=dense_layers,
-                              **COMMON)
+        return Qwen3MoeConfig(**{"vocab_size": vocab, "intermediate_size": 96, "moe_intermediate_size": 32,
+                                 "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "head_dim": 16,
+                                 "mlp_only_layers": dense_layers, **COMMON, **overrides})
     if family == "qwen2_moe":
-        return Qwen2MoeConfig(vocab_size=vocab, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
-                              num_experts_per_tok=3, norm_topk_prob=False, shared_expert_intermediate_size=48,
-                              **COMMON)
+        return Qwen2MoeConfig(**{"vocab_size": vocab, "intermediate_size": 96, "moe_intermediate_size": 32,
+                                 "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                                 "shared_expert_intermediate_size": 48, **COMMON, **overrides})
     return MixtralConfig(vocab_size=vocab, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **COMMON)
 
 
-def make_moe(family: str, path, tokenizer_dir: str, dense_layers: tuple[int, ...] = (1,)) -> str:
-    """`dense_layers`: Qwen3-MoE's mlp_only_layers (llama.cpp's qwen3moe has no dense layers)."""
+def make_moe(family: str, path, tokenizer_dir: str, dense_layers: tuple[int, ...] = (1,), **overrides) -> str:
+    """`dense_layers`: Qwen3-MoE's mlp_only_layers (llama.cpp's qwen3moe has no dense layers);
+    `overrides`: config fields."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(_config(family, len(tokenizer), list(dense_layers)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(family, len(tokenizer), list(dense_layers), **overrides),
+                                             dtype=torch.float32)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
