@@ -28,7 +28,9 @@ structured_outputs on completions) and --tools-fraction are chat requests whose 
 "required" or a named function (streamed or not); and --embeddings-fraction go to a second server
 beside it (--embeddings-model, default: the default model with --runner pooling), as embeddings of
 one to four texts. Their checks: a JSON answer parses and holds to its schema; every tool call
-names a tool and its arguments hold to that tool's parameters; each embedding has the same
+names a tool and its arguments hold to that tool's parameters (a choice that max_tokens cut
+short, its finish reason "length", is not judged: the grammars allow any whitespace, which a
+sampled request can draw until it runs out); each embedding has the same
 dimensions and unit length; the embeddings server ends idle, exits 0, and logs no error.
 
 The KV budget (--kv-cache-memory) is far below what --concurrency requests hold, so the
@@ -352,8 +354,9 @@ def incomplete(result: Result) -> str | None:
         return "no usage"
     if spec.ignore_eos and result.completion_tokens != spec.n * spec.max_tokens:
         return f"{result.completion_tokens} completion tokens, expected {spec.n * spec.max_tokens}"
-    if spec.kind == "json":
-        return next((why for i in range(spec.n) if (why := schema_error(result.texts.get(i, ""), SCHEMA))), None)
+    if spec.kind == "json":  # a choice cut short by max_tokens (the grammar allows any whitespace) is not judged
+        return next((why for i in range(spec.n) if result.finish.get(i) != "length"
+                     and (why := schema_error(result.texts.get(i, ""), SCHEMA))), None)
     if spec.kind == "tools":
         return bad_calls(result, spec)
     return None
@@ -374,6 +377,8 @@ def bad_calls(result: Result, spec: Spec) -> str | None:
     """Why a tool request's choices are not each one valid call of an allowed tool, or None."""
     allowed = (set(TOOL_SCHEMAS) if spec.tool_choice == "required" else {spec.tool_choice["function"]["name"]})
     for i in range(spec.n):
+        if result.finish.get(i) == "length":  # cut short by max_tokens: no call to judge
+            continue
         if result.finish.get(i) != "tool_calls":
             return f"choice {i} finished with {result.finish.get(i)!r}, not tool_calls"
         calls = list(result.calls.get(i, {}).values())

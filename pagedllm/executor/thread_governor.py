@@ -2,13 +2,12 @@
 
 A parallel region ends when its slowest thread does. When another process wants one of our cores,
 the scheduler preempts one of our threads for a time slice, and every region it was part of waits
-for it: on 2 cores with one busy neighbour, 2 threads decoded at about a quarter of the speed of 1
-(BENCHMARKS.md, issue 42). The sign is our threads' time spent runnable but waiting for a core
-(the kernel's schedstat), which stays near zero while we have the cores to ourselves.
+for it: on 2 cores with one busy neighbour, 2 threads decode far slower than 1 (BENCHMARKS.md,
+issue 42). The sign is the stepping thread's time spent runnable but waiting for a core (the
+kernel's schedstat), which stays near zero while we have the cores to ourselves.
 
 So after each window of stepping, the governor reads that wait as a share of the stepping
-thread's time:
-above `HIGH` it takes a thread away; after a quiet spell it tries one more for a window, keeps it
+thread's time: above `HIGH` it takes a thread away; after a quiet spell it tries one more for a window, keeps it
 if the wait stays low, and otherwise goes back and waits twice as long before the next try (up
 to `MAX_PROBE_S`). The thread count never changes a result: every kernel computes a row the same
 way whatever the count (tests/test_thread_governor.py).
@@ -87,7 +86,7 @@ class ThreadGovernor:
             self._change(self.threads + 1, now, waiting, logging.DEBUG)
 
     def _change(self, threads: int, now: float, waiting: float, level: int) -> None:
-        logger.log(level, "CPU threads: %d -> %d (our threads waited for a core %.0f%% of the last %.2f s: "
+        logger.log(level, "CPU threads: %d -> %d (the engine's thread waited for a core %.0f%% of the last %.2f s: "
                    "other processes are using the cores)" if threads < self.threads else
                    "CPU threads: %d -> %d (trying one more; waiting %.0f%% of the last %.2f s)",
                    self.threads, threads, 100 * waiting, WINDOW_S)
