@@ -51,27 +51,53 @@ def _check_quantizable(qt: gguf.GGMLQuantizationType) -> None:
         ) from e
 
 
-# K-quant block layouts (256 values a block): byte offset and scale of each fp16 super-scale.
-_K_SCALES = {_Q.Q4_K: ((0, 2e-4), (2, 1e-4)), _Q.Q5_K: ((0, 1e-4), (2, 5e-5)), _Q.Q6_K: ((208, 5e-5),)}
+# Each float16 field of a block: its byte offset, and how llama.cpp's quantizers set it. "+": a step
+# or super-scale (from max - min, or from |max|); "±": d = the block's weight of largest magnitude
+# / -8 (or -128), either sign; a number: that many times the step before it, which centres the
+# block's weights on zero (Q4_1, Q5_1: the block's minimum; Q4_K, Q5_K: the super-scale of the mins,
+# 8.1x the step's over Gemma 3 270M's Q4_K blocks).
+HALF_FIELDS = {"Q4_0": ((0, "±"),), "Q5_0": ((0, "±"),), "Q8_0": ((0, "+"),),
+               "Q4_1": ((0, "+"), (2, -7.5)), "Q5_1": ((0, "+"), (2, -15.5)),
+               "Q4_K": ((0, "+"), (2, 7.5)), "Q5_K": ((0, "+"), (2, 15.5)), "Q6_K": ((208, "±"),)}
+# Over one tensor of Gemma 3 270M's Q4_K_M file the fields' magnitudes run from 0.6-0.8x (5th
+# percentile) to 1.4-1.9x (95th) their median, about a log-normal of sigma 0.3.
+SCALE_SPREAD = 0.3
+
+
+def random_blocks(qtype: str, rows: int, cols: int, median: float, seed: int = 0) -> np.ndarray:
+    """Valid GGUF blocks of random bits whose float16 fields are as a quantizer leaves them: a
+    spread of magnitudes around `median` and the signs above (gguf-py cannot quantize K types, so
+    such a file is only good for comparing two readers of the same bytes)."""
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[_Q[qtype]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // block_values, block_bytes), dtype=np.uint8)
+    step = np.zeros(blocks.shape[:2])
+    for offset, kind in HALF_FIELDS[qtype]:
+        spread = rng.lognormal(0.0, SCALE_SPREAD, blocks.shape[:2])
+        if kind == "±":
+            values = median * spread * rng.choice([-1.0, 1.0], blocks.shape[:2])
+        else:
+            values = median * spread if kind == "+" else kind * np.abs(step) * spread
+        step = values
+        blocks[..., offset:offset + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+# The K types' super-scale medians: weights of about the 0.05 spread the tests' models are made with.
+_K_MEDIANS = {_Q.Q4_K: 2e-4, _Q.Q5_K: 1e-4, _Q.Q6_K: 5e-5}
 
 
 def _random_k_blocks(w: np.ndarray, qt: gguf.GGMLQuantizationType) -> np.ndarray:
-    """Valid K-quant blocks of random content, shaped like `w`: gguf-py cannot quantize K-quants,
-    so such a file is only good for comparing two loaders on the same bytes."""
-    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qt]
-    rng = np.random.default_rng(w.size)
-    blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // block_values, block_bytes), dtype=np.uint8)
-    for offset, scale in _K_SCALES[qt]:  # small super-scales keep the weights near 0.2 in size
-        blocks[..., offset:offset + 2] = np.full(blocks.shape[:2], scale, np.float16)[..., None].view(np.uint8)
-    return blocks.reshape(w.shape[0], -1)
+    rows = int(np.prod(w.shape[:-1]))  # experts stacked: [experts, rows, columns]
+    return random_blocks(qt.name, rows, w.shape[-1], _K_MEDIANS[qt], seed=w.size).reshape(*w.shape[:-1], -1)
 
 
 def _encode(w: np.ndarray, qt: gguf.GGMLQuantizationType) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
     # 1-D tensors (norms, biases) stay F32, as in llama.cpp.
     if w.ndim < 2 or qt == _Q.F32:
         return w, _Q.F32
-    if qt in _K_SCALES:
-        if w.shape[1] % gguf.GGML_QUANT_SIZES[qt][0]:
+    if qt in _K_MEDIANS:
+        if w.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0]:
             return gguf.quants.quantize(w, _Q.F16), _Q.F16
         return _random_k_blocks(w, qt), qt
     try:
@@ -145,7 +171,7 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
     for name in {qtype, *overrides.values()}:
         if name not in _QTYPES:
             raise ValueError(f"qtype must be one of {_QTYPES}, got {name!r}")
-        if _Q[name] not in (_Q.F32, _Q.F16) and _Q[name] not in _K_SCALES:
+        if _Q[name] not in (_Q.F32, _Q.F16) and _Q[name] not in _K_MEDIANS:
             _check_quantizable(_Q[name])
     qt = _Q[qtype]
     src = Path(hf_dir)

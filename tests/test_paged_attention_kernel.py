@@ -92,5 +92,6 @@ def test_short_query_runs_compute_what_decodes_would(head_dim, heads, kv_heads, 
             assert torch.equal(walked[row], run(q[row:row + 1].contiguous(), k, v, decode, walk_max_q=1)[0])
             row += 1
     torch.testing.assert_close(walked.float(), tiled.float(), atol=2e-2, rtol=2e-2)
-    if head_dim in (64, 128) and cache == "bf16" and window == 0:  # the tiles' own order of sums: why verification needs the walks
+    tiles = cpu_ops().attention_has_query_tiles(head_dim, heads // kv_heads)  # AVX512-BF16 only
+    if tiles and cache == "bf16" and window == 0:  # the tiles' own order of sums: why verification needs the walks
         assert not torch.equal(walked, tiled)

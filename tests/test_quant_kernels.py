@@ -7,31 +7,18 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_writer import random_blocks
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization import formats
 from pagedllm.layers.quantization.formats import FORMATS, decode, dequantize, pack, quantize_activations
 
 ops = cpu_ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="C++ kernels unavailable")
-# Byte offsets of each type's float16 fields in its GGUF block, and the range their values take.
-HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
 PATHS = [False, True] if ops is not None and ops.quant_linear_simd() else [True]
 
 
-def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Valid GGUF blocks of random content: random bits, with small positive float16 scales."""
-    fmt = FORMATS[name]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, cols // fmt.block_values, fmt.block_bytes), dtype=np.uint8)
-    for offset in HALF_FIELDS[name]:
-        halves = rng.uniform(1e-3, 1e-2, blocks.shape[:2]).astype(np.float16)
-        blocks[..., offset:offset + 2] = halves[..., None].view(np.uint8)
-    return blocks.reshape(rows, -1)
-
-
 def fields_of(name: str, rows: int, cols: int, seed: int = 0) -> formats.Fields:
-    return decode(random_blocks(name, rows, cols, seed), FORMATS[name])
+    return decode(random_blocks(name, rows, cols, 3e-3, seed), FORMATS[name])
 
 
 def cols_for(name: str, count: int) -> int:
@@ -40,7 +27,7 @@ def cols_for(name: str, count: int) -> int:
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_decode_equals_the_gguf_package(name):
-    raw = random_blocks(name, 21, cols_for(name, 3))
+    raw = random_blocks(name, 21, cols_for(name, 3), 3e-3)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])
     assert torch.equal(dequantize(decode(raw, FORMATS[name])), torch.from_numpy(expected.astype(np.float32)))
 

@@ -30,7 +30,7 @@ _DIR = os.path.dirname(__file__)
 _NAME = "pagedllm_cpu_ops"
 _SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "packed_linear.cpp", "decoder_stack.cpp", "quant_linear.cpp",
             "shm_collectives.cpp")
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _KEY_CHARS = 16  # 64 bits of the hash: collisions between toolchains are not a concern
 _build_error: str | None = None
@@ -47,6 +47,16 @@ def build_search_path(path: str, interpreter: str) -> str:
         return path
     rest = [p for p in path.split(os.pathsep) if p and os.path.normpath(p) != os.path.normpath(bin_dir)]
     return os.pathsep.join([bin_dir, *rest])
+
+
+def march() -> str:
+    """The -march the kernels are built for: this CPU's unless $PAGEDLLM_KERNEL_MARCH names another
+    (x86-64-v3: the AVX2 path, as on CPUs without AVX-512; x86-64: the portable one)."""
+    return os.environ.get("PAGEDLLM_KERNEL_MARCH") or "native"
+
+
+def _cflags() -> list[str]:
+    return [*_CFLAGS, f"-march={march()}"]
 
 
 def build_key(sources: Mapping[str, bytes], flags: Sequence[str], toolchain: Mapping[str, str]) -> str:
@@ -121,7 +131,7 @@ def _load() -> ModuleType:
     start = time.perf_counter()
     with _build_environment(path, cxx):
         # load() takes a file lock in the folder, so a second process starting at once waits for this build.
-        module = load(name=_NAME, sources=[os.path.join(_DIR, f) for f in _SOURCES], extra_cflags=list(_CFLAGS),
+        module = load(name=_NAME, sources=[os.path.join(_DIR, f) for f in _SOURCES], extra_cflags=_cflags(),
                       extra_ldflags=list(_LDFLAGS), build_directory=directory, verbose=False)
     if not cached:
         logger.info("C++ kernels built in %.1f s", time.perf_counter() - start)
@@ -132,7 +142,7 @@ def _build_directory(path: str, cxx: str) -> str:
     """<cache>/pagedllm/kernels/<key>, the key from the sources, the flags, the toolchain and the
     sources' folder: ninja's commands name the sources by path, so two checkouts sharing one
     folder would each find the other's build out of date and rebuild it (seen with git worktrees)."""
-    key = build_key(_source_files(), [*_CFLAGS, "|", *_LDFLAGS, "|", os.path.abspath(_DIR)], _toolchain(path, cxx))
+    key = build_key(_source_files(), [*_cflags(), "|", *_LDFLAGS, "|", os.path.abspath(_DIR)], _toolchain(path, cxx))
     return os.path.join(_cache_root(), key)
 
 
