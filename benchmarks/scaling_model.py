@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 # (name, bandwidth in GB/s one way, latency of one small message in microseconds). Public
 # orders of magnitude, not measurements: a socket-to-socket fabric through shared memory, RDMA,
-# kernel TCP. The last is gloo's all-reduce over this machine's loopback as measured (BENCHMARKS.md).
+# kernel TCP. The last is gloo's all-reduce over this machine's loopback as measured (docs/benchmarks-history.md).
 LINKS = [
     ("shared memory across sockets", 40.0, 1.0),
     ("100 GbE, RDMA", 11.0, 3.0),

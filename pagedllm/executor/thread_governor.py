@@ -2,7 +2,7 @@
 
 A parallel region ends when its slowest thread does. When another process wants one of our cores,
 the scheduler preempts one of our threads for a time slice, and every region it was part of waits
-for it: on 2 cores with one busy neighbour, 2 threads decode far slower than 1 (BENCHMARKS.md,
+for it: on 2 cores with one busy neighbour, 2 threads decode far slower than 1 (docs/benchmarks-history.md,
 issue 42). The sign is the stepping thread's time spent runnable but waiting for a core (the
 kernel's schedstat), which stays near zero while we have the cores to ourselves.
 

@@ -5,7 +5,7 @@ rotary are one fused pass each already, and --compile changes nothing there. Els
 device, another dtype, PAGEDLLM_NO_KERNELS=1) each is a chain of torch ops; compiled, Inductor
 fuses each chain into one kernel. On this CPU with the kernels off it measured level at 8-32
 requests (attention's torch path dominates there) and slower at one, where a compiled function's
-guards take longer than the few ops they replace (BENCHMARKS.md); so it is opt-in.
+guards take longer than the few ops they replace (docs/benchmarks-history.md); so it is opt-in.
 
 It swaps module functions, so it holds for the whole process once any engine asks for it.
 """

@@ -295,7 +295,7 @@ class DecoderForCausalLM(CausalLM):
         run op by op. The stack's results are the op-by-op path's, bit for bit; it saves that
         path's Python between kernels, about 1 ms a step on a 16-layer model (more on slower CPUs:
         on an AVX2 one, batch-1 decode of the 250M model's Q4_K_M file went from 0.70x to 1.09-1.15x
-        llama.cpp's, BENCHMARKS.md). Without attention's query tiles, steps with a fresh prompt go
+        llama.cpp's, docs/benchmarks-history.md). Without attention's query tiles, steps with a fresh prompt go
         op by op (_stack_takes_fresh)."""
         self._stack = None
         ops = cpu_ops()
