@@ -141,9 +141,21 @@ _EVICTED_HIT = {'block_size': 1,
                 'window': None}
 
 
+# Found by the search: a beam's fork held the prefix's first block without a hit on it in the
+# sliding group (window 1), so a request with the same prefix admitted in the same step had no hit
+# and would have computed a block the fork was computing (only its first block was checked).
+_FORK_AHEAD = {'block_size': 8, 'budget': 27, 'caching': True, 'hybrid': True, 'seed': 0, 'spare': 2, 'window': 1,
+               'requests': [{'abort_at': None, 'arrival': 0, 'beam': False, 'max_tokens': 1, 'n': 1, 'own': 1, 'prefix': 0}] * 4 + [
+                   {'abort_at': None, 'arrival': 1, 'beam': True, 'max_tokens': 4, 'n': 1, 'own': 1, 'prefix': 0},
+                   {'abort_at': None, 'arrival': 1, 'beam': True, 'max_tokens': 5, 'n': 1, 'own': 1, 'prefix': 20},
+                   {'abort_at': None, 'arrival': 1, 'beam': True, 'max_tokens': 4, 'n': 1, 'own': 1, 'prefix': 8},
+                   {'abort_at': None, 'arrival': 0, 'beam': True, 'max_tokens': 5, 'n': 1, 'own': 5, 'prefix': 20}]}
+
+
 @settings(max_examples=120, deadline=None)
 @given(workload)
 @example(_EVICTED_HIT)
+@example(_FORK_AHEAD)
 def test_sharing_never_leaks_and_reads_only_own_tokens(w):
     bs = w["block_size"]
     if w["hybrid"]:

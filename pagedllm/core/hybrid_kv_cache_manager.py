@@ -63,8 +63,8 @@ class HybridKVCacheManager:
     def uncached_prompt_hashes(self, request: Request) -> list[int]:
         return self.groups[0].uncached_prompt_hashes(request)
 
-    def next_block_hash(self, request: Request, num_hits: int) -> int | None:
-        return self.groups[0].next_block_hash(request, num_hits)
+    def step_block_hashes(self, request: Request, num_hits: int, num_new: int) -> list[int]:
+        return self.groups[0].step_block_hashes(request, num_hits, num_new)
 
     def cache_full_blocks(self, request: Request) -> None:
         for group in self.groups:

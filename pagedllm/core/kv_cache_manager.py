@@ -119,12 +119,12 @@ class KVCacheManager:
         num_full = request.num_prompt_tokens // self.block_size
         return self._block_hashes(request, num_full)[self._num_cached.get(request.request_id, 0):]
 
-    def next_block_hash(self, request: Request, num_hits: int) -> int | None:
-        """The hash of the full block right after `num_hits` cached ones (None if there is none)."""
+    def step_block_hashes(self, request: Request, num_hits: int, num_new: int) -> list[int]:
+        """The hashes of the full blocks that `num_new` tokens after `num_hits` cached blocks write into."""
         if not self._caches(request):
-            return None
+            return []
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
-        return hashes[num_hits] if num_hits < len(hashes) else None
+        return hashes[num_hits:cdiv(num_hits * self.block_size + num_new, self.block_size)]
 
     def cache_full_blocks(self, request: Request) -> None:
         """After a step: make the request's newly full, computed blocks findable."""

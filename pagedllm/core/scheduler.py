@@ -144,11 +144,14 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed = self.kv.get_computed_blocks(request)
-            if in_flight and self.kv.next_block_hash(request, len(computed)) in in_flight:
-                deferred.append(self.waiting.popleft())  # a hit once the other request's step is done
-                continue
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            # A block another request computes now is a hit once its step is done. (Past the first
+            # block too: a fork, or a group's blocks behind its window, can leave a request with
+            # fewer hits than the other has blocks of the same prefix.)
+            if in_flight and in_flight.intersection(self.kv.step_block_hashes(request, len(computed), num_new)):
+                deferred.append(self.waiting.popleft())
+                continue
             if not self.config.chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
                 break  # an encoder's prompt goes in one step: it waits for a step with room for all of it
             if not self.kv.allocate_slots(request, num_new + self._lookahead(request, num_cached + num_new), computed):
