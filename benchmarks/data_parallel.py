@@ -9,6 +9,7 @@ the same number of prompts in 4 groups that share a 256-token prefix (a system p
 each group's prefix is computed once per replica that serves it. Output tokens/s, medians of the
 rounds, and the replicas' share of prompt tokens found in their prefix caches.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,16 +42,17 @@ def main() -> None:
         return [rng.randrange(3, vocab) for _ in range(n)]
 
     prefixes = [tokens(256) for _ in range(4)]
-    workloads = {f"{args.batch} prompts at once": lambda: [tokens(128) for _ in range(args.batch)],
-                 f"{args.batch} prompts, 4 shared prefixes": lambda: [prefixes[i % 4] + tokens(32)
-                                                                      for i in range(args.batch)]}
+    workloads = {
+        f"{args.batch} prompts at once": lambda: [tokens(128) for _ in range(args.batch)],
+        f"{args.batch} prompts, 4 shared prefixes": lambda: [prefixes[i % 4] + tokens(32) for i in range(args.batch)],
+    }
     for name, make in workloads.items():
         for llm in engines.values():
             run(llm, [tokens(8)], 4)  # warm-up
         rates: dict[int, list[float]] = {size: [] for size in engines}
         for round_ in range(args.rounds):
             prompts = make()  # fresh suffixes a round: only the shared prefixes are cached
-            for size in (list(engines) if round_ % 2 == 0 else list(reversed(engines))):
+            for size in list(engines) if round_ % 2 == 0 else list(reversed(engines)):
                 rates[size].append(run(engines[size], prompts, 64))
         one, many = statistics.median(rates[1]), statistics.median(rates[args.dp])
         print(f"{name}: one engine {one:.1f} tok/s, DP={args.dp} {many:.1f} tok/s, ratio {many / one:.2f}")

@@ -8,6 +8,7 @@ the Python between a layer's kernels. The same running requests step under one p
 other, round after round, so that both see the same minutes of this noisy machine; the table
 shows each path's ms a step (median and best round) and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse

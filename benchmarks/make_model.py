@@ -7,6 +7,7 @@ bf16 (about 250M parameters). The tokenizer is the default model's (SmolLM2's, r
 GGUF), cut to the vocabulary (its BPE merges past it dropped), so that any text a client sends
 encodes to ids the model has; random weights make the text meaningless, not the timing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,11 +54,19 @@ def main() -> None:
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     config = LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads, max_position_embeddings=args.max_position_embeddings,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=args.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     model = LlamaForCausalLM(config).to(dtype)

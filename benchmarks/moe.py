@@ -10,6 +10,7 @@ dense model's count active. Random bf16 weights. Prints decode tok/s of each, th
 issue's target: MoE per active parameter within 1.3x of dense, i.e. a ratio >= 0.77), and the same
 for 32 concurrent requests.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,16 +28,32 @@ def make_models(dense_path: str, moe_path: str) -> None:
 
     from pagedllm.models.loader import default_model_path
 
-    common = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
-                  num_key_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    common = dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     from make_model import cut_tokenizer
 
-    for path, make in ((dense_path, lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=2816, **common))),
-                       (moe_path, lambda: MixtralForCausalLM(MixtralConfig(
-                           intermediate_size=1408, num_local_experts=16, num_experts_per_tok=2, **common)))):
+    for path, make in (
+        (dense_path, lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=2816, **common))),
+        (
+            moe_path,
+            lambda: MixtralForCausalLM(
+                MixtralConfig(intermediate_size=1408, num_local_experts=16, num_experts_per_tok=2, **common)
+            ),
+        ),
+    ):
         if os.path.exists(os.path.join(path, "config.json")):
             continue
         torch.manual_seed(0)
@@ -79,18 +96,22 @@ def main() -> None:
 
     from pagedllm import LLM
 
-    engines = {name: LLM(path, kv_cache_memory="1GiB", max_model_len=1024)
-               for name, path in (("dense", args.dense), ("moe", args.moe))}
+    engines = {
+        name: LLM(path, kv_cache_memory="1GiB", max_model_len=1024)
+        for name, path in (("dense", args.dense), ("moe", args.moe))
+    }
     decode = {name: [] for name in engines}
     batched = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, llm in engines.items():
             decode[name].append(decode_tok_s(llm, args.decode_tokens))
             batched[name].append(batched_tok_s(llm, 32, 32))
-    result = {"decode_tok_s": {k: [round(x, 1) for x in v] for k, v in decode.items()},
-              "batched_tok_s": {k: [round(x, 1) for x in v] for k, v in batched.items()},
-              "decode_moe_over_dense": round(statistics.median(decode["moe"]) / statistics.median(decode["dense"]), 3),
-              "batched_moe_over_dense": round(statistics.median(batched["moe"]) / statistics.median(batched["dense"]), 3)}
+    result = {
+        "decode_tok_s": {k: [round(x, 1) for x in v] for k, v in decode.items()},
+        "batched_tok_s": {k: [round(x, 1) for x in v] for k, v in batched.items()},
+        "decode_moe_over_dense": round(statistics.median(decode["moe"]) / statistics.median(decode["dense"]), 3),
+        "batched_moe_over_dense": round(statistics.median(batched["moe"]) / statistics.median(batched["dense"]), 3),
+    }
     print(json.dumps(result, indent=1))
 
 

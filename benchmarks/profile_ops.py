@@ -8,6 +8,7 @@ sampling bookkeeping, detokenizing). Our kernels show under their own names (pag
 C++ decoder stack calls its kernels itself, so it shows as one (pagedllm::decoder_stack), and
 --op-by-op runs the layers without it to see each kernel's share.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ def label_kernels() -> None:
         def labelled(*args, _fn=fn, _name=f"pagedllm::{name}"):
             with torch.profiler.record_function(_name):
                 return _fn(*args)
+
         setattr(ops, name, labelled)
 
 
@@ -77,7 +79,7 @@ def main() -> None:
     print(f"{args.workload}: {wall:.2f} s under the profiler, {in_ops:.2f} s inside operators\n")
     print("| operator | calls | self s | share of run |")
     print("|---|---|---|---|")
-    for e in events[:args.top]:
+    for e in events[: args.top]:
         seconds = e.self_cpu_time_total / 1e6
         print(f"| {e.key} | {e.count} | {seconds:.2f} | {100 * seconds / wall:.1f}% |")
     print(f"| (outside operators) | | {wall - in_ops:.2f} | {100 * (wall - in_ops) / wall:.1f}% |")

@@ -13,6 +13,7 @@ with no values skips the first table): a 16-layer stack of the 250M model's four
 every call reading its weights from memory (104 MB at Q4_K, 490 MB at bf16), as GB/s against the bf16 layers'. Rounds
 alternate the contenders; the table shows medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,9 @@ def random_packed(name: str, rows: int, cols: int, seed: int = 0) -> torch.Tenso
     blocks = rng.integers(0, 256, (rows, cols // fmt.block_values, fmt.block_bytes), dtype=np.uint8)
     halves = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(name, (0,))
     for offset in halves:
-        blocks[..., offset:offset + 2] = rng.uniform(1e-3, 1e-2, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        blocks[..., offset : offset + 2] = (
+            rng.uniform(1e-3, 1e-2, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        )
     return pack(decode(blocks.reshape(rows, -1), fmt))
 
 
@@ -79,17 +82,24 @@ def arithmetic(types: list[str], rows_list: list[int], rounds: int, n: int, k: i
                 for key, fn in (("int8", int8), ("tiles", tiles), ("bf16", dense)):
                     times[key].append(seconds(fn, x, reps))
             gflops = {key: 2 * n * k * rows / statistics.median(v) / 1e9 for key, v in times.items()}
-            print(f"| {name} | {rows} | {gflops['int8']:.0f} | {gflops['tiles']:.0f} | {gflops['bf16']:.0f} | "
-                  f"{max(gflops['int8'], gflops['tiles']) / gflops['bf16']:.2f} |")
+            print(
+                f"| {name} | {rows} | {gflops['int8']:.0f} | {gflops['tiles']:.0f} | {gflops['bf16']:.0f} | "
+                f"{max(gflops['int8'], gflops['tiles']) / gflops['bf16']:.2f} |"
+            )
 
 
 def stream(types: list[str], rounds: int, rows: int = 1, layers: int = 16) -> None:
-    print(f"\n{rows} row(s) a call, weights from memory: {layers} layers of each of the 250M model's shapes in turn, "
-          f"GB/s (medians of {rounds} alternated rounds)\n")
+    print(
+        f"\n{rows} row(s) a call, weights from memory: {layers} layers of each of the 250M model's shapes in turn, "
+        f"GB/s (medians of {rounds} alternated rounds)\n"
+    )
     stacks = {"bf16": [(bf16_layer(n, k), k, 2 * n * k) for _ in range(layers) for n, k in SHAPES_250M]}
     for name in types:
-        stacks[name] = [(quant_layer(name, n, k, seed=i), k, FORMATS[name].packed_bytes(n, k))
-                        for i in range(layers) for n, k in SHAPES_250M]
+        stacks[name] = [
+            (quant_layer(name, n, k, seed=i), k, FORMATS[name].packed_bytes(n, k))
+            for i in range(layers)
+            for n, k in SHAPES_250M
+        ]
     xs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES_250M}
 
     def run(stack) -> float:
@@ -108,8 +118,10 @@ def stream(types: list[str], rounds: int, rows: int = 1, layers: int = 16) -> No
     for key, stack in stacks.items():
         total = sum(b for _, _, b in stack)
         rate = statistics.median(rates[key])
-        print(f"| {key} | {total / 1e6:.0f} | {rate:.1f} | {rate / statistics.median(rates['bf16']):.2f} | "
-              f"{total / rate / 1e6:.2f} |")
+        print(
+            f"| {key} | {total / 1e6:.0f} | {rate:.1f} | {rate / statistics.median(rates['bf16']):.2f} | "
+            f"{total / rate / 1e6:.2f} |"
+        )
 
 
 def main() -> None:
@@ -119,8 +131,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shape", type=int, nargs=2, default=(5632, 1024), metavar=("N", "K"))
     parser.add_argument("--stream", action="store_true", help="also batch 1 with weights from memory")
-    parser.add_argument("--stream-rows", type=int, nargs="+", default=[1],
-                        help="--stream: rows a call (a speculative verification's are k + 1)")
+    parser.add_argument(
+        "--stream-rows",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="--stream: rows a call (a speculative verification's are k + 1)",
+    )
     args = parser.parse_args()
     if cpu_ops() is None or not cpu_ops().quant_linear_simd():
         raise SystemExit("needs the C++ kernels with a vector path (AVX512-VNNI or AVX2)")

@@ -5,6 +5,7 @@ llama.cpp's users make their Q8_0 and Q4_K_M files. Run it with the Python of ll
     ~/peers/llamacpp/bin/python benchmarks/quantize_gguf.py /tmp/llama-250m-bf16.gguf \
         /tmp/llama-250m-Q4_K_M.gguf Q4_K_M
 """
+
 from __future__ import annotations
 
 import argparse

@@ -18,6 +18,7 @@ runs as the faster of a ring (2(n-1) messages of S/n bytes in turn for an all-re
 doubling (log2 n messages of S bytes), each message costing the link's latency plus bytes over its
 bandwidth; pipeline stages pass the hidden state (bf16) once a stage boundary per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,16 @@ class Model:
     dtype_bytes: int = 2  # activations and the KV cache (bf16)
 
 
-LLAMA3_70B_Q4 = Model("Llama 3 70B, Q4_K_M", hidden=8192, layers=80, vocab=128256, kv_heads=8, head_dim=128,
-                      weight_gb=42.5)
+LLAMA3_70B_Q4 = Model(
+    "Llama 3 70B, Q4_K_M", hidden=8192, layers=80, vocab=128256, kv_heads=8, head_dim=128, weight_gb=42.5
+)
 
 
 # The models benchmarks/tensor_parallel.py measured at TP=2, with what it measured (KiB a rank a step).
-MEASURED = [(Model("SmolLM2-135M fp32", 576, 30, 49152, 3, 64, 0.54, dtype_bytes=4), 62, 233.2),
-            (Model("250M bf16 (make_model.py)", 1024, 16, 32000, 4, 64, 0.5), 34, 161.2)]
+MEASURED = [
+    (Model("SmolLM2-135M fp32", 576, 30, 49152, 3, 64, 0.54, dtype_bytes=4), 62, 233.2),
+    (Model("250M bf16 (make_model.py)", 1024, 16, 32000, 4, 64, 0.5), 34, 161.2),
+]
 
 
 def message_s(nbytes: float, gb_s: float, latency_us: float) -> float:
@@ -99,27 +103,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together in a step")
-    parser.add_argument("--node-bandwidth", type=float, default=200.0,
-                        help="GB/s a node's cores read weights at (8-channel DDR5-4800: 307 peak, ~200 reached)")
+    parser.add_argument(
+        "--node-bandwidth",
+        type=float,
+        default=200.0,
+        help="GB/s a node's cores read weights at (8-channel DDR5-4800: 307 peak, ~200 reached)",
+    )
     parser.add_argument("--context", type=int, default=8192, help="tokens of KV cache a sequence holds")
     args = parser.parse_args()
     for model, measured_calls, measured_kib in MEASURED:
         calls, nbytes = tp_step_bytes(model, 2, 1)
-        print(f"check, {model.name} at TP=2: {calls} collectives, {nbytes / 1024:.1f} KiB a rank a step "
-              f"(measured: {measured_calls}, {measured_kib} KiB)")
+        print(
+            f"check, {model.name} at TP=2: {calls} collectives, {nbytes / 1024:.1f} KiB a rank a step "
+            f"(measured: {measured_calls}, {measured_kib} KiB)"
+        )
     m, n, b = LLAMA3_70B_Q4, args.nodes, args.batch
     weights_s = m.weight_gb / args.node_bandwidth  # one node reading all of them
     calls, nbytes = tp_step_bytes(m, n, b)
     kv = kv_bytes_per_token(m)
-    print(f"{m.name}: {m.weight_gb} GB of weights, {kv / 1024:.0f} KiB of KV a token "
-          f"({kv * args.context / 2**30:.2f} GiB for a {args.context}-token sequence); "
-          f"{n} nodes at {args.node_bandwidth:.0f} GB/s each; batch {b}")
-    print(f"per node: TP/PP {m.weight_gb / n:.1f} GB of weights + {kv * args.context * b / n / 2**30:.2f} GiB KV; "
-          f"DP {m.weight_gb:.1f} GB + {kv * args.context * b / 2**30:.2f} GiB KV")
+    print(
+        f"{m.name}: {m.weight_gb} GB of weights, {kv / 1024:.0f} KiB of KV a token "
+        f"({kv * args.context / 2**30:.2f} GiB for a {args.context}-token sequence); "
+        f"{n} nodes at {args.node_bandwidth:.0f} GB/s each; batch {b}"
+    )
+    print(
+        f"per node: TP/PP {m.weight_gb / n:.1f} GB of weights + {kv * args.context * b / n / 2**30:.2f} GiB KV; "
+        f"DP {m.weight_gb:.1f} GB + {kv * args.context * b / 2**30:.2f} GiB KV"
+    )
     print(f"one node alone: {weights_s * 1e3:.0f} ms a step, {b / weights_s:.1f} tok/s")
     print(f"TP={n} sends {calls} collectives a step, {nbytes / 1024:.0f} KiB put in by each rank\n")
-    print(f"| link | TP comm ms/step | TP ms/step | TP tok/s (batch {b}) | PP ms/step | PP tok/s ({n} micro-batches "
-          f"of {b}) | DP tok/s ({n} replicas of {b}) |")
+    print(
+        f"| link | TP comm ms/step | TP ms/step | TP tok/s (batch {b}) | PP ms/step | PP tok/s ({n} micro-batches "
+        f"of {b}) | DP tok/s ({n} replicas of {b}) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, gb_s, latency_us in LINKS:
         comm = tp_comm_s(m, n, b, gb_s, latency_us)
@@ -127,8 +143,10 @@ def main() -> None:
         hop = message_s(b * m.hidden * m.dtype_bytes, gb_s, latency_us)
         pp = weights_s + (n - 1) * hop  # stages in turn: a sequence's step crosses every node
         pp_throughput = b / (weights_s / n + hop)  # n micro-batches of b in flight: one leaves each stage time
-        print(f"| {name} ({gb_s:g} GB/s, {latency_us:g} us) | {comm * 1e3:.1f} | {tp * 1e3:.1f} | {b / tp:.1f} | "
-              f"{pp * 1e3:.0f} | {pp_throughput:.1f} | {n * b / weights_s:.1f} |")
+        print(
+            f"| {name} ({gb_s:g} GB/s, {latency_us:g} us) | {comm * 1e3:.1f} | {tp * 1e3:.1f} | {b / tp:.1f} | "
+            f"{pp * 1e3:.0f} | {pp_throughput:.1f} | {n * b / weights_s:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ sampled every 0.2 s); --dataset grounded sends the input-grounded chats of
 benchmarks/data/grounded_tasks.json (editing, quoting) in turn, ending where they end.
 Random prompts here ask the server to ignore EOS (every request generates --output-len tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,11 @@ def launch(extra: list[str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *extra],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -74,12 +78,16 @@ def main() -> None:
     serve.add_cli_args(parser)
     parser.set_defaults(ignore_eos=True)
     parser.add_argument("--grounded", action="store_true", help="the chats of benchmarks/data/grounded_tasks.json")
-    parser.add_argument("--launch", nargs=argparse.REMAINDER, default=None,
-                        help="start `pagedllm serve` with these arguments instead of using --base-url")
+    parser.add_argument(
+        "--launch",
+        nargs=argparse.REMAINDER,
+        default=None,
+        help="start `pagedllm serve` with these arguments instead of using --base-url",
+    )
     argv = [a for arg in sys.argv[1:] for a in (["--grounded"] if arg == "--dataset=grounded" else [arg])]
     for i, arg in enumerate(argv[:-1]):  # the older spelling, --dataset grounded
         if arg == "--dataset" and argv[i + 1] == "grounded":
-            argv[i:i + 2] = ["--grounded"]
+            argv[i : i + 2] = ["--grounded"]
             break
     args = parser.parse_args(argv)
     out, args.result_filename, args.save_result = args.result_filename, None, False  # written below, RSS included
@@ -88,8 +96,10 @@ def main() -> None:
         with open(GROUNDED) as f:
             tasks = json.load(f)
         args.backend = "openai-chat"
-        requests = [([{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}], args.random_output_len)
-                    for t in (tasks[i % len(tasks)] for i in range(args.num_prompts))]
+        requests = [
+            ([{"role": "user", "content": f"{t['task']}\n\n{t['text']}"}], args.random_output_len)
+            for t in (tasks[i % len(tasks)] for i in range(args.num_prompts))
+        ]
         args.ignore_eos = False
     process, sampler = None, None
     if args.launch is not None:
@@ -109,13 +119,17 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump(result, f, indent=2)
     r = result
-    print("| requests | rate | req/s | output tok/s | TTFT mean/median/p99 ms | TPOT median ms | "
-          "ITL median ms | E2E median s | /health median/max ms | client CPU s |")
+    print(
+        "| requests | rate | req/s | output tok/s | TTFT mean/median/p99 ms | TPOT median ms | "
+        "ITL median ms | E2E median s | /health median/max ms | client CPU s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {r['requests']} | {args.request_rate} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
-          f"{r['ttft']['mean_ms']:.0f}/{r['ttft']['median_ms']:.0f}/{r['ttft']['p99_ms']:.0f} | "
-          f"{r['tpot']['median_ms']:.1f} | {r['itl']['median_ms']:.1f} | {r['e2e']['median_ms'] / 1000:.2f} | "
-          f"{r['health']['median_ms']:.1f}/{r['health_max_ms']:.1f} | {r['client_cpu_s']:.2f} |")
+    print(
+        f"| {r['requests']} | {args.request_rate} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+        f"{r['ttft']['mean_ms']:.0f}/{r['ttft']['median_ms']:.0f}/{r['ttft']['p99_ms']:.0f} | "
+        f"{r['tpot']['median_ms']:.1f} | {r['itl']['median_ms']:.1f} | {r['e2e']['median_ms'] / 1000:.2f} | "
+        f"{r['health']['median_ms']:.1f}/{r['health_max_ms']:.1f} | {r['client_cpu_s']:.2f} |"
+    )
 
 
 if __name__ == "__main__":

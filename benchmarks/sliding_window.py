@@ -14,6 +14,7 @@ One request: an 8,000-token prompt (2,048 tokens a step) and 192 tokens generate
 tokens. Prints the blocks held and their MiB after the prompt, at the last step, and at the most,
 for both; and checks that both gave the same tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,15 +33,36 @@ def make_model(path: str, family: str, window: int | None) -> None:
 
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    common = dict(vocab_size=len(tokenizer), max_position_embeddings=16384, bos_token_id=1, eos_token_id=2,
-                  tie_word_embeddings=False)
+    common = dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=16384,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     if family == "mistral":
-        config = MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                               num_key_value_heads=2, head_dim=32, sliding_window=window or 4096, **common)
+        config = MistralConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=window or 4096,
+            **common,
+        )
     else:
-        config = Gemma3TextConfig(hidden_size=640, intermediate_size=256, num_hidden_layers=18, num_attention_heads=4,
-                                  num_key_value_heads=1, head_dim=256, sliding_window=window or 512,
-                                  query_pre_attn_scalar=256, **common)
+        config = Gemma3TextConfig(
+            hidden_size=640,
+            intermediate_size=256,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            sliding_window=window or 512,
+            query_pre_attn_scalar=256,
+            **common,
+        )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -68,8 +90,11 @@ def run(path: str, free_outside_window: bool, prompt_len: int, new_tokens: int) 
 
     core.step = counting_step
     prompt = [100 + (i * 7919) % 20000 for i in range(prompt_len)]
-    output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=new_tokens,
-                                                                         ignore_eos=True), use_tqdm=False)[0]
+    output = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     block_bytes = llm.engine.model_runner.kv_slots[0][0][0].nbytes * 2 * len(llm.engine.model_runner.kv_slots)
     llm.engine.shutdown()
     return held, output.outputs[0].token_ids, block_bytes
@@ -90,8 +115,10 @@ def main() -> None:
     for free, (held, _, block_bytes) in results.items():
         label = "freed outside the window" if free else "all kept (before)"
         mib = lambda blocks: f"{blocks:5d} blocks {blocks * block_bytes / 2**20:7.1f} MiB"  # noqa: E731
-        print(f"  {label:26s}: after the prompt {mib(held[prompt_steps])}, at "
-              f"{args.prompt_len + args.new_tokens - 1} tokens {mib(held[-1])}, most {mib(max(held))}")
+        print(
+            f"  {label:26s}: after the prompt {mib(held[prompt_steps])}, at "
+            f"{args.prompt_len + args.new_tokens - 1} tokens {mib(held[-1])}, most {mib(max(held))}"
+        )
     assert results[True][1] == results[False][1], "the two runs generated different tokens"
     print("  same tokens generated: yes")
 

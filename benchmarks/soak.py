@@ -66,6 +66,7 @@ Checks (any failing makes the exit status 1):
 (requests/s). On the project's 2-core machine (shared) the default run took 4-5 minutes in bf16;
 with --extra-server-args "--dtype float32" 2.5x longer, and it needs --timeout 300.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,35 +90,70 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-WORDS = ("the of and to in is was for on that with as by at from his her they this which have are not but had "
-         "one all were when there been their more time would about out who what into some them other than then "
-         "only its over also new after first two most may well such way even many year old work world life day "
-         "back long great little house water light river stone city road field garden window morning evening "
-         "winter summer music story paper letter market bridge forest mountain island village ship train "
-         "people child friend teacher doctor farmer king queen horse bird tree flower apple bread cheese").split()
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they this which have are not but had "
+    "one all were when there been their more time would about out who what into some them other than then "
+    "only its over also new after first two most may well such way even many year old work world life day "
+    "back long great little house water light river stone city road field garden window morning evening "
+    "winter summer music story paper letter market bridge forest mountain island village ship train "
+    "people child friend teacher doctor farmer king queen horse bird tree flower apple bread cheese"
+).split()
 TOPICS = ("rivers", "bridges", "winter", "markets", "trains", "gardens", "music", "islands", "bread", "letters")
 PREAMBLE_WORDS = 64  # the shared start of half the long prompts: four 16-token blocks and more
 # What the --mixed run's constrained requests ask for: bounded, so that they finish within max_tokens.
-SCHEMA = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 16},
-                                           "rating": {"type": "integer", "minimum": 1, "maximum": 5}},
-          "required": ["topic", "rating"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
-             "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
-                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
-             "required": ["city", "unit"], "additionalProperties": False}}},
-         {"type": "function", "function": {"name": "get_time", "description": "The time in a city", "parameters": {
-             "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
-             "required": ["city"], "additionalProperties": False}}}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "maxLength": 16},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+    "required": ["topic", "rating"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome", "Oslo"]},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 CONSTRAINED_MAX_TOKENS = 64
-MIXED_SERVER_ARGS = ("-dp 2 --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
-                     "--chat-template " + os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
-                                                       "tool_chat_template_hermes.jinja"))
+MIXED_SERVER_ARGS = (
+    '-dp 2 --speculative-config \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+    "--chat-template "
+    + os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "tool_chat_template_hermes.jinja")
+)
 
 
 @dataclass
 class Spec:
     """One request of the workload, as drawn from the seed."""
+
     index: int
     chat: bool
     stream: bool
@@ -139,8 +175,13 @@ class Spec:
 
     def body(self, stream: bool | None = None, cache_salt: str | None = None) -> dict:
         stream = self.stream if stream is None else stream
-        body: dict = {"max_tokens": self.max_tokens, "n": self.n, "stream": stream, "ignore_eos": self.ignore_eos,
-                      "temperature": 0.0 if self.greedy else 0.8}
+        body: dict = {
+            "max_tokens": self.max_tokens,
+            "n": self.n,
+            "stream": stream,
+            "ignore_eos": self.ignore_eos,
+            "temperature": 0.0 if self.greedy else 0.8,
+        }
         if not self.greedy:
             body["top_p"] = 0.95
         if self.seed is not None:
@@ -174,6 +215,7 @@ class Spec:
 @dataclass
 class Result:
     """What came back for one request."""
+
     spec: Spec
     status: int | None = None
     texts: dict[int, str] = field(default_factory=dict)
@@ -201,10 +243,24 @@ def make_prompt(rng: random.Random, long: bool, long_words: tuple[int, int], pre
 def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble: list[str]) -> Spec:
     draw = rng.random()
     if draw < args.embeddings_fraction:
-        texts = [make_prompt(rng, rng.random() < args.long_fraction, args.long_words, preamble)
-                 for _ in range(rng.randint(1, 4))]
-        return Spec(index=index, chat=False, stream=False, n=1, greedy=True, long=False, max_tokens=0,
-                    ignore_eos=False, seed=None, drop_after=None, prompt=" | ".join(texts), kind="embed")
+        texts = [
+            make_prompt(rng, rng.random() < args.long_fraction, args.long_words, preamble)
+            for _ in range(rng.randint(1, 4))
+        ]
+        return Spec(
+            index=index,
+            chat=False,
+            stream=False,
+            n=1,
+            greedy=True,
+            long=False,
+            max_tokens=0,
+            ignore_eos=False,
+            seed=None,
+            drop_after=None,
+            prompt=" | ".join(texts),
+            kind="embed",
+        )
     draw -= args.embeddings_fraction
     if draw < args.json_fraction + args.tools_fraction:
         return constrained_spec(index, rng, args, "json" if draw < args.json_fraction else "tools")
@@ -213,12 +269,20 @@ def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble
     long = rng.random() < args.long_fraction
     max_tokens = rng.randint(*args.max_tokens)
     drop = stream and rng.random() < args.drop_fraction
-    return Spec(index=index, chat=rng.random() < 0.5, stream=stream, n=2 if rng.random() < args.n2_fraction else 1,
-                greedy=greedy, long=long, max_tokens=max_tokens, ignore_eos=rng.random() < 0.8,
-                seed=rng.randrange(2**31) if not greedy and rng.random() < 0.5 else None,
-                # from 2 on, so that a chat stream is past its role chunk, into the tokens
-                drop_after=rng.randint(2, max(2, max_tokens // 2)) if drop else None,
-                prompt=make_prompt(rng, long, args.long_words, preamble))
+    return Spec(
+        index=index,
+        chat=rng.random() < 0.5,
+        stream=stream,
+        n=2 if rng.random() < args.n2_fraction else 1,
+        greedy=greedy,
+        long=long,
+        max_tokens=max_tokens,
+        ignore_eos=rng.random() < 0.8,
+        seed=rng.randrange(2**31) if not greedy and rng.random() < 0.5 else None,
+        # from 2 on, so that a chat stream is past its role chunk, into the tokens
+        drop_after=rng.randint(2, max(2, max_tokens // 2)) if drop else None,
+        prompt=make_prompt(rng, long, args.long_words, preamble),
+    )
 
 
 def constrained_spec(index: int, rng: random.Random, args: argparse.Namespace, kind: str) -> Spec:
@@ -228,16 +292,32 @@ def constrained_spec(index: int, rng: random.Random, args: argparse.Namespace, k
     chat = kind == "tools" or rng.random() < 0.5
     choice = None
     if kind == "tools":
-        choice = "required" if rng.random() < 0.5 else {"type": "function", "function": {
-            "name": rng.choice(list(TOOL_SCHEMAS))}}
+        choice = (
+            "required"
+            if rng.random() < 0.5
+            else {"type": "function", "function": {"name": rng.choice(list(TOOL_SCHEMAS))}}
+        )
     topic = rng.choice(TOPICS)
-    prompt = (f"What is the weather and the time in {rng.choice(['Paris', 'Rome', 'Oslo'])}?" if kind == "tools"
-              else f"Rate {topic} from 1 to 5, as JSON with a topic and a rating.")
-    return Spec(index=index, chat=chat, stream=stream, n=2 if rng.random() < args.n2_fraction else 1, greedy=greedy,
-                long=False, max_tokens=CONSTRAINED_MAX_TOKENS, ignore_eos=False,
-                seed=rng.randrange(2**31) if not greedy and rng.random() < 0.5 else None,
-                drop_after=rng.randint(2, 6) if stream and rng.random() < args.drop_fraction else None,
-                prompt=prompt, kind=kind, tool_choice=choice)
+    prompt = (
+        f"What is the weather and the time in {rng.choice(['Paris', 'Rome', 'Oslo'])}?"
+        if kind == "tools"
+        else f"Rate {topic} from 1 to 5, as JSON with a topic and a rating."
+    )
+    return Spec(
+        index=index,
+        chat=chat,
+        stream=stream,
+        n=2 if rng.random() < args.n2_fraction else 1,
+        greedy=greedy,
+        long=False,
+        max_tokens=CONSTRAINED_MAX_TOKENS,
+        ignore_eos=False,
+        seed=rng.randrange(2**31) if not greedy and rng.random() < 0.5 else None,
+        drop_after=rng.randint(2, 6) if stream and rng.random() < args.drop_fraction else None,
+        prompt=prompt,
+        kind=kind,
+        tool_choice=choice,
+    )
 
 
 def make_workload(args: argparse.Namespace) -> list[Spec]:
@@ -250,6 +330,7 @@ def make_workload(args: argparse.Namespace) -> list[Spec]:
 @dataclass
 class Clients:
     """The generation server's client and the embeddings server's (the same one without it)."""
+
     generate: httpx.AsyncClient
     embed: httpx.AsyncClient
 
@@ -315,8 +396,13 @@ async def streamed(client: httpx.AsyncClient, spec: Spec, body: dict, result: Re
                 return
 
 
-async def send(client: httpx.AsyncClient | Clients, spec: Spec, timeout: float, stream: bool | None = None,
-               cache_salt: str | None = None) -> Result:
+async def send(
+    client: httpx.AsyncClient | Clients,
+    spec: Spec,
+    timeout: float,
+    stream: bool | None = None,
+    cache_salt: str | None = None,
+) -> Result:
     """One request (streamed as its spec says, unless `stream` is given); one that takes longer than
     `timeout` s is a hang. Embeddings go to the embeddings server's client."""
     if isinstance(client, Clients):
@@ -355,8 +441,14 @@ def incomplete(result: Result) -> str | None:
     if spec.ignore_eos and result.completion_tokens != spec.n * spec.max_tokens:
         return f"{result.completion_tokens} completion tokens, expected {spec.n * spec.max_tokens}"
     if spec.kind == "json":  # a choice cut short by max_tokens (the grammar allows any whitespace) is not judged
-        return next((why for i in range(spec.n) if result.finish.get(i) != "length"
-                     and (why := schema_error(result.texts.get(i, ""), SCHEMA))), None)
+        return next(
+            (
+                why
+                for i in range(spec.n)
+                if result.finish.get(i) != "length" and (why := schema_error(result.texts.get(i, ""), SCHEMA))
+            ),
+            None,
+        )
     if spec.kind == "tools":
         return bad_calls(result, spec)
     return None
@@ -375,7 +467,7 @@ def schema_error(text: str, schema: dict) -> str | None:
 
 def bad_calls(result: Result, spec: Spec) -> str | None:
     """Why a tool request's choices are not each one valid call of an allowed tool, or None."""
-    allowed = (set(TOOL_SCHEMAS) if spec.tool_choice == "required" else {spec.tool_choice["function"]["name"]})
+    allowed = set(TOOL_SCHEMAS) if spec.tool_choice == "required" else {spec.tool_choice["function"]["name"]}
     for i in range(spec.n):
         if result.finish.get(i) == "length":  # cut short by max_tokens: no call to judge
             continue
@@ -461,9 +553,17 @@ async def replay(client: Clients, picked: list[Result], timeout: float) -> tuple
         if outputs(alone) == outputs(original):
             continue
         gaps = await flip_gaps(client.generate, original, alone, timeout)
-        mismatches.append({"body": original.spec.body(), "in_soak": original.texts, "alone": alone.texts,
-                           "tokens_in_soak": original.completion_tokens, "tokens_alone": alone.completion_tokens,
-                           "alone_error": alone.error, "gaps": gaps})
+        mismatches.append(
+            {
+                "body": original.spec.body(),
+                "in_soak": original.texts,
+                "alone": alone.texts,
+                "tokens_in_soak": original.completion_tokens,
+                "tokens_alone": alone.completion_tokens,
+                "alone_error": alone.error,
+                "gaps": gaps,
+            }
+        )
     return answered, mismatches
 
 
@@ -476,8 +576,10 @@ def logprob_body(spec: Spec, k: int) -> dict:
 def token_steps(choice: dict, chat: bool) -> list[tuple[str, dict[str, float]]]:
     """(token text, {candidate text: logprob}) per generated token, from either endpoint's logprobs."""
     if chat:
-        return [(e["token"], {t["token"]: t["logprob"] for t in e["top_logprobs"]} | {e["token"]: e["logprob"]})
-                for e in choice["logprobs"]["content"]]
+        return [
+            (e["token"], {t["token"]: t["logprob"] for t in e["top_logprobs"]} | {e["token"]: e["logprob"]})
+            for e in choice["logprobs"]["content"]
+        ]
     lp = choice["logprobs"]
     return list(zip(lp["tokens"], lp["top_logprobs"]))
 
@@ -498,8 +600,11 @@ def flip_gap(steps: list[tuple[str, dict[str, float]]], alone: str, soak: str) -
         if offset <= common <= end:
             rest = soak[offset:]
             crosses = end > common
-            picks = [lp for candidate, lp in top.items()
-                     if candidate and rest.startswith(candidate) and (crosses or candidate != token)]
+            picks = [
+                lp
+                for candidate, lp in top.items()
+                if candidate and rest.startswith(candidate) and (crosses or candidate != token)
+            ]
             if picks:
                 gaps.append(max(top.values()) - max(picks))
             if crosses:
@@ -508,8 +613,9 @@ def flip_gap(steps: list[tuple[str, dict[str, float]]], alone: str, soak: str) -
     return min(gaps) if gaps else None
 
 
-async def flip_gaps(client: httpx.AsyncClient, original: Result, alone: Result, timeout: float,
-                    k: int = 5) -> dict[int, float | None]:
+async def flip_gaps(
+    client: httpx.AsyncClient, original: Result, alone: Result, timeout: float, k: int = 5
+) -> dict[int, float | None]:
     """The request alone once more, with top-k logprobs (which leave the tokens as they are): per
     differing choice, the gap at its first difference. A difference that rounding explains sits at
     a near-tie of the alone run; one that does not is a bug."""
@@ -548,8 +654,16 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
     command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"]
     if args.model:
         command.append(args.model)
-    command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len),
-                "--kv-cache-memory", args.kv_cache_memory]
+    command += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+    ]
     return command + shlex.split(args.extra_server_args)
 
 
@@ -559,8 +673,18 @@ def embeddings_command(args: argparse.Namespace, port: int) -> list[str]:
     command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"]
     if args.embeddings_model or args.model:
         command.append(args.embeddings_model or args.model)
-    return command + ["--host", "127.0.0.1", "--port", str(port), "--runner", "pooling",
-                      "--max-model-len", str(args.max_model_len), "--kv-cache-memory", "64MiB"]
+    return command + [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--runner",
+        "pooling",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-cache-memory",
+        "64MiB",
+    ]
 
 
 def start_server(command: list[str], log_path: str, url: str, wait: float) -> subprocess.Popen:
@@ -654,11 +778,17 @@ def rss_figures(samples: list[int]) -> dict[str, float]:
     if n == 0:
         return {"samples": 0, "start_mib": 0.0, "mid_mib": 0.0, "end_mib": 0.0, "max_mib": 0.0, "growth": 0.0}
     width = max(1, n // 10)
-    mid = statistics.median(samples[max(0, n // 2 - width // 2):][:width])
+    mid = statistics.median(samples[max(0, n // 2 - width // 2) :][:width])
     end = statistics.median(samples[-width:])
     mib = 2**20
-    return {"samples": n, "start_mib": samples[0] / mib, "mid_mib": mid / mib, "end_mib": end / mib,
-            "max_mib": max(samples) / mib, "growth": end / mid - 1}
+    return {
+        "samples": n,
+        "start_mib": samples[0] / mib,
+        "mid_mib": mid / mib,
+        "end_mib": end / mib,
+        "max_mib": max(samples) / mib,
+        "growth": end / mid - 1,
+    }
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -666,10 +796,13 @@ def tally(results: list[Result]) -> dict:
     kept = [r for r in results if not r.dropped]
     statuses = Counter(r.status for r in results if r.status is not None)
     return {
-        "sent": len(results), "dropped": sum(r.dropped for r in results),
+        "sent": len(results),
+        "dropped": sum(r.dropped for r in results),
         "drop_planned_but_finished": sum(r.spec.drop_after is not None and not r.dropped for r in results),
-        "kept": len(kept), "kept_complete": sum(incomplete(r) is None for r in kept),
-        "statuses": dict(sorted(statuses.items())), "hangs": sum(r.hang for r in results),
+        "kept": len(kept),
+        "kept_complete": sum(incomplete(r) is None for r in kept),
+        "statuses": dict(sorted(statuses.items())),
+        "hangs": sum(r.hang for r in results),
         "client_errors": sum(r.status is None and r.error is not None for r in results),
         "stream_error_events": sum(r.status == 200 and r.error is not None for r in results),
         "kept_output_tokens": sum(r.completion_tokens or 0 for r in kept),
@@ -678,11 +811,19 @@ def tally(results: list[Result]) -> dict:
 
 def mix(specs: list[Spec]) -> str:
     """The workload's composition, as counts."""
-    kinds = {"chat": lambda s: s.chat, "streamed": lambda s: s.stream, "n=2": lambda s: s.n == 2,
-             "greedy": lambda s: s.greedy, "seeded": lambda s: s.seed is not None, "long": lambda s: s.long,
-             "ignore_eos": lambda s: s.ignore_eos, "drop planned": lambda s: s.drop_after is not None,
-             "json": lambda s: s.kind == "json", "tools": lambda s: s.kind == "tools",
-             "embeddings": lambda s: s.kind == "embed"}
+    kinds = {
+        "chat": lambda s: s.chat,
+        "streamed": lambda s: s.stream,
+        "n=2": lambda s: s.n == 2,
+        "greedy": lambda s: s.greedy,
+        "seeded": lambda s: s.seed is not None,
+        "long": lambda s: s.long,
+        "ignore_eos": lambda s: s.ignore_eos,
+        "drop planned": lambda s: s.drop_after is not None,
+        "json": lambda s: s.kind == "json",
+        "tools": lambda s: s.kind == "tools",
+        "embeddings": lambda s: s.kind == "embed",
+    }
     counts = ", ".join(f"{name} {sum(map(test, specs))}" for name, test in kinds.items())
     return f"{len(specs)} requests: {counts}"
 
@@ -696,62 +837,93 @@ def print_table(title: str, rows: list[tuple]) -> None:
 def greedy_summary(replayed: int, answered: int, mismatches: list[dict], margin: float) -> dict:
     flips = [m for m in mismatches if is_rounding_flip(m, margin)]
     gaps = sorted(g for m in flips for g in m["gaps"].values())
-    return {"replayed": replayed, "answered": answered, "equal": replayed - len(mismatches),
-            "rounding_flips": len(flips), "flip_gaps": gaps, "other": len(mismatches) - len(flips)}
+    return {
+        "replayed": replayed,
+        "answered": answered,
+        "equal": replayed - len(mismatches),
+        "rounding_flips": len(flips),
+        "flip_gaps": gaps,
+        "other": len(mismatches) - len(flips),
+    }
 
 
 def greedy_check(g: dict, margin: float, strict: bool) -> tuple[str, bool, str]:
     ok = g["replayed"] > 0 and g["answered"] == g["replayed"] and g["other"] == 0
     ok = ok and not (strict and g["rounding_flips"])
     gaps = ", ".join(f"{x:.3f}" for x in g["flip_gaps"])
-    detail = (f"{g['equal']}/{g['replayed']} equal, {g['rounding_flips']} rounding flips"
-              f"{f' (gaps {gaps})' if gaps else ''}, {g['other']} other differences")
+    detail = (
+        f"{g['equal']}/{g['replayed']} equal, {g['rounding_flips']} rounding flips"
+        f"{f' (gaps {gaps})' if gaps else ''}, {g['other']} other differences"
+    )
     name = "greedy equals alone" + ("" if strict else f" (or differs first at a near-tie <= {margin} nats)")
     return name, ok, detail
 
 
-def checks(t: dict, idle_s: float | None, kv: tuple[float, float], preemptions: float,
-           greedy: tuple[str, bool, str], rss: dict) -> list[tuple[str, bool, str]]:
+def checks(
+    t: dict, idle_s: float | None, kv: tuple[float, float], preemptions: float, greedy: tuple[str, bool, str], rss: dict
+) -> list[tuple[str, bool, str]]:
     errors_5xx = sum(v for k, v in t["statuses"].items() if k >= 500)
     other = sum(v for k, v in t["statuses"].items() if k != 200)
     return [
         ("zero 5xx", errors_5xx == 0, f"{errors_5xx}"),
-        ("no other error status, stream error event or client-side error",
-         other == errors_5xx and t["stream_error_events"] == 0 and t["client_errors"] == 0,
-         f"{other - errors_5xx} status, {t['stream_error_events']} events, {t['client_errors']} client"),
+        (
+            "no other error status, stream error event or client-side error",
+            other == errors_5xx and t["stream_error_events"] == 0 and t["client_errors"] == 0,
+            f"{other - errors_5xx} status, {t['stream_error_events']} events, {t['client_errors']} client",
+        ),
         ("zero hangs", t["hangs"] == 0, f"{t['hangs']}"),
         ("every kept request complete", t["kept_complete"] == t["kept"], f"{t['kept_complete']}/{t['kept']}"),
-        ("idle afterwards (running 0, waiting 0)", idle_s is not None,
-         "never" if idle_s is None else f"after {idle_s:.2f} s"),
+        (
+            "idle afterwards (running 0, waiting 0)",
+            idle_s is not None,
+            "never" if idle_s is None else f"after {idle_s:.2f} s",
+        ),
         ("KV usage back at idle value", kv[1] == kv[0], f"before {kv[0]:.4f}, after {kv[1]:.4f}"),
         ("preemption happened", preemptions > 0, f"{preemptions:.0f} preemptions"),
         greedy,
-        ("RSS growth over second half < 5%", rss["samples"] >= 10 and rss["growth"] < 0.05,
-         f"{rss['growth'] * 100:+.2f}% ({rss['samples']} samples)"),
+        (
+            "RSS growth over second half < 5%",
+            rss["samples"] >= 10 and rss["growth"] < 0.05,
+            f"{rss['growth'] * 100:+.2f}% ({rss['samples']} samples)",
+        ),
     ]
 
 
 def report(t: dict, wall: float, delta: dict[str, float], rss: dict, results: list[Result]) -> None:
     hit_rate = delta["pagedllm:prefix_cache_hits_total"] / max(1.0, delta["pagedllm:prefix_cache_queries_total"])
-    print_table("Figures", [
-        ("figure", "value"), ("requests sent", t["sent"]), ("kept (not dropped)", t["kept"]),
-        ("kept and complete", t["kept_complete"]), ("dropped mid-stream", t["dropped"]),
-        ("drop planned, stream ended first", t["drop_planned_but_finished"]),
-        ("HTTP statuses", ", ".join(f"{k}: {v}" for k, v in t["statuses"].items())), ("hangs", t["hangs"]),
-        ("wall time s", f"{wall:.1f}"), ("requests/s", f"{t['sent'] / wall:.2f}"),
-        ("output tok/s (kept requests)", f"{t['kept_output_tokens'] / wall:.1f}"),
-        ("output tok/s (server, all generated)", f"{delta['pagedllm:generation_tokens_total'] / wall:.1f}"),
-        ("prompt tok/s (server, finished)", f"{delta['pagedllm:prompt_tokens_total'] / wall:.1f}"),
-        ("preemptions during the run", f"{delta['pagedllm:num_preemptions_total']:.0f}"),
-        ("prefix cache hit rate (prompt tokens)", f"{hit_rate:.1%}"),
-        ("greedy n = 2 requests whose samples differ (all replayed)",
-         f"{len(split_siblings(results))} of {sum(r.spec.n == 2 for r in greedy_kept(results))}"),
-        ("request latency median / max s", f"{statistics.median(r.seconds for r in results):.2f} / "
-                                           f"{max(r.seconds for r in results):.2f}"),
-        ("RSS start / mid / end / max MiB", f"{rss['start_mib']:.0f} / {rss['mid_mib']:.0f} / "
-                                           f"{rss['end_mib']:.0f} / {rss['max_mib']:.0f}"),
-        ("RSS growth, second half", f"{rss['growth'] * 100:+.2f}%"),
-    ])
+    print_table(
+        "Figures",
+        [
+            ("figure", "value"),
+            ("requests sent", t["sent"]),
+            ("kept (not dropped)", t["kept"]),
+            ("kept and complete", t["kept_complete"]),
+            ("dropped mid-stream", t["dropped"]),
+            ("drop planned, stream ended first", t["drop_planned_but_finished"]),
+            ("HTTP statuses", ", ".join(f"{k}: {v}" for k, v in t["statuses"].items())),
+            ("hangs", t["hangs"]),
+            ("wall time s", f"{wall:.1f}"),
+            ("requests/s", f"{t['sent'] / wall:.2f}"),
+            ("output tok/s (kept requests)", f"{t['kept_output_tokens'] / wall:.1f}"),
+            ("output tok/s (server, all generated)", f"{delta['pagedllm:generation_tokens_total'] / wall:.1f}"),
+            ("prompt tok/s (server, finished)", f"{delta['pagedllm:prompt_tokens_total'] / wall:.1f}"),
+            ("preemptions during the run", f"{delta['pagedllm:num_preemptions_total']:.0f}"),
+            ("prefix cache hit rate (prompt tokens)", f"{hit_rate:.1%}"),
+            (
+                "greedy n = 2 requests whose samples differ (all replayed)",
+                f"{len(split_siblings(results))} of {sum(r.spec.n == 2 for r in greedy_kept(results))}",
+            ),
+            (
+                "request latency median / max s",
+                f"{statistics.median(r.seconds for r in results):.2f} / {max(r.seconds for r in results):.2f}",
+            ),
+            (
+                "RSS start / mid / end / max MiB",
+                f"{rss['start_mib']:.0f} / {rss['mid_mib']:.0f} / {rss['end_mib']:.0f} / {rss['max_mib']:.0f}",
+            ),
+            ("RSS growth, second half", f"{rss['growth'] * 100:+.2f}%"),
+        ],
+    )
 
 
 def show_failures(results: list[Result], mismatches: list[dict], margin: float) -> None:
@@ -771,8 +943,10 @@ def server_checks(exit_code: int, log_path: str) -> list[tuple[str, bool, str]]:
         bad = [line.rstrip() for line in f if re.search(r"Traceback|\bERROR\b|\bCRITICAL\b", line)]
     for line in bad[:5]:
         print(f"server log: {line}")
-    return [("server exits 0 on SIGTERM", exit_code == 0, f"exit status {exit_code}"),
-            ("no Traceback or ERROR in the server log", not bad, f"{len(bad)} lines")]
+    return [
+        ("server exits 0 on SIGTERM", exit_code == 0, f"exit status {exit_code}"),
+        ("no Traceback or ERROR in the server log", not bad, f"{len(bad)} lines"),
+    ]
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -794,28 +968,45 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-cache-memory", default="48MiB", help="small enough to force preemption")
     p.add_argument("--extra-server-args", default="", help="more `pagedllm serve` flags, one string")
-    p.add_argument("--mixed", action="store_true",
-                   help="every feature: -dp 2, n-gram speculation, the tool template, and the fractions below")
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="every feature: -dp 2, n-gram speculation, the tool template, and the fractions below",
+    )
     p.add_argument("--json-fraction", type=float, default=None, help="JSON-schema requests (--mixed: 0.15, else 0)")
     p.add_argument("--tools-fraction", type=float, default=None, help="tool-call requests (--mixed: 0.15, else 0)")
-    p.add_argument("--embeddings-fraction", type=float, default=None,
-                   help="embeddings requests, to a second server (--mixed: 0.1, else 0)")
-    p.add_argument("--embeddings-model", default=None,
-                   help="the embeddings server's model (default: the generation server's, --runner pooling)")
+    p.add_argument(
+        "--embeddings-fraction",
+        type=float,
+        default=None,
+        help="embeddings requests, to a second server (--mixed: 0.1, else 0)",
+    )
+    p.add_argument(
+        "--embeddings-model",
+        default=None,
+        help="the embeddings server's model (default: the generation server's, --runner pooling)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="0: a free one")
     p.add_argument("--timeout", type=float, default=120.0, help="s a request may take before it counts as a hang")
     p.add_argument("--idle-wait", type=float, default=60.0, help="s for the server to go idle after the soak")
     p.add_argument("--replay", type=int, default=50, help="greedy requests resent alone afterwards")
     p.add_argument("--rss-interval", type=float, default=1.0, help="s between samples of the server's RSS")
-    p.add_argument("--tie-margin", type=float, default=0.3,
-                   help="nats: a greedy difference that starts where the alone run's best and the soak's pick are "
-                        "this close is bf16 rounding, not a failure (the bf16 oracle test's EPS)")
+    p.add_argument(
+        "--tie-margin",
+        type=float,
+        default=0.3,
+        help="nats: a greedy difference that starts where the alone run's best and the soak's pick are "
+        "this close is bf16 rounding, not a failure (the bf16 oracle test's EPS)",
+    )
     p.add_argument("--strict-greedy", action="store_true", help="any greedy difference fails (for --dtype float32)")
     p.add_argument("--startup-wait", type=float, default=300.0)
     p.add_argument("--shutdown-wait", type=float, default=30.0)
-    p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "pagedllm-soak-server.log"),
-                   help="the server's stdout and stderr")
+    p.add_argument(
+        "--log",
+        default=os.path.join(tempfile.gettempdir(), "pagedllm-soak-server.log"),
+        help="the server's stdout and stderr",
+    )
     p.add_argument("--out", default=None, help="write figures and checks as JSON here")
     args = p.parse_args()
     for name, mixed in (("json_fraction", 0.15), ("tools_fraction", 0.15), ("embeddings_fraction", 0.1)):
@@ -826,13 +1017,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-async def run(args: argparse.Namespace, url: str, pid: int,
-              embed_url: str | None = None) -> tuple[list[tuple[str, bool, str]], dict]:
+async def run(
+    args: argparse.Namespace, url: str, pid: int, embed_url: str | None = None
+) -> tuple[list[tuple[str, bool, str]], dict]:
     specs = make_workload(args)
     print(f"workload: {mix(specs)}")
     limits = httpx.Limits(max_connections=args.concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client, \
-            httpx.AsyncClient(base_url=embed_url or url, timeout=args.timeout, limits=limits) as embed_client:
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client,
+        httpx.AsyncClient(base_url=embed_url or url, timeout=args.timeout, limits=limits) as embed_client,
+    ):
         clients = Clients(client, embed_client)
         before = await metrics(client)
         start = time.monotonic()
@@ -849,13 +1043,30 @@ async def run(args: argparse.Namespace, url: str, pid: int,
     report(t, wall, delta, rss, results)
     show_failures(results, mismatches, args.tie_margin)
     greedy = greedy_summary(len(picked), answered, mismatches, args.tie_margin)
-    table = checks(t, idle_s, kv, delta["pagedllm:num_preemptions_total"],
-                   greedy_check(greedy, args.tie_margin, args.strict_greedy), rss)
+    table = checks(
+        t,
+        idle_s,
+        kv,
+        delta["pagedllm:num_preemptions_total"],
+        greedy_check(greedy, args.tie_margin, args.strict_greedy),
+        rss,
+    )
     if embed_url:
-        table.append(("embeddings server idle afterwards", embed_idle is not None,
-                      "never" if embed_idle is None else f"after {embed_idle:.2f} s"))
-    return table, {"tally": t, "wall_s": wall, "rss": rss, "metrics_delta": delta, "greedy": greedy,
-                   "mismatches": mismatches}
+        table.append(
+            (
+                "embeddings server idle afterwards",
+                embed_idle is not None,
+                "never" if embed_idle is None else f"after {embed_idle:.2f} s",
+            )
+        )
+    return table, {
+        "tally": t,
+        "wall_s": wall,
+        "rss": rss,
+        "metrics_delta": delta,
+        "greedy": greedy,
+        "mismatches": mismatches,
+    }
 
 
 def main() -> int:

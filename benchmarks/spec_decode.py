@@ -12,7 +12,8 @@ Workloads:
   (rename a function, fix typos, add docstrings, make a table, quote a sentence), through the chat
   template, greedy, up to --max-tokens each. --tasks benchmarks/data/grounded_long_tasks.json: the
   same kinds of edits on texts about 3x longer (a 45-line module, a 10-sentence paragraph), as
-  files people ask to edit are; give them --max-tokens 400 to let the answers run to their end. The script reports how many greedy outputs are equal
+  files people ask to edit are; give them --max-tokens 400 to let the answers run to their end.
+  The script reports how many greedy outputs are equal
   with and without speculation, and where the others first differ.
 - random: prompts of random token ids, sampled at temperature 1 (seeded), EOS ignored: output that
   seldom repeats itself, where n-gram drafts rarely exist or hold (speculation's cost, not its gain).
@@ -23,6 +24,7 @@ With n-gram lookup on the grounded workload at batch 1, the script also gives th
 could pass: the plain engine's time over the time its prefill and the fewest decode steps would
 take (each proposal cut to exactly the drafts that hold, verification rows free).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +49,9 @@ def workload(name: str, vocab: int, num_prompts: int, max_tokens: int, tasks: st
         return prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(64)]} for _ in range(num_prompts)]
-    return prompts, [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
-                     for i in range(num_prompts)]
+    return prompts, [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True) for i in range(num_prompts)
+    ]
 
 
 def run_chunk(llm, prompts: list, params: list) -> list[list[int]]:
@@ -70,7 +73,7 @@ def run_round(engines: dict, prompts: list, params: list, batch: int, round_: in
         names = list(engines) if (round_ + c) % 2 == 0 else list(reversed(engines))
         for name in names:
             start = time.perf_counter()
-            outputs[name] += run_chunk(engines[name], prompts[i:i + batch], params[i:i + batch])
+            outputs[name] += run_chunk(engines[name], prompts[i : i + batch], params[i : i + batch])
             seconds[name] += time.perf_counter() - start
     return {name: sum(map(len, outputs[name])) / seconds[name] for name in engines}, outputs
 
@@ -83,8 +86,9 @@ def steps_with_perfect_drafts(prompt_ids: list[list[int]], outputs: list[list[in
         i = 1  # the first output token comes with the prefill
         while i < len(output):
             drafts = proposer.propose(prompt + output[:i])
-            accepted = next((j for j, (d, t) in enumerate(zip(drafts, output[i:])) if d != t),
-                            min(len(drafts), len(output) - i))
+            accepted = next(
+                (j for j, (d, t) in enumerate(zip(drafts, output[i:])) if d != t), min(len(drafts), len(output) - i)
+            )
             steps, i = steps + 1, i + accepted + 1
     return steps
 
@@ -102,14 +106,18 @@ def ngram_bound(llm, prompts: list, outputs: list[list[int]], plain_rate: float,
     step = (tokens / plain_rate - prefill) / (tokens - len(outputs))
     steps = steps_with_perfect_drafts([r.prompt_token_ids for r in results], outputs, proposer)
     bound = (prefill + (tokens - len(outputs)) * step) / (prefill + steps * step)
-    return (f"bound (perfect drafts, free verification rows): {bound:.2f}x; {steps} decode steps for "
-            f"{tokens - len(outputs)} tokens, prefill {prefill:.2f} s, a step {step * 1e3:.1f} ms")
+    return (
+        f"bound (perfect drafts, free verification rows): {bound:.2f}x; {steps} decode steps for "
+        f"{tokens - len(outputs)} tokens, prefill {prefill:.2f} s, a step {step * 1e3:.1f} ms"
+    )
 
 
 def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
     """Per output pair: the first token index where they differ, None where equal."""
-    return [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None if len(x) == len(y) else min(len(x), len(y)))
-            for x, y in zip(a, b)]
+    return [
+        next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None if len(x) == len(y) else min(len(x), len(y)))
+        for x, y in zip(a, b)
+    ]
 
 
 def main() -> None:
@@ -119,8 +127,12 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="none: a GGUF file dequantized at load to --dtype")
     parser.add_argument("--workload", choices=("grounded", "random"), default="grounded")
     parser.add_argument("--batch", type=int, default=1, help="requests submitted at once")
-    parser.add_argument("--tasks", default=TASKS, help="grounded: the task file (benchmarks/data/grounded_long_tasks.json: "
-                                                        "the same kinds of edits on texts 3x longer)")
+    parser.add_argument(
+        "--tasks",
+        default=TASKS,
+        help="grounded: the task file (benchmarks/data/grounded_long_tasks.json: "
+        "the same kinds of edits on texts 3x longer)",
+    )
     parser.add_argument("--num-prompts", type=int, default=None, help="random: default 6, or 2 x --batch")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=None, help="default 160 (grounded), 128 (random)")
@@ -135,19 +147,27 @@ def main() -> None:
     from pagedllm import LLM
 
     if args.method == "ngram":
-        spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-                       "prompt_lookup_min": args.lookup_min}
+        spec_config = {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min,
+        }
     else:
         from pagedllm.models.loader import resolve_model_path
 
-        spec_config = {"model": args.draft_model or resolve_model_path(args.model), "num_speculative_tokens": args.k,
-                       "quantization": args.draft_quantization}
+        spec_config = {
+            "model": args.draft_model or resolve_model_path(args.model),
+            "num_speculative_tokens": args.k,
+            "quantization": args.draft_quantization,
+        }
     common = dict(enable_prefix_caching=False, dtype=args.dtype, quantization=args.quantization)
     engines = {"plain": LLM(args.model, **common), "spec": LLM(args.model, speculative_config=spec_config, **common)}
     num_prompts = args.num_prompts or (6 if args.batch == 1 else 2 * args.batch)
     max_tokens = args.max_tokens or (160 if args.workload == "grounded" else 128)
-    prompts, params = workload(args.workload, engines["plain"].engine.model_config.vocab_size, num_prompts, max_tokens,
-                               args.tasks)
+    prompts, params = workload(
+        args.workload, engines["plain"].engine.model_config.vocab_size, num_prompts, max_tokens, args.tasks
+    )
     for llm in engines.values():  # warm-up
         run_chunk(llm, prompts[:1], params[:1])
     rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -156,18 +176,26 @@ def main() -> None:
         for name, rate in round_rates.items():
             rates[name].append(rate)
         diffs = first_differences(outputs["plain"], outputs["spec"])
-        print(f"round {round_}: plain {rates['plain'][-1]:.1f} tok/s, {args.method} {rates['spec'][-1]:.1f} tok/s, "
-              f"ratio {rates['spec'][-1] / rates['plain'][-1]:.2f}; outputs equal "
-              f"{diffs.count(None)}/{len(diffs)}, the others first differ at tokens "
-              f"{[d for d in diffs if d is not None]}")
+        print(
+            f"round {round_}: plain {rates['plain'][-1]:.1f} tok/s, {args.method} {rates['spec'][-1]:.1f} tok/s, "
+            f"ratio {rates['spec'][-1] / rates['plain'][-1]:.2f}; outputs equal "
+            f"{diffs.count(None)}/{len(diffs)}, the others first differ at tokens "
+            f"{[d for d in diffs if d is not None]}"
+        )
     stats = engines["spec"].engine.stats()
     ratios = [b / a for a, b in zip(rates["plain"], rates["spec"])]
-    print(f"median: plain {statistics.median(rates['plain']):.1f} tok/s, {args.method} {statistics.median(rates['spec']):.1f} "
-          f"tok/s, ratio {statistics.median(ratios):.2f}")
-    print(f"drafts {stats.spec_num_drafts}, draft tokens {stats.spec_num_draft_tokens}, accepted "
-          f"{stats.spec_num_accepted_tokens} ({stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1):.0%}), "
-          f"{stats.spec_num_accepted_tokens / max(stats.spec_num_drafts, 1):.2f} accepted a draft; accepted by "
-          f"position {list(stats.spec_accepted_per_position)}")
+    print(
+        f"median: plain {statistics.median(rates['plain']):.1f} tok/s, "
+        f"{args.method} {statistics.median(rates['spec']):.1f} "
+        f"tok/s, ratio {statistics.median(ratios):.2f}"
+    )
+    print(
+        f"drafts {stats.spec_num_drafts}, draft tokens {stats.spec_num_draft_tokens}, accepted "
+        f"{stats.spec_num_accepted_tokens} "
+        f"({stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1):.0%}), "
+        f"{stats.spec_num_accepted_tokens / max(stats.spec_num_drafts, 1):.2f} accepted a draft; accepted by "
+        f"position {list(stats.spec_accepted_per_position)}"
+    )
     if args.method == "ngram" and args.workload == "grounded" and args.batch == 1:
         from pagedllm.spec_decode.ngram import NgramProposer
 

@@ -17,6 +17,7 @@ turn, each at its own limit (the weights' arithmetic or their bytes, then attent
 or its K/V bytes), as an engine that runs a layer's operators one after another can at best.
 Steps are grouped by kind, and each group's time is set against both bounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,15 @@ import time
 
 import torch
 
-from common import (WORKLOADS, attention_flops, head_dim, matmul_flops_per_token, measure_bandwidth_gbs,
-                    measure_bf16_dot_peak_gflops, weight_bytes_per_token)
+from common import (
+    WORKLOADS,
+    attention_flops,
+    head_dim,
+    matmul_flops_per_token,
+    measure_bandwidth_gbs,
+    measure_bf16_dot_peak_gflops,
+    weight_bytes_per_token,
+)
 
 
 @dataclasses.dataclass
@@ -44,6 +52,7 @@ class StepWork:
 class StepRecord:
     """What the scheduler asked of one step, kept as it was: (tokens computed, start position,
     sampled, the blocks holding its context) a request."""
+
     requests: list[tuple[int, int, bool, list[int]]]
     seconds: float = 0.0
 
@@ -55,8 +64,9 @@ class StepRecord:
             attended += n * start + n * (n + 1) // 2
             for i, block in enumerate(blocks):
                 filled[block] = max(filled.get(block, 0), min(block_size, start + n - i * block_size))
-        return StepWork(tokens, sampled, decodes < len(self.requests), decodes, attended, sum(filled.values()),
-                        self.seconds)
+        return StepWork(
+            tokens, sampled, decodes < len(self.requests), decodes, attended, sum(filled.values()), self.seconds
+        )
 
 
 def record_steps(engine) -> list[StepRecord]:
@@ -70,13 +80,16 @@ def record_steps(engine) -> list[StepRecord]:
         """The blocks holding the request's tokens up to the step's last (the scheduler's tables: the
         step's message carries only their changes)."""
         end = r.num_computed_tokens + r.num_new_tokens
-        return engine.scheduler.kv.block_ids(r.request_id)[:-(-end // block_size)]
+        return engine.scheduler.kv.block_ids(r.request_id)[: -(-end // block_size)]
 
     def recording_schedule():
         output = schedule()
         if not output.is_empty:
-            steps.append(StepRecord([(r.num_new_tokens, r.num_computed_tokens, r.sample, context_blocks(r))
-                                     for r in output.scheduled]))
+            steps.append(
+                StepRecord(
+                    [(r.num_new_tokens, r.num_computed_tokens, r.sample, context_blocks(r)) for r in output.scheduled]
+                )
+            )
         return output
 
     def timed_step():
@@ -112,6 +125,7 @@ def measure_limits() -> tuple[float, float]:
 @dataclasses.dataclass
 class Bounds:
     """The model's costs per unit of work and the machine's limits: seconds no step can beat."""
+
     body_flops: int  # per computed token: every linear layer but the output head
     head_flops: int  # per sampled row
     weight_bytes: int  # read once a step
@@ -121,22 +135,38 @@ class Bounds:
     bandwidth_gbs: float
 
     @classmethod
-    def of(cls, engine, peak_gflops: float, bandwidth_gbs: float) -> "Bounds":
+    def of(cls, engine, peak_gflops: float, bandwidth_gbs: float) -> Bounds:
         model, config = engine.model_runner.model, engine.model_config.hf_config
         head = 2 * model.lm_head.weight.numel()
-        kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config)
-                    * engine.model_config.dtype.itemsize)
-        return cls(matmul_flops_per_token(model) - head, head, weight_bytes_per_token(model), kv_bytes, config,
-                   peak_gflops, bandwidth_gbs)
+        kv_bytes = (
+            2
+            * config.num_hidden_layers
+            * config.num_key_value_heads
+            * head_dim(config)
+            * engine.model_config.dtype.itemsize
+        )
+        return cls(
+            matmul_flops_per_token(model) - head,
+            head,
+            weight_bytes_per_token(model),
+            kv_bytes,
+            config,
+            peak_gflops,
+            bandwidth_gbs,
+        )
 
     def _linear_work(self, step: StepWork) -> tuple[float, float]:
         """(seconds of arithmetic at the peak, seconds of reads at the bandwidth) of the linear layers."""
-        return ((self.body_flops * step.tokens + self.head_flops * step.sampled) / (self.peak_gflops * 1e9),
-                self.weight_bytes / (self.bandwidth_gbs * 1e9))
+        return (
+            (self.body_flops * step.tokens + self.head_flops * step.sampled) / (self.peak_gflops * 1e9),
+            self.weight_bytes / (self.bandwidth_gbs * 1e9),
+        )
 
     def _attention_work(self, step: StepWork) -> tuple[float, float]:
-        return (attention_flops(self.config, step.attended) / (self.peak_gflops * 1e9),
-                self.kv_bytes * step.kv_tokens / (self.bandwidth_gbs * 1e9))
+        return (
+            attention_flops(self.config, step.attended) / (self.peak_gflops * 1e9),
+            self.kv_bytes * step.kv_tokens / (self.bandwidth_gbs * 1e9),
+        )
 
     def linear(self, step: StepWork) -> float:
         return max(self._linear_work(step))
@@ -156,8 +186,11 @@ def run_recorded(llm, requests: list[tuple[list[int], int]]) -> tuple[list[StepW
     llm.generate([{"prompt_token_ids": [5] * 8}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     records = record_steps(llm.engine)
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p, _ in requests],
-                 [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests], use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": p} for p, _ in requests],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests],
+        use_tqdm=False,
+    )
     elapsed = time.perf_counter() - start
     return [r.work(llm.engine.args.block_size) for r in records], elapsed
 
@@ -172,8 +205,10 @@ def print_table(steps: list[StepWork], bounds: Bounds) -> tuple[float, float, fl
         spent = sum(s.seconds for s in group)
         least = sum(bounds.step(s) for s in group)
         linear, attention = sum(bounds.linear(s) for s in group), sum(bounds.attention(s) for s in group)
-        print(f"| {name} | {len(group)} | {sum(s.tokens for s in group)} | {spent:.2f} | {least:.2f} | "
-              f"{least / spent:.0%} | {linear + attention:.2f} | {(linear + attention) / spent:.0%} |")
+        print(
+            f"| {name} | {len(group)} | {sum(s.tokens for s in group)} | {spent:.2f} | {least:.2f} | "
+            f"{least / spent:.0%} | {linear + attention:.2f} | {(linear + attention) / spent:.0%} |"
+        )
     return least, linear, attention
 
 
@@ -195,12 +230,16 @@ def main() -> None:
     peak, bandwidth = max(p for p, _ in limits), max(b for _, b in limits)
     out_tokens = sum(n for _, n in requests)
     print(" then ".join(f"bf16 dot-product peak {p:.0f} GFLOP/s, read bandwidth {b:.1f} GB/s" for p, b in limits))
-    print(f"the bounds take {peak:.0f} GFLOP/s and {bandwidth:.1f} GB/s; "
-          f"{len(requests)} requests, {out_tokens} output tokens, {len(steps)} steps\n")
+    print(
+        f"the bounds take {peak:.0f} GFLOP/s and {bandwidth:.1f} GB/s; "
+        f"{len(requests)} requests, {out_tokens} output tokens, {len(steps)} steps\n"
+    )
     least, linear, attention = print_table(steps, Bounds.of(llm.engine, peak, bandwidth))
-    print(f"\noutput tok/s: {out_tokens / elapsed:.1f} (run, {elapsed:.2f} s); at the steps' bound "
-          f"{out_tokens / least:.1f}; at the bound in turn {out_tokens / (linear + attention):.1f} "
-          f"(linear layers {linear:.2f} s, attention {attention:.2f} s)")
+    print(
+        f"\noutput tok/s: {out_tokens / elapsed:.1f} (run, {elapsed:.2f} s); at the steps' bound "
+        f"{out_tokens / least:.1f}; at the bound in turn {out_tokens / (linear + attention):.1f} "
+        f"(linear layers {linear:.2f} s, attention {attention:.2f} s)"
+    )
 
 
 if __name__ == "__main__":

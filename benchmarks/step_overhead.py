@@ -8,6 +8,7 @@ scheduling, taking in the step's deltas and building the batch tensors, the forw
 logits and sampling, the scheduler update, and output processing (detokenizing, stop strings). The
 goal is overhead under 10% of the step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ def timed(totals: dict, name: str, fn):
             return fn(*args, **kwargs)
         finally:
             totals[name] += time.perf_counter() - start
+
     return wrapper
 
 

@@ -10,6 +10,7 @@ masks. Prints output tokens/s of each run and their ratio, the schema's compile 
 cached), and the mask's time per decode step: filling it (the engine core) and applying it (the
 sampler), timed inside the runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,15 @@ SCHEMA = {
         "rating": {"type": "integer", "minimum": 1, "maximum": 5},
         "mood": {"enum": ["happy", "neutral", "sad"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 5},
-        "sections": {"type": "array", "items": {
-            "type": "object", "properties": {"heading": {"type": "string"}, "text": {"type": "string"}},
-            "required": ["heading", "text"], "additionalProperties": False}},
+        "sections": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"heading": {"type": "string"}, "text": {"type": "string"}},
+                "required": ["heading", "text"],
+                "additionalProperties": False,
+            },
+        },
     },
     "required": ["title", "summary", "rating", "mood", "tags", "sections"],
     "additionalProperties": False,
@@ -47,7 +54,7 @@ class ApplyTimer:
     """Times the sampler's mask application (patched in for the runs)."""
 
     def __init__(self) -> None:
-        from pagedllm.layers import sampler
+        from pagedllm.worker import sampler
 
         self.module, self.original, self.seconds, self.calls = sampler, sampler.apply_token_bitmask, 0.0, 0
         sampler.apply_token_bitmask = self
@@ -65,11 +72,16 @@ def run(llm, prompts: list, lengths: list[int] | None, max_tokens: int) -> tuple
     """Half constrained (lengths None) or none (each request `lengths[i]` tokens); returns (elapsed, lengths)."""
     from pagedllm import SamplingParams, StructuredOutputsParams
 
-    json_ = SamplingParams(temperature=0, max_tokens=max_tokens,
-                           structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    json_ = SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    )
     if lengths is None:
-        params = [json_ if i % 2 else SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-                  for i in range(len(prompts))]
+        params = [
+            json_ if i % 2 else SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
     else:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     start = time.perf_counter()
@@ -95,8 +107,14 @@ def main() -> None:
     llm = LLM(args.model or default_model(), max_model_len=1024, kv_cache_memory="512MiB")
     manager = llm.engine.engine_core.structured_output
     tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Review film number {i} in JSON."}],
-                                             tokenize=False, add_generation_prompt=True) for i in range(args.num_prompts)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Review film number {i} in JSON."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for i in range(args.num_prompts)
+    ]
     constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     start = time.perf_counter()
     llm.generate(prompts[0], SamplingParams(max_tokens=1, structured_outputs=constraint), use_tqdm=False)
@@ -118,18 +136,28 @@ def main() -> None:
         steps += timer.calls
         elapsed, _ = run(llm, prompts, lengths, args.max_tokens)
         free_tps.append(sum(lengths) / elapsed)
-    print(json.dumps({
-        "model": os.path.basename(args.model or default_model()), "requests": args.num_prompts,
-        "constrained": args.num_prompts // 2, "tokens_per_run": sum(lengths),
-        "constrained_lengths": sorted(lengths[1::2]),
-        "unconstrained_tok_s": [round(x, 1) for x in free_tps], "half_json_tok_s": [round(x, 1) for x in json_tps],
-        "ratio": round(statistics.mean(json_tps) / statistics.mean(free_tps), 3),
-        "ratios": [round(j / f, 3) for j, f in zip(json_tps, free_tps)],
-        "first_request_s": round(first_request_s, 3), "first_compile_s": round(first_compile_s, 3),
-        "compile_again_s": round(recompile_s, 3),
-        "masked_steps": steps, "mask_fill_ms_per_step": round(fill_s / steps * 1e3, 2),
-        "mask_apply_ms_per_step": round(apply_s / steps * 1e3, 2),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": os.path.basename(args.model or default_model()),
+                "requests": args.num_prompts,
+                "constrained": args.num_prompts // 2,
+                "tokens_per_run": sum(lengths),
+                "constrained_lengths": sorted(lengths[1::2]),
+                "unconstrained_tok_s": [round(x, 1) for x in free_tps],
+                "half_json_tok_s": [round(x, 1) for x in json_tps],
+                "ratio": round(statistics.mean(json_tps) / statistics.mean(free_tps), 3),
+                "ratios": [round(j / f, 3) for j, f in zip(json_tps, free_tps)],
+                "first_request_s": round(first_request_s, 3),
+                "first_compile_s": round(first_compile_s, 3),
+                "compile_again_s": round(recompile_s, 3),
+                "masked_steps": steps,
+                "mask_fill_ms_per_step": round(fill_s / steps * 1e3, 2),
+                "mask_apply_ms_per_step": round(apply_s / steps * 1e3, 2),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ fixed batch (--batch prompts of 128 random tokens, 64 greedy tokens each, submit
 Output tokens/s, medians of the rounds; then what one batch-1 decode step sends: its collectives and
 the bytes each rank puts in (docs/SCALING.md builds on these).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,23 +47,34 @@ def main() -> None:
 
     from pagedllm import LLM
 
-    common = dict(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False,
-                  max_model_len=512, kv_cache_memory="1GiB")
-    engines = {1: LLM(args.model, **common), args.tp: LLM(args.model, tensor_parallel_size=args.tp,
-                                                                 distributed_executor_backend=args.backend, **common)}
+    common = dict(
+        dtype=args.dtype,
+        quantization=args.quantization,
+        enable_prefix_caching=False,
+        max_model_len=512,
+        kv_cache_memory="1GiB",
+    )
+    engines = {
+        1: LLM(args.model, **common),
+        args.tp: LLM(args.model, tensor_parallel_size=args.tp, distributed_executor_backend=args.backend, **common),
+    }
     executor = engines[args.tp].engine._core_in_process().executor
     vocab = engines[1].engine.model_config.vocab_size
     rng = random.Random(0)
-    workloads = {"batch-1 decode": ([[rng.randrange(3, vocab) for _ in range(32)]], args.decode_tokens),
-                 f"{args.batch} prompts at once": ([[rng.randrange(3, vocab) for _ in range(128)]
-                                                    for _ in range(args.batch)], 64)}
+    workloads = {
+        "batch-1 decode": ([[rng.randrange(3, vocab) for _ in range(32)]], args.decode_tokens),
+        f"{args.batch} prompts at once": (
+            [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(args.batch)],
+            64,
+        ),
+    }
     for name, (prompts, max_tokens) in workloads.items():
         for llm in engines.values():
             run(llm, prompts[:1], 4)  # warm-up
         rates: dict[int, list[float]] = {size: [] for size in engines}
         shares = []
         for round_ in range(args.rounds):
-            for size in (list(engines) if round_ % 2 == 0 else list(reversed(engines))):
+            for size in list(engines) if round_ % 2 == 0 else list(reversed(engines)):
                 executor.collective_time()  # reset
                 start = time.perf_counter()
                 rates[size].append(run(engines[size], prompts, max_tokens))
@@ -71,11 +83,15 @@ def main() -> None:
                     shares.append((seconds / (time.perf_counter() - start), calls))
         one, many = statistics.median(rates[1]), statistics.median(rates[args.tp])
         share, calls = shares[len(shares) // 2]
-        print(f"{name}: TP=1 {one:.1f} tok/s, TP={args.tp} {many:.1f} tok/s, ratio {many / one:.2f}; "
-              f"rank 0 in collectives {share:.0%} of the time ({calls} collectives a run)")
+        print(
+            f"{name}: TP=1 {one:.1f} tok/s, TP={args.tp} {many:.1f} tok/s, ratio {many / one:.2f}; "
+            f"rank 0 in collectives {share:.0%} of the time ({calls} collectives a run)"
+        )
     calls, nbytes = decode_communication(engines[args.tp], executor, workloads["batch-1 decode"][0])
-    print(f"communication of one batch-1 decode step: {calls:.0f} collectives, {nbytes / 1024:.1f} KiB put in by "
-          f"each rank ({engines[1].engine.model_config.hf_config.num_hidden_layers} layers)")
+    print(
+        f"communication of one batch-1 decode step: {calls:.0f} collectives, {nbytes / 1024:.1f} KiB put in by "
+        f"each rank ({engines[1].engine.model_config.hf_config.num_hidden_layers} layers)"
+    )
     for llm in engines.values():
         llm.engine.shutdown()
 

@@ -3,7 +3,8 @@
     python benchmarks/throughput.py --model /tmp/llama-250m --workload fixed --baseline hf
     python benchmarks/throughput.py --workload all            # default model, all three workloads
 
-Workloads: fixed (64 x 128 in x 128 out; --num-prompts, --input-len and --output-len change it), variable (200 requests, heavy-tailed lengths, input
+Workloads: fixed (64 x 128 in x 128 out; --num-prompts, --input-len and --output-len change it),
+variable (200 requests, heavy-tailed lengths, input
 4..1024, output 4..512), shared (64 requests sharing a 512-token prefix, 32 own tokens, 128 out).
 --baseline hf runs transformers `generate` on the same model and requests in the same process
 (static batches, left padding, prompts sorted by length; only requested tokens count as output;
@@ -15,6 +16,7 @@ roofline: the workload's FLOPs at the matmul rate it measures, counted as issue 
 token through every matrix, the output head included, and causal attention); not for the shared
 workload, whose prefix is computed once, not once a request.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +25,15 @@ import time
 
 import torch
 
+from common import (
+    WORKLOADS,
+    PeakTracker,
+    attention_flops,
+    fixed_workload,
+    matmul_flops_per_token,
+    measure_matmul_gflops,
+)
 from pagedllm.benchmarks.throughput import measure as run_pagedllm
-from common import (WORKLOADS, PeakTracker, attention_flops, fixed_workload, matmul_flops_per_token,
-                    measure_matmul_gflops)
 
 
 def run_vllm(llm, requests: list[tuple[list[int], int]]) -> float:
@@ -46,14 +54,15 @@ def run_hf(model, requests: list[tuple[list[int], int]], batch_size: int) -> flo
     order = sorted(requests, key=lambda r: len(r[0]))
     start = time.perf_counter()
     for i in range(0, len(order), batch_size):
-        batch = order[i:i + batch_size]
+        batch = order[i : i + batch_size]
         width = max(len(p) for p, _ in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         n = max(out for _, out in batch)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
     return time.perf_counter() - start
 
 
@@ -85,16 +94,29 @@ def main() -> None:
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="fixed")
     parser.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
-    parser.add_argument("--hf-batch-size", type=int, default=None,
-                        help="transformers' static batch size (default: the fastest found for the workload)")
-    parser.add_argument("--num-prompts", type=int, nargs="+", default=[64],
-                        help="fixed workload only: run it with each of these request counts")
+    parser.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="transformers' static batch size (default: the fastest found for the workload)",
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="fixed workload only: run it with each of these request counts",
+    )
     parser.add_argument("--input-len", type=int, default=128, help="fixed workload only")
     parser.add_argument("--output-len", type=int, default=128, help="fixed workload only")
     parser.add_argument("--compile", action="store_true", help="our engine's --compile")
-    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
-                        help="our engine's --kv-cache-dtype; several: a fresh engine for each, in turn, each "
-                             "workload run with every one before the next")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        help="our engine's --kv-cache-dtype; several: a fresh engine for each, in turn, each "
+        "workload run with every one before the next",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -111,8 +133,9 @@ def main() -> None:
 
         engines = {"auto": vllm.LLM(model=model_config.path, dtype=str(dtype).removeprefix("torch."))}
     else:
-        engines = {kv: LLM(args.model, dtype=args.dtype, compile=args.compile, kv_cache_dtype=kv)
-                   for kv in args.kv_cache_dtype}
+        engines = {
+            kv: LLM(args.model, dtype=args.dtype, compile=args.compile, kv_cache_dtype=kv) for kv in args.kv_cache_dtype
+        }
     with torch.device("meta"):  # the model's shapes, for its FLOPs, without its weights
         shapes = model_class(model_config.hf_config)(model_config.hf_config, 1)
     trackers = {kv: PeakTracker(llm.engine) for kv, llm in engines.items()} if args.engine == "pagedllm" else {}
@@ -125,8 +148,10 @@ def main() -> None:
     runs = []
     for name in WORKLOADS if args.workload == "all" else [args.workload]:
         if name == "fixed":
-            runs += [(name, fixed_workload(vocab, count=n, input_len=args.input_len, output_len=args.output_len))
-                     for n in args.num_prompts]
+            runs += [
+                (name, fixed_workload(vocab, count=n, input_len=args.input_len, output_len=args.output_len))
+                for n in args.num_prompts
+            ]
         else:
             runs.append((name, WORKLOADS[name](vocab)))
     for (name, requests), kv in ((r, kv) for r in runs for kv in engines):
@@ -136,15 +161,23 @@ def main() -> None:
         seconds = run(engines[kv], requests)
         out_tokens = sum(n for _, n in requests)
         all_tokens = out_tokens + sum(len(p) for p, _ in requests)
-        row = {"workload": name, "engine": args.engine, "dtype": str(dtype).removeprefix("torch."),
-               "kv_cache_dtype": kv, "requests": len(requests), "seconds": seconds,
-               "requests_s": len(requests) / seconds, "output_tok_s": out_tokens / seconds,
-               "total_tok_s": all_tokens / seconds}
+        row = {
+            "workload": name,
+            "engine": args.engine,
+            "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv,
+            "requests": len(requests),
+            "seconds": seconds,
+            "requests_s": len(requests) / seconds,
+            "output_tok_s": out_tokens / seconds,
+            "total_tok_s": all_tokens / seconds,
+        }
         if tracker:
             row["kv_waste_at_peak_pct"] = 100 * tracker.waste_at_peak
         if name != "shared":
-            row["roofline_pct"] = 100 * row["output_tok_s"] / roofline_tok_s(shapes, model_config.hf_config,
-                                                                             requests, gflops)
+            row["roofline_pct"] = (
+                100 * row["output_tok_s"] / roofline_tok_s(shapes, model_config.hf_config, requests, gflops)
+            )
         if hf is not None:
             hf_batch = args.hf_batch_size or HF_BATCH_SIZE[name]
             row["hf_output_tok_s"] = out_tokens / run_hf(hf, requests, hf_batch)
@@ -152,17 +185,21 @@ def main() -> None:
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         rows.append(row)
     print(f"matmul {str(dtype).removeprefix('torch.')}: {gflops:.0f} GFLOP/s measured\n")
-    print("| workload | engine | dtype | KV cache | requests | req/s | output tok/s | total tok/s | roofline "
-          "| KV waste at peak | HF output tok/s | x HF |")
+    print(
+        "| workload | engine | dtype | KV cache | requests | req/s | output tok/s | total tok/s | roofline "
+        "| KV waste at peak | HF output tok/s | x HF |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         roofline = f"{r['roofline_pct']:.0f}%" if "roofline_pct" in r else ""
         hf_tok_s = f"{r['hf_output_tok_s']:.1f} (batch {r['hf_batch_size']})" if "x_hf" in r else ""
         x_hf = f"{r['x_hf']:.2f}" if "x_hf" in r else ""
         waste = f"{r['kv_waste_at_peak_pct']:.1f}%" if "kv_waste_at_peak_pct" in r else ""
-        print(f"| {r['workload']} | {r['engine']} | {r['dtype']} | {r['kv_cache_dtype']} | {r['requests']} | "
-              f"{r['requests_s']:.2f} | "
-              f"{r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {roofline} | {waste} | {hf_tok_s} | {x_hf} |")
+        print(
+            f"| {r['workload']} | {r['engine']} | {r['dtype']} | {r['kv_cache_dtype']} | {r['requests']} | "
+            f"{r['requests_s']:.2f} | "
+            f"{r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {roofline} | {waste} | {hf_tok_s} | {x_hf} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)

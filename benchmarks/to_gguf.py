@@ -9,6 +9,7 @@ from a hash of how it splits a test text, and stops on one it does not know, as 
 make_model.py's (the default model's tokenizer cut to the model's vocabulary). The benchmarks
 hand llama.cpp token ids, never text, so here the name is given: SmolLM's, whose tokenizer it is.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -17,6 +17,7 @@ BENCHMARKS.md):
   a call, then one llama_decode a step for every sequence's next token).
 Threads: both engines use the machine's physical cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ class Ours:
     def __init__(self, path: str, quantization: str | None, max_model_len: int) -> None:
         from pagedllm import LLM
 
-        self.llm = LLM(path, quantization=quantization, max_model_len=max_model_len, kv_cache_memory="1GiB",
-                       enable_prefix_caching=False)
+        self.llm = LLM(
+            path,
+            quantization=quantization,
+            max_model_len=max_model_len,
+            kv_cache_memory="1GiB",
+            enable_prefix_caching=False,
+        )
         self.engine = self.llm.engine
         self.weight_bytes = weight_bytes_per_token(self.engine.model_runner.model)
 
@@ -46,8 +52,9 @@ class Ours:
         from pagedllm import SamplingParams
         from pagedllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
         start = time.perf_counter()
         self.engine.add_request(None, prompt, params)
         first = None
@@ -73,8 +80,9 @@ class LlamaCpp:
         import llama_cpp
 
         self.path, self.threads = path, threads
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
-                                   n_threads_batch=threads, verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
         self.weight_bytes = gguf_weight_bytes_per_token(path)
 
     def first_and_decode(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
@@ -127,7 +135,7 @@ class LlamaCpp:
         for start in range(0, len(pending), 512):
             batch.n_tokens = 0
             ends = []
-            for seq, pos, token in pending[start:start + 512]:
+            for seq, pos, token in pending[start : start + 512]:
                 is_last = pos == len(prompts[seq]) - 1
                 if is_last:
                     ends.append((seq, batch.n_tokens))
@@ -183,19 +191,24 @@ def main() -> None:
             _, rate = engine.first_and_decode(prompt(32), args.new_tokens)
             bandwidth = (before + measure_bandwidth_gbs()) / 2
             rounds[name].append((rate, rate / (bandwidth * 1e9 / engine.weight_bytes)))
-    print(f"Batch-1 decode, {args.new_tokens} tokens after 32, {args.rounds} alternated rounds "
-          f"({Path(args.gguf).name})\n")
-    print("| engine | weights MB a token | decode tok/s (median) | % of roofline (median; rounds) | "
-          "/ llama.cpp (median of rounds; rounds) |")
+    print(
+        f"Batch-1 decode, {args.new_tokens} tokens after 32, {args.rounds} alternated rounds ({Path(args.gguf).name})\n"
+    )
+    print(
+        "| engine | weights MB a token | decode tok/s (median) | % of roofline (median; rounds) | "
+        "/ llama.cpp (median of rounds; rounds) |"
+    )
     print("|---|---|---|---|---|")
     base = [r for r, _ in rounds["llama.cpp"]]
     for name, engine in engines.items():
         rates = [r for r, _ in rounds[name]]
         shares = sorted(s for _, s in rounds[name])
         ratios = [r / b for r, b in zip(rates, base)]
-        print(f"| {name} | {engine.weight_bytes / 1e6:.0f} | {statistics.median(rates):.1f} | "
-              f"{100 * statistics.median(shares):.0f}% ({100 * shares[0]:.0f}-{100 * shares[-1]:.0f}%) | "
-              f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) |")
+        print(
+            f"| {name} | {engine.weight_bytes / 1e6:.0f} | {statistics.median(rates):.1f} | "
+            f"{100 * statistics.median(shares):.0f}% ({100 * shares[0]:.0f}-{100 * shares[-1]:.0f}%) | "
+            f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) |"
+        )
 
     print(f"\nTime to first token, {args.ttft_len}-token prompt (median of 3)\n")
     print("| engine | TTFT ms |\n|---|---|")

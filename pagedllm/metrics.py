@@ -1,4 +1,5 @@
 """Prometheus metrics with vLLM's meanings, named `pagedllm:<name>`."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -6,8 +7,29 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
 
 
 class EngineMetrics:
@@ -32,28 +54,36 @@ class EngineMetrics:
         self.kv_blocks_free = per_engine(Gauge, "kv_cache_free_blocks", "KV cache blocks free.")
         self._totals = {  # SchedulerStats' running totals -> the counters that take what is new
             "num_preemptions": per_engine(Counter, "num_preemptions", "Requests preempted (recomputed later)."),
-            "prefix_cache_queries": per_engine(Counter, "prefix_cache_queries",
-                                               "Prompt tokens looked up in the prefix cache."),
+            "prefix_cache_queries": per_engine(
+                Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            ),
             "prefix_cache_hits": per_engine(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-            "spec_num_drafts": per_engine(Counter, "spec_decode_num_drafts",
-                                          "Speculative decoding: draft proposals verified."),
-            "spec_num_draft_tokens": per_engine(Counter, "spec_decode_num_draft_tokens",
-                                                "Speculative decoding: draft tokens verified."),
-            "spec_num_accepted_tokens": per_engine(Counter, "spec_decode_num_accepted_tokens",
-                                                   "Speculative decoding: draft tokens accepted."),
+            "spec_num_drafts": per_engine(
+                Counter, "spec_decode_num_drafts", "Speculative decoding: draft proposals verified."
+            ),
+            "spec_num_draft_tokens": per_engine(
+                Counter, "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."
+            ),
+            "spec_num_accepted_tokens": per_engine(
+                Counter, "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+            ),
         }
         # As vLLM's: a counter a draft position, labelled `position` (0: a draft's first token).
-        self._spec_per_position = per_engine(Counter, "spec_decode_num_accepted_tokens_per_pos",
-                                             "Speculative decoding: accepted draft tokens at each position.",
-                                             ("position",))
+        self._spec_per_position = per_engine(
+            Counter,
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted draft tokens at each position.",
+            ("position",),
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.")
-        self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=r)
+        self._success = Counter(
+            "pagedllm:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
+        )
         self.model_name = model_name
         self._seen: dict[tuple[str, str], int] = {}  # (engine, total's name or position) -> last seen
 

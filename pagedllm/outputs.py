@@ -1,5 +1,6 @@
 """What the engine returns: RequestOutput with one CompletionOutput per sample, and an embedding
 request's EmbeddingRequestOutput (vLLM's shapes)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class EmbeddingOutput:
 @dataclass
 class EmbeddingRequestOutput:
     """An embedding request's result: one vector for its prompt (LLM.embed, the server's /v1/embeddings)."""
+
     request_id: str
     outputs: EmbeddingOutput | None  # None only when the request failed
     prompt_token_ids: list[int]

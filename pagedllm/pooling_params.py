@@ -1,4 +1,5 @@
 """PoolingParams: what an embedding request asks of the pooled hidden states (vLLM's names)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,18 +11,24 @@ class PoolingParams:
     `normalize`: scale to unit length (None: the model's own choice: sentence-transformers
     folders say, decoders yes); `truncate_prompt_tokens`: keep only the prompt's last k tokens
     (-1: as many as the model takes)."""
+
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
     task: str = "embed"
 
     def __post_init__(self) -> None:
-        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
-                                            or self.dimensions < 1):
+        if self.dimensions is not None and (
+            not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool) or self.dimensions < 1
+        ):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
-        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
-                                                        or self.truncate_prompt_tokens == 0
-                                                        or self.truncate_prompt_tokens < -1):
-            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {self.truncate_prompt_tokens!r}")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int)
+            or self.truncate_prompt_tokens == 0
+            or self.truncate_prompt_tokens < -1
+        ):
+            raise ValueError(
+                f"truncate_prompt_tokens must be -1 or a positive integer, got {self.truncate_prompt_tokens!r}"
+            )
         if self.task != "embed":
             raise ValueError(f"unknown pooling task {self.task!r}; pagedllm pools for 'embed'")

@@ -1,4 +1,5 @@
 """SamplingParams: vLLM's fields and defaults, validated at construction."""
+
 from __future__ import annotations
 
 import json as _json
@@ -35,6 +36,7 @@ class StructuredOutputsParams:
     one of a list of strings (`choice`), or an EBNF grammar (GBNF, as xgrammar reads it).
     `disable_any_whitespace`: JSON without free whitespace between its tokens (compact output;
     small models otherwise tend to spend their tokens on newlines)."""
+
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -43,16 +45,28 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
-        _check(len(kinds) == 1, "structured outputs take exactly one of json, regex, choice, grammar, json_object; "
-                                f"got {kinds or 'none'}")
+        kinds = [
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)
+        ]
+        _check(
+            len(kinds) == 1,
+            f"structured outputs take exactly one of json, regex, choice, grammar, json_object; got {kinds or 'none'}",
+        )
         if self.choice is not None:
-            _check(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) for c in self.choice),
-                   "structured outputs' choice is a non-empty list of strings")
+            _check(
+                isinstance(self.choice, list) and self.choice and all(isinstance(c, str) for c in self.choice),
+                "structured outputs' choice is a non-empty list of strings",
+            )
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
-            _check(value is None or (isinstance(value, str) and value != ""), f"structured outputs' {kind} is a non-empty string")
-        _check(self.json is None or isinstance(self.json, (str, dict)), "structured outputs' json is a schema (dict or text)")
+            _check(
+                value is None or (isinstance(value, str) and value != ""),
+                f"structured outputs' {kind} is a non-empty string",
+            )
+        _check(
+            self.json is None or isinstance(self.json, (str, dict)),
+            "structured outputs' json is a schema (dict or text)",
+        )
 
     @property
     def key(self) -> tuple[str, str, bool]:
@@ -109,30 +123,50 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        )
         _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}",
+        )
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
-               f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
+            f"max_tokens must be an integer >= 0, got {self.max_tokens!r}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be >= 0, got {self.min_tokens!r}",
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens,
-                   f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-               f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
-               f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            f"logprobs must be an integer >= 0, got {self.logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+            f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids")
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
-        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-               "structured_outputs must be a StructuredOutputsParams")
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams",
+        )
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -156,6 +190,7 @@ def _check(ok: bool, message: str) -> None:
 @dataclass
 class BeamSearchParams:
     """Beam search as vLLM's LLM.beam_search takes it (deterministic: temperature 0 only)."""
+
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
@@ -164,6 +199,12 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.beam_width, int) and self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width!r}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        _check(
+            isinstance(self.beam_width, int) and self.beam_width >= 1,
+            f"beam_width must be >= 1, got {self.beam_width!r}",
+        )
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be >= 1, got {self.max_tokens!r}",
+        )
         _check(self.temperature == 0.0, "beam search here is deterministic: temperature must be 0")

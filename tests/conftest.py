@@ -1,4 +1,5 @@
 """Tiny random Hugging Face models (written to temp dirs) and the transformers oracle."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,14 +33,33 @@ def tokenizer_dir(tmp_path_factory) -> str:
 def _config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.2,
+    )
     common.update(overrides)
     if arch == "llama":  # Llama-3 rope scaling, tied embeddings
-        return LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaConfig(
+            **common,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if arch == "mistral":  # a window smaller than the prompts, so it matters
         return MistralConfig(**{"head_dim": 16, **common}, sliding_window=8)
     if arch == "qwen2":
@@ -66,8 +86,9 @@ def default_hf_model():
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        default_model_dir(), gguf_file=_DEFAULT_GGUF, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +136,8 @@ def greedy_without_kernels(llm_args: dict, prompts: list[list[int]], max_tokens:
         f"llm = LLM(**{llm_args!r})\n"
         f"out = llm.generate([{{'prompt_token_ids': p}} for p in {prompts!r}],"
         f" SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True), use_tqdm=False)\n"
-        "print(json.dumps([[o.outputs[0].token_ids for o in out], counters['stats']['unique_graphs']]))\n")
+        "print(json.dumps([[o.outputs[0].token_ids for o in out], counters['stats']['unique_graphs']]))\n"
+    )
     env = {**os.environ, "PAGEDLLM_NO_KERNELS": "1"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -125,10 +147,22 @@ def greedy_without_kernels(llm_args: dict, prompts: list[list[int]], max_tokens:
 
 # Modules whose tests start real servers, worker processes or a browser: `make test-fast` (-m "not
 # slow and not e2e") leaves them out; `make test` runs them.
-E2E_MODULES = {"test_cli", "test_dashboard", "test_data_parallel", "test_engine_core_process", "test_fuzz",
-               "test_ray_executor", "test_server_embeddings", "test_server_errors", "test_server_faults",
-               "test_server_load", "test_server_openai", "test_server_structured", "test_startup_logs",
-               "test_tensor_parallel"}
+E2E_MODULES = {
+    "test_cli",
+    "test_dashboard",
+    "test_data_parallel",
+    "test_engine_core_process",
+    "test_fuzz",
+    "test_ray_executor",
+    "test_server_embeddings",
+    "test_server_errors",
+    "test_server_faults",
+    "test_server_load",
+    "test_server_openai",
+    "test_server_structured",
+    "test_startup_logs",
+    "test_tensor_parallel",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -56,9 +56,16 @@ def _check_quantizable(qt: gguf.GGMLQuantizationType) -> None:
 # / -8 (or -128), either sign; a number: that many times the step before it, which centres the
 # block's weights on zero (Q4_1, Q5_1: the block's minimum; Q4_K, Q5_K: the super-scale of the mins,
 # 8.1x the step's over Gemma 3 270M's Q4_K blocks).
-HALF_FIELDS = {"Q4_0": ((0, "±"),), "Q5_0": ((0, "±"),), "Q8_0": ((0, "+"),),
-               "Q4_1": ((0, "+"), (2, -7.5)), "Q5_1": ((0, "+"), (2, -15.5)),
-               "Q4_K": ((0, "+"), (2, 7.5)), "Q5_K": ((0, "+"), (2, 15.5)), "Q6_K": ((208, "±"),)}
+HALF_FIELDS = {
+    "Q4_0": ((0, "±"),),
+    "Q5_0": ((0, "±"),),
+    "Q8_0": ((0, "+"),),
+    "Q4_1": ((0, "+"), (2, -7.5)),
+    "Q5_1": ((0, "+"), (2, -15.5)),
+    "Q4_K": ((0, "+"), (2, 7.5)),
+    "Q5_K": ((0, "+"), (2, 15.5)),
+    "Q6_K": ((208, "±"),),
+}
 # Over one tensor of Gemma 3 270M's Q4_K_M file the fields' magnitudes run from 0.6-0.8x (5th
 # percentile) to 1.4-1.9x (95th) their median, about a log-normal of sigma 0.3.
 SCALE_SPREAD = 0.3
@@ -79,7 +86,7 @@ def random_blocks(qtype: str, rows: int, cols: int, median: float, seed: int = 0
         else:
             values = median * spread if kind == "+" else kind * np.abs(step) * spread
         step = values
-        blocks[..., offset:offset + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+        blocks[..., offset : offset + 2] = values.astype(np.float16)[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -119,7 +126,7 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         parts = name.split(".")
         if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
             i = parts.index("experts")
-            stacks.setdefault(".".join(parts[:i + 1] + parts[i + 2:]), {})[int(parts[i + 1])] = t
+            stacks.setdefault(".".join(parts[: i + 1] + parts[i + 2 :]), {})[int(parts[i + 1])] = t
         else:
             out[name] = t
     for name, by_expert in stacks.items():
@@ -161,8 +168,14 @@ def _write_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, vocab_size: int) -> None
     gguf.SpecialVocab(tok_dir, load_merges=True, n_vocab=n).add_to_gguf(w, quiet=True)
 
 
-def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: str | None = None,
-               overrides: dict[str, str] | None = None, drop_keys: tuple[str, ...] = ()) -> None:
+def write_gguf(
+    hf_dir: str,
+    out_path: str,
+    qtype: str = "F32",
+    tokenizer_dir: str | None = None,
+    overrides: dict[str, str] | None = None,
+    drop_keys: tuple[str, ...] = (),
+) -> None:
     """Convert `hf_dir` (config.json + *.safetensors) to a GGUF file at `out_path`, its matrices in
     `qtype` but those whose GGUF name contains a key of `overrides` (as a Q4_K_M file mixes Q4_K
     with Q6_K for attn_v and ffn_down: {"attn_v": "Q6_K", "ffn_down": "Q6_K"}); metadata keys in
@@ -226,7 +239,9 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", tokenizer_dir: st
         if cfg.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     file_types = {"Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qt == _Q.F32 else gguf.LlamaFileType[file_types.get(qtype, f"MOSTLY_{qtype}")])
+    w.add_file_type(
+        gguf.LlamaFileType.ALL_F32 if qt == _Q.F32 else gguf.LlamaFileType[file_types.get(qtype, f"MOSTLY_{qtype}")]
+    )
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tokenizer_dir is not None:
         _write_tokenizer(w, Path(tokenizer_dir), cfg["vocab_size"])

@@ -1,4 +1,5 @@
 """Start a real `pagedllm serve` process on a free loopback port, and stop it."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, *args: str, api_key: str | None = None, log_path: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *args: str,
+        api_key: str | None = None,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -26,8 +33,9 @@ class Server:
         if api_key:
             command += ["--api-key", api_key]
         self.log = open(log_path or os.devnull, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self._wait_ready(timeout=180)
 
     @property
@@ -64,8 +72,10 @@ def kill_mid_stream(server: Server, kill) -> tuple[list[str], float]:
     """Open a long completion stream, call `kill()` once its first event has come, read the rest:
     the events after the first, and the seconds from `kill()` to the stream's end."""
     body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=60) as client, \
-            client.stream("POST", "/v1/completions", json=body) as response:
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
         lines = response.iter_lines()
         assert next(line for line in lines if line).startswith("data: {")
         kill()

@@ -1,4 +1,5 @@
 """AsyncLLM: streams, aborts, one request's failure, and an engine that dies."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,9 @@ def test_streams_deltas_and_abort_frees_blocks(engine):
         texts = []
         async for output in engine.generate("Hello", PARAMS, "a"):
             texts.append(output.outputs[0].text)
-        stream = engine.add_request("b", engine.process_inputs("Hello", SamplingParams(max_tokens=200, ignore_eos=True)))
+        stream = engine.add_request(
+            "b", engine.process_inputs("Hello", SamplingParams(max_tokens=200, ignore_eos=True))
+        )
         async for _ in stream:
             break  # leaving early aborts
         await asyncio.sleep(0.5)
@@ -84,8 +87,9 @@ def test_chat_without_template_is_a_clear_400_and_prefix_hits_reach_metrics(engi
                 assert ok.status_code == 200
             metrics = (await client.get("/metrics")).text
             engine.tokenizer.chat_template = None
-            chat = await client.post("/v1/chat/completions",
-                                     json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            chat = await client.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            )
         return metrics, chat
 
     metrics, chat = asyncio.run(main())
@@ -127,12 +131,15 @@ def test_torch_work_stays_in_the_engine_thread(llama_dir, monkeypatch):
         def record(self, *args, _original=original, **kwargs):
             threads.append(threading.get_ident())
             return _original(self, *args, **kwargs)
+
         monkeypatch.setattr(llm_engine.LLMEngine, name, record)
     engine = AsyncLLM(EngineArgs(llama_dir, dtype="float32", kv_cache_memory="16MiB"))
     try:
+
         async def main():
             async for _ in engine.generate("Hello", PARAMS, "a"):
                 pass
+
         asyncio.run(main())
     finally:
         engine.shutdown()

@@ -1,4 +1,5 @@
 """Bad input gets a clear error and leaves the engine serving."""
+
 from __future__ import annotations
 
 import json
@@ -17,14 +18,17 @@ def llm(llama_dir):
     return LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_model_len=64)
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ("word " * 80, "max_model_len"),
-    ([1] * 64, "max_model_len"),
-    ([], "empty"),
-    ([5, 10**9], "out of vocabulary"),
-    ([[1, 2]], "string or a list of token ids"),
-    (3.5, "string or a list of token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("word " * 80, "max_model_len"),
+        ([1] * 64, "max_model_len"),
+        ([], "empty"),
+        ([5, 10**9], "out of vocabulary"),
+        ([[1, 2]], "string or a list of token ids"),
+        (3.5, "string or a list of token ids"),
+    ],
+)
 def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, message):
     reference = llm.generate(["hello"], OK, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match=message):

@@ -52,6 +52,7 @@ hf16 and hf32 alone 0.375 (qwen2 decode), at a position where hf16e matches our 
 (initializer_range 0.2) amplify rounding far more than real weights do: there transformers' own
 hf16 pick sits up to 1.3 below fp32's best. Run with -s to print the current numbers.
 """
+
 from __future__ import annotations
 
 import copy
@@ -89,6 +90,7 @@ OWN_ERROR_RATIO = 1.5  # ours~hf32 mean <= 1.5 REF + MEAN_PLUS: no less accurate
 @dataclass(frozen=True)
 class Agreement:
     """A candidate's top-1 picks and teacher-forced logprobs against one reference."""
+
     n: int
     agree: float  # share of positions where the reference's argmax is among the candidate's tied best
     gaps: torch.Tensor = field(repr=False)  # [n]: how far below the reference's best the candidate's pick is
@@ -96,8 +98,10 @@ class Agreement:
     max_abs: float
 
     def __str__(self) -> str:
-        return (f"n={self.n} agree={self.agree:.3f} worst_gap={self.gaps.max().item():.3f} "
-                f"|dlp| mean={self.mean_abs:.4f} max={self.max_abs:.4f}")
+        return (
+            f"n={self.n} agree={self.agree:.3f} worst_gap={self.gaps.max().item():.3f} "
+            f"|dlp| mean={self.mean_abs:.4f} max={self.max_abs:.4f}"
+        )
 
 
 def _tied_best(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -106,8 +110,9 @@ def _tied_best(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.where(values == values[:, :1], ids, ids[:, :1])
 
 
-def _agreement(reference: torch.Tensor, best: torch.Tensor, target_logprobs: torch.Tensor,
-               targets: torch.Tensor) -> Agreement:
+def _agreement(
+    reference: torch.Tensor, best: torch.Tensor, target_logprobs: torch.Tensor, targets: torch.Tensor
+) -> Agreement:
     """reference: [n, vocab] logprobs; best: [n, k] the candidate's tied argmax tokens;
     target_logprobs, targets: [n] the candidate's logprobs of the teacher-forced tokens."""
     top = reference.max(dim=-1)
@@ -122,8 +127,10 @@ def _agreement(reference: torch.Tensor, best: torch.Tensor, target_logprobs: tor
 @dataclass
 class _Path:
     """Every position of one path (prefill or decode) over all the prompts."""
+
     references: dict[str, list[torch.Tensor]] = field(  # name -> [positions, vocab] logprobs per prompt
-        default_factory=lambda: {"hf16": [], "hf16e": [], "hf32": []})
+        default_factory=lambda: {"hf16": [], "hf16e": [], "hf32": []}
+    )
     ours_best: list[list[int]] = field(default_factory=list)  # per position: our tied best tokens
     ours_target: list[float] = field(default_factory=list)
     targets: list[int] = field(default_factory=list)
@@ -167,8 +174,9 @@ def _run_ours(label: str, llm: LLM, prompts: list[list[int]], expect_stack: bool
         assert model._stack is not None, f"{label}: the fused decoder stack was not built"
         counting = model._stack = _CountingStack(model._stack)
     try:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K,
-                                prompt_logprobs=TOP_K)
+        params = SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K, prompt_logprobs=TOP_K
+        )
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         hook.remove()
@@ -183,8 +191,9 @@ def _run_ours(label: str, llm: LLM, prompts: list[list[int]], expect_stack: bool
     return outputs
 
 
-def _check_against_transformers(label: str, llm: LLM, hf32: torch.nn.Module, prompts: list[list[int]], bounds: Bounds,
-                                expect_stack: bool) -> None:
+def _check_against_transformers(
+    label: str, llm: LLM, hf32: torch.nn.Module, prompts: list[list[int]], bounds: Bounds, expect_stack: bool
+) -> None:
     outputs = _run_ours(label, llm, prompts, expect_stack)
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     hf16e = copy.deepcopy(hf16)
@@ -225,19 +234,29 @@ def _check_against_transformers(label: str, llm: LLM, hf32: torch.nn.Module, pro
         spread = _agreement(refs["hf16e"], hf16_best, hf16_target, targets)
         unbacked = torch.stack([ours.gaps, own.gaps, eager.gaps]).min(dim=0).values
         flips = int((unbacked > EPS).sum())
-        print(f"\n{label} {name}: ours~hf16 {ours}\n{label} {name}: hf16~hf32 {ref} (REF)"
-              f"\n{label} {name}: ours~hf32 {own}\n{label} {name}: ours~hf16e {eager}"
-              f"\n{label} {name}: hf16~hf16e {spread}\n{label} {name}: worst unbacked gap {unbacked.max().item():.3f}")
+        print(
+            f"\n{label} {name}: ours~hf16 {ours}\n{label} {name}: hf16~hf32 {ref} (REF)"
+            f"\n{label} {name}: ours~hf32 {own}\n{label} {name}: ours~hf16e {eager}"
+            f"\n{label} {name}: hf16~hf16e {spread}\n{label} {name}: worst unbacked gap {unbacked.max().item():.3f}"
+        )
         checks = [
             (flips == 0, f"{flips} top-1 flips where hf16, hf16e and hf32 all rate our pick > {EPS} below their best"),
-            (ours.agree >= max(bounds.min_agree, ref.agree - AGREE_SLACK),
-             f"top-1 agreement {ours.agree:.3f} (floor {bounds.min_agree}; REF's {ref.agree:.3f})"),
-            (ours.mean_abs <= min(bounds.mean_abs, MEAN_RATIO * ref.mean_abs + MEAN_PLUS),
-             f"mean |dlp| {ours.mean_abs:.4f}, REF's {ref.mean_abs:.4f} (cap {bounds.mean_abs})"),
-            (ours.max_abs <= min(bounds.max_abs, MAX_RATIO * ref.max_abs + MAX_PLUS),
-             f"max |dlp| {ours.max_abs:.4f}, REF's {ref.max_abs:.4f} (cap {bounds.max_abs})"),
-            (own.mean_abs <= OWN_ERROR_RATIO * ref.mean_abs + MEAN_PLUS,
-             f"our mean error against fp32 {own.mean_abs:.4f}, transformers' bf16's {ref.mean_abs:.4f}"),
+            (
+                ours.agree >= max(bounds.min_agree, ref.agree - AGREE_SLACK),
+                f"top-1 agreement {ours.agree:.3f} (floor {bounds.min_agree}; REF's {ref.agree:.3f})",
+            ),
+            (
+                ours.mean_abs <= min(bounds.mean_abs, MEAN_RATIO * ref.mean_abs + MEAN_PLUS),
+                f"mean |dlp| {ours.mean_abs:.4f}, REF's {ref.mean_abs:.4f} (cap {bounds.mean_abs})",
+            ),
+            (
+                ours.max_abs <= min(bounds.max_abs, MAX_RATIO * ref.max_abs + MAX_PLUS),
+                f"max |dlp| {ours.max_abs:.4f}, REF's {ref.max_abs:.4f} (cap {bounds.max_abs})",
+            ),
+            (
+                own.mean_abs <= OWN_ERROR_RATIO * ref.mean_abs + MEAN_PLUS,
+                f"our mean error against fp32 {own.mean_abs:.4f}, transformers' bf16's {ref.mean_abs:.4f}",
+            ),
         ]
         failures += [f"{label} {name}: {message}" for ok, message in checks if not ok]
     assert not failures, "\n".join(failures)
@@ -256,8 +275,9 @@ def test_tiny_models_bf16_match_transformers_bf16(arch, tmp_path, tokenizer_dir)
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=48)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, hf32.config.vocab_size, (n,), generator=generator).tolist() for n in (64, 40, 23)]
-    _check_against_transformers(arch, llm, hf32, prompts, TINY_BOUNDS,
-                                expect_stack=_stack_can_build() and arch != "qwen3")
+    _check_against_transformers(
+        arch, llm, hf32, prompts, TINY_BOUNDS, expect_stack=_stack_can_build() and arch != "qwen3"
+    )
 
 
 def test_default_model_bf16_matches_transformers_bf16(default_hf_model):
@@ -274,8 +294,11 @@ def test_default_model_bf16_matches_transformers_bf16(default_hf_model):
         "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a wooden press adapted from wine making. Within fifty years "
         "printers were at work in more than two hundred cities across Europe, and",
-        tokenizer.apply_chat_template([{"role": "user", "content": "Give me three tips for keeping houseplants "
-                                        "alive in winter."}], tokenize=False, add_generation_prompt=True),
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Give me three tips for keeping houseplants alive in winter."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        ),
     ]
     prompts = [tokenizer.encode(t) for t in texts]
     assert [len(p) for p in prompts] == [50, 42]

@@ -1,4 +1,5 @@
 """BlockPool's placement: a growing request's blocks side by side, cached blocks in eviction order."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -31,8 +32,7 @@ def test_requests_growing_in_turn_keep_their_blocks_in_runs():
 
 def test_decoding_requests_grow_in_runs_through_the_cache_manager():
     kv = KVCacheManager(100, block_size=4, enable_prefix_caching=False)
-    requests = [Request(f"r{i}", [1] * n, SamplingParams(max_tokens=40), 40, frozenset()) for i, n in
-                enumerate((6, 9))]
+    requests = [Request(f"r{i}", [1] * n, SamplingParams(max_tokens=40), 40, frozenset()) for i, n in enumerate((6, 9))]
     for request in requests:  # prefill
         assert kv.allocate_slots(request, request.num_tokens)
         request.num_computed_tokens = request.num_tokens
@@ -65,9 +65,11 @@ def test_a_cached_block_is_not_taken_out_of_its_turn():
 
 
 # A random sequence of operations on a small pool: ("grow", table, n), ("free", table), ("cache", table).
-op_st = st.one_of(st.tuples(st.just("grow"), st.integers(0, 3), st.integers(1, 3)),
-                  st.tuples(st.just("free"), st.integers(0, 3), st.just(0)),
-                  st.tuples(st.just("cache"), st.integers(0, 3), st.just(0)))
+op_st = st.one_of(
+    st.tuples(st.just("grow"), st.integers(0, 3), st.integers(1, 3)),
+    st.tuples(st.just("free"), st.integers(0, 3), st.just(0)),
+    st.tuples(st.just("cache"), st.integers(0, 3), st.just(0)),
+)
 
 
 @settings(max_examples=200, deadline=None)

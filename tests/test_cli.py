@@ -1,4 +1,5 @@
 """`pagedllm generate` end to end in a subprocess."""
+
 from __future__ import annotations
 
 import subprocess
@@ -8,8 +9,9 @@ import pytest
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_prints_completion(llama_dir):
@@ -24,14 +26,17 @@ def test_generate_reports_bad_model_clearly(tmp_path):
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-    (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
-    (["--reasoning-parser", "nope"], "invalid choice: 'nope'"),
-    (["--chat-template", "/nonexistent/template.jinja"], "cannot read the chat template"),
-    (["--speculative-config", '{"method": "nope", "num_speculative_tokens": 2}'], "unknown method 'nope'"),
-    (["--speculative-config", "{not json"], "not JSON"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
+        (["--reasoning-parser", "nope"], "invalid choice: 'nope'"),
+        (["--chat-template", "/nonexistent/template.jinja"], "cannot read the chat template"),
+        (["--speculative-config", '{"method": "nope", "num_speculative_tokens": 2}'], "unknown method 'nope'"),
+        (["--speculative-config", "{not json"], "not JSON"),
+    ],
+)
 def test_serve_refuses_bad_chat_flags_before_loading(flags, message):
     result = _cli("serve", "/nonexistent/model", "--port", "0", *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -48,13 +53,47 @@ def test_bench_throughput_and_latency_offline(llama_dir, tmp_path, capsys):
 
     level = logging.getLogger("pagedllm").level
     engine = ["--model", llama_dir, "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--disable-tqdm"]
-    assert main(["bench", "throughput", *engine, "--num-prompts", "6", "--input-len", "20", "--output-len", "7",
-                 "--output-json", str(tmp_path / "t.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                *engine,
+                "--num-prompts",
+                "6",
+                "--input-len",
+                "20",
+                "--output-len",
+                "7",
+                "--output-json",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "t.json").read_text())
     assert result["requests"] == 6 and result["total_num_tokens"] == 6 * (20 + 7)
     assert f"{result['output_tokens_per_second']:.1f} output tokens/s" in capsys.readouterr().out
-    assert main(["bench", "latency", *engine, "--batch-size", "2", "--output-len", "5", "--num-iters", "3",
-                 "--num-iters-warmup", "1", "--output-json", str(tmp_path / "l.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                *engine,
+                "--batch-size",
+                "2",
+                "--output-len",
+                "5",
+                "--num-iters",
+                "3",
+                "--num-iters-warmup",
+                "1",
+                "--output-json",
+                str(tmp_path / "l.json"),
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "l.json").read_text())
     assert len(result["latencies"]) == 3 and result["percentiles"]["50"] == sorted(result["latencies"])[1]
     assert f"Avg latency: {result['avg_latency']:.4f} seconds" in capsys.readouterr().out

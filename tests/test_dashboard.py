@@ -1,5 +1,6 @@
 """The live dashboard: the core's snapshot against its pool, and the page in a real browser
 (headless Chromium, Debian's package, driven by Playwright) against /metrics while requests run."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ from server_utils import Server
 KEY = "dash-key"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # CI installs Chromium (.ci/run); elsewhere the browser test needs it installed (apt-get install chromium).
-needs_browser = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
-                                   reason="Chromium is not installed (apt-get install chromium)")
+needs_browser = pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"), reason="Chromium is not installed (apt-get install chromium)"
+)
 
 
 def _check_snapshot(snapshot) -> None:
@@ -44,11 +46,13 @@ def test_snapshots_agree_with_the_pool_through_sharing_preemption_and_release(ll
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="256KiB", max_model_len=256, block_size=16)
     engine = llm.engine
     prefix = list(range(100, 164))
-    engine.add_request("shared", prefix + [7], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=40,
-                                                               ignore_eos=True))
+    engine.add_request(
+        "shared", prefix + [7], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=40, ignore_eos=True)
+    )
     for i in range(6):
-        engine.add_request(f"r{i}", prefix + [200 + i] * 20, SamplingParams(temperature=0, max_tokens=60,
-                                                                            ignore_eos=True))
+        engine.add_request(
+            f"r{i}", prefix + [200 + i] * 20, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        )
     seen = set()
     while engine.has_unfinished_requests():
         engine.step()
@@ -111,9 +115,20 @@ def test_the_page_in_chromium_shows_what_metrics_says(llama_dir, tmp_path):
     from playwright.sync_api import sync_playwright
 
     # 200 ms more a step: requests stay in flight while the page is read.
-    server = Server(llama_dir, "--max-model-len", "256", "--kv-cache-memory", "1MiB", "--dtype", "float32",
-                    "--max-num-seqs", "6", api_key=KEY, env={"PAGEDLLM_FAULT": "slow:200"},
-                    log_path=str(tmp_path / "server.log"))
+    server = Server(
+        llama_dir,
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "1MiB",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "6",
+        api_key=KEY,
+        env={"PAGEDLLM_FAULT": "slow:200"},
+        log_path=str(tmp_path / "server.log"),
+    )
     headers = {"Authorization": f"Bearer {KEY}"}
     try:
         assert httpx.get(f"{server.url}/dashboard").status_code == 200  # the page holds no data
@@ -121,15 +136,21 @@ def test_the_page_in_chromium_shows_what_metrics_says(llama_dir, tmp_path):
         prompt = "A shared system prompt, long enough to fill a block or two of the cache: " * 2
 
         def complete(i: int) -> None:
-            httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=120,
-                       json={"prompt": prompt + str(i), "max_tokens": 48 if i < 6 else 8, "ignore_eos": True})
+            httpx.post(
+                f"{server.url}/v1/completions",
+                headers=headers,
+                timeout=120,
+                json={"prompt": prompt + str(i), "max_tokens": 48 if i < 6 else 8, "ignore_eos": True},
+            )
 
         load = [threading.Thread(target=complete, args=(i,)) for i in range(8)]
         for thread in load:
             thread.start()
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
-                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"])
+            browser = playwright.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+            )
             page = browser.new_page()
             errors: list[str] = []
             page.on("pageerror", lambda error: errors.append(str(error)))

@@ -1,5 +1,6 @@
 """Data parallelism: engine replicas behind one frontend, the router's choices, the stats of all
 replicas together and each, and a server whose replicas each serve, report and fail cleanly."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import prompts_of_mixed_lengths
-from server_utils import Server, kill_mid_stream
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache_manager import extend_block_hashes
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.dp_client import AFFINITY_SLACK, PrefixRouter
 from pagedllm.sampling_params import BeamSearchParams
+from server_utils import Server, kill_mid_stream
 
 BS = 4
 
@@ -36,9 +37,16 @@ def test_a_shared_prefix_follows_its_replica_while_the_load_allows():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=24),
-                          st.lists(st.integers(0, 12), min_size=3, max_size=3)), min_size=1, max_size=30),
-       st.integers(1, 12))
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 3), min_size=1, max_size=24), st.lists(st.integers(0, 12), min_size=3, max_size=3)
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(1, 12),
+)
 def test_router_invariants(requests, capacity):
     """Never past the slack over the least load; a replica keeps no more blocks than it has, the
     latest prompt's first ones kept; a prompt seen before, with loads equal, goes to a replica that has it all."""
@@ -82,8 +90,11 @@ def test_two_replicas_give_one_engine_greedy_tokens_samples_and_beams(llama_dir)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         sampled = llm.generate([{"prompt_token_ids": prompts[3]}], samples, use_tqdm=False)[0]
         beam = llm.beam_search([{"prompt_token_ids": prompts[2]}], beams)[0]
-        return ([list(o.outputs[0].token_ids) for o in outs], [list(s.token_ids) for s in sampled.outputs],
-                [s.tokens for s in beam.sequences])
+        return (
+            [list(o.outputs[0].token_ids) for o in outs],
+            [list(s.token_ids) for s in sampled.outputs],
+            [s.tokens for s in beam.sequences],
+        )
 
     expected = run(LLM(llama_dir, **args))
     llm = LLM(llama_dir, data_parallel_size=2, **args)
@@ -119,16 +130,29 @@ def _metric(text: str, name: str, engine: str) -> float:
 
 
 def _replicas_of(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "pagedllm.engine.core_client" in " ".join(p.cmdline())]
+    return [
+        p
+        for p in psutil.Process(pid).children(recursive=True)
+        if "pagedllm.engine.core_client" in " ".join(p.cmdline())
+    ]
 
 
 def test_server_with_two_replicas_serves_reports_and_fails_cleanly(llama_dir):
     """-dp 2: concurrent requests from both replicas (each replica's counters move) with equal
     greedy outputs; then a replica killed mid-stream fails the stream within seconds, the server
     exits non-zero and no process is left."""
-    server = Server(llama_dir, "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--dtype", "float32",
-                    "-dp", "2", env={"PAGEDLLM_FAULT": "slow:20"})  # 20 ms more a step: streams stay open
+    server = Server(
+        llama_dir,
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--dtype",
+        "float32",
+        "-dp",
+        "2",
+        env={"PAGEDLLM_FAULT": "slow:20"},
+    )  # 20 ms more a step: streams stay open
     try:
         replicas = _replicas_of(server.process.pid)
         assert len(replicas) == 2
@@ -136,8 +160,13 @@ def test_server_with_two_replicas_serves_reports_and_fails_cleanly(llama_dir):
         prompts = [f"Story {i}: once upon a time" for i in range(4)] * 2
 
         def complete(prompt: str) -> str:
-            return client.completions.create(model=llama_dir, prompt=prompt, max_tokens=6, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
+            return (
+                client.completions.create(
+                    model=llama_dir, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+                )
+                .choices[0]
+                .text
+            )
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(complete, prompts))
@@ -147,8 +176,9 @@ def test_server_with_two_replicas_serves_reports_and_fails_cleanly(llama_dir):
         assert all(_metric(metrics, "num_requests_running", e) == 0 for e in "01")
         # The dashboard shows each replica's pool, as /metrics counts it.
         snapshots = httpx.get(f"{server.url}/dashboard/state").json()["replicas"]
-        assert [s["blocks"].count("f") + s["blocks"].count("c") for s in snapshots] == \
-               [_metric(metrics, "kv_cache_free_blocks", e) for e in "01"]
+        assert [s["blocks"].count("f") + s["blocks"].count("c") for s in snapshots] == [
+            _metric(metrics, "kv_cache_free_blocks", e) for e in "01"
+        ]
         assert all(s["steps"] for s in snapshots)
 
         # The stream's replica or the idle one: either fails the engine.

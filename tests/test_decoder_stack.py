@@ -1,6 +1,7 @@
 """The C++ decoder stack (kernels/decoder_stack.cpp) against the model's op-by-op path: the same
 kernels in the same order, so the same tokens and logprobs to the bit, and the same KV cache; and
 the one log line of a model that runs op by op."""
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,10 @@ needs_stack = pytest.mark.skipif(not _stack_can_build(), reason="needs the kerne
 
 @pytest.fixture(scope="module")
 def head64_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
-    return {arch: make_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir, **_SHAPE)
-            for arch in ("llama", "mistral", "qwen2", "qwen3")}
+    return {
+        arch: make_model(arch, tmp_path_factory.mktemp(arch), tokenizer_dir, **_SHAPE)
+        for arch in ("llama", "mistral", "qwen2", "qwen3")
+    }
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
@@ -50,8 +53,10 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monke
     otherwise), so that the stack's chunking of long batches is checked too."""
     monkeypatch.setattr(linear, "ROWS_KERNEL_MAX", 8)
     monkeypatch.setattr(decoder, "MLP_ROWS", 24)
-    stacked, op_by_op = (LLM(head64_models[arch], dtype="bfloat16", kv_cache_memory="16MiB", block_size=16,
-                             max_num_batched_tokens=64) for _ in range(2))
+    stacked, op_by_op = (
+        LLM(head64_models[arch], dtype="bfloat16", kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
+        for _ in range(2)
+    )
     assert stacked.engine.model_runner.model._stack is not None
     op_by_op.engine.model_runner.model._stack = None
     prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=3)
@@ -63,8 +68,12 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monke
 @needs_stack
 def test_stack_is_left_out_where_an_op_has_no_kernel(head64_models):
     """Qwen3's per-head q/k norm has no place in the stack; fp32 has no packed kernel."""
-    assert LLM(head64_models["qwen3"], dtype="bfloat16", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
-    assert LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
+    assert (
+        LLM(head64_models["qwen3"], dtype="bfloat16", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
+    )
+    assert (
+        LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
+    )
 
 
 @pytest.fixture
@@ -77,8 +86,13 @@ def op_by_op_lines(caplog):
     logger.removeHandler(caplog.handler)
 
 
-@pytest.mark.parametrize("arch, dtype, reason", [("qwen3", "bfloat16", "per-head q/k RMSNorm"),
-                                                 ("llama", "float32", "with UnquantizedLinearMethod) has no kernel")])
+@pytest.mark.parametrize(
+    "arch, dtype, reason",
+    [
+        ("qwen3", "bfloat16", "per-head q/k RMSNorm"),
+        ("llama", "float32", "with UnquantizedLinearMethod) has no kernel"),
+    ],
+)
 def test_a_model_the_stack_cannot_take_says_why_once(arch, dtype, reason, head64_models, op_by_op_lines):
     LLM(head64_models[arch], dtype=dtype, kv_cache_memory="16MiB")
     lines = op_by_op_lines()

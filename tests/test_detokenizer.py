@@ -1,4 +1,5 @@
 """Incremental detokenization: multi-byte characters and stop strings that span tokens."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,15 @@ def tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-@pytest.mark.parametrize("text", ["héllo wörld, naïve café", "数学 和 日本語のテキスト", "emoji 🎉🚀 and 👩‍👩‍👧 family",
-                                  "  leading spaces\n\ttabs and\r\nnewlines  "])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "héllo wörld, naïve café",
+        "数学 和 日本語のテキスト",
+        "emoji 🎉🚀 and 👩‍👩‍👧 family",
+        "  leading spaces\n\ttabs and\r\nnewlines  ",
+    ],
+)
 def test_streamed_text_equals_full_decode(tokenizer, text):
     prompt = tokenizer.encode("Say:")
     ids = tokenizer.encode(text)

@@ -2,6 +2,7 @@
 sentence-transformers folders (mean pooling, normalized) and plain ones ([CLS]), decoders by their
 last token (and by the mean, over prompts computed in chunks); embedding requests batched in the
 same steps as generation, keeping no KV after; and the bad inputs."""
+
 from __future__ import annotations
 
 import json
@@ -11,18 +12,27 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
-from pagedllm import PoolingParams
+from pagedllm import LLM, PoolingParams, SamplingParams
 
-WORDS = ("the a of cat dog runs over lazy fox river bank money paged attention cache block token server "
-         "request memory batch quick brown jumps engine model").split()
-SENTENCES = ["the quick brown fox jumps over the lazy dog", "a cat", "paged attention cache block",
-             "the river bank holds money of the server", "token", "memory batch engine model request " * 5,
-             "the dog runs", "quick quick quick"]
+WORDS = (
+    "the a of cat dog runs over lazy fox river bank money paged attention cache block token server "
+    "request memory batch quick brown jumps engine model"
+).split()
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a cat",
+    "paged attention cache block",
+    "the river bank holds money of the server",
+    "token",
+    "memory batch engine model request " * 5,
+    "the dog runs",
+    "quick quick quick",
+]
 
 
-def make_bert(path, pooling: str | None = "mean", normalize: bool = True, max_seq_length: int | None = 64,
-              **overrides) -> str:
+def make_bert(
+    path, pooling: str | None = "mean", normalize: bool = True, max_seq_length: int | None = 64, **overrides
+) -> str:
     """A tiny random BERT with a WordPiece tokenizer; with `pooling`, a sentence-transformers folder
     (modules.json, 1_Pooling, Normalize if `normalize`)."""
     from transformers import BertConfig, BertModel, BertTokenizer
@@ -30,22 +40,41 @@ def make_bert(path, pooling: str | None = "mean", normalize: bool = True, max_se
     letters = list("abcdefghijklmnopqrstuvwxyz")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *letters, *(f"##{c}" for c in letters)]
     tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
-    config = BertConfig(**{"vocab_size": len(vocab), "hidden_size": 64, "num_hidden_layers": 2,
-                           "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 128,
-                           "initializer_range": 0.2, **overrides})
+    config = BertConfig(
+        **{
+            "vocab_size": len(vocab),
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "max_position_embeddings": 128,
+            "initializer_range": 0.2,
+            **overrides,
+        }
+    )
     torch.manual_seed(5)
     BertModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     if pooling is not None:
-        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]
         if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+            modules.append(
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+            )
         _write_json(os.path.join(path, "modules.json"), modules)
         os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
-        _write_json(os.path.join(path, "1_Pooling", "config.json"),
-                    {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": pooling == "mean",
-                     "pooling_mode_cls_token": pooling == "cls", "pooling_mode_lasttoken": pooling == "last"})
+        _write_json(
+            os.path.join(path, "1_Pooling", "config.json"),
+            {
+                "word_embedding_dimension": 64,
+                "pooling_mode_mean_tokens": pooling == "mean",
+                "pooling_mode_cls_token": pooling == "cls",
+                "pooling_mode_lasttoken": pooling == "last",
+            },
+        )
         _write_json(os.path.join(path, "sentence_bert_config.json"), {"max_seq_length": max_seq_length})
     return str(path)
 
@@ -73,8 +102,11 @@ def embed(llm: LLM, prompts, **kwargs) -> list[np.ndarray]:
     return [np.array(o.outputs.embedding) for o in llm.embed(prompts, use_tqdm=False, **kwargs)]
 
 
-@pytest.mark.parametrize("pooling,normalize", [("mean", True), ("cls", False), (None, True)],
-                         ids=["st-mean-normalized", "st-cls-raw", "plain-folder-cls"])
+@pytest.mark.parametrize(
+    "pooling,normalize",
+    [("mean", True), ("cls", False), (None, True)],
+    ids=["st-mean-normalized", "st-cls-raw", "plain-folder-cls"],
+)
 def test_bert_matches_transformers(tmp_path, pooling, normalize):
     """Sentences of many lengths in one batch, each pooled as its folder says (a folder without
     sentence-transformers modules: [CLS], normalized), equal to transformers' hidden states pooled."""
@@ -164,8 +196,14 @@ def test_decoder_mean_pooling_over_chunks(llama_dir):
     """--pooler-config MEAN on a decoder: the mean of every prompt position's state, though the
     prompt's chunks came in different steps, and though a KV cache of 256 tokens made it give way
     mid-prompt to an older request generating 240 tokens (preempted, its pooling started over)."""
-    llm = LLM(llama_dir, dtype="float32", max_num_batched_tokens=32, max_model_len=256,
-              kv_cache_memory=16 * 16 * 512, pooler_config={"pooling_type": "mean"})
+    llm = LLM(
+        llama_dir,
+        dtype="float32",
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        kv_cache_memory=16 * 16 * 512,
+        pooler_config={"pooling_type": "mean"},
+    )
     short = [list(range(5, 5 + n)) for n in (40, 9)]
     for ids, vector in zip(short, embed(llm, short)):
         np.testing.assert_allclose(vector, pooled(hf_hidden(llama_dir, ids), "mean"), atol=2e-5, rtol=1e-4)
@@ -176,13 +214,14 @@ def test_decoder_mean_pooling_over_chunks(llama_dir):
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert engine.stats().num_preemptions > 0 and len(done["gen"].outputs[0].token_ids) == 240
-    np.testing.assert_allclose(np.array(done["emb"].outputs.embedding), pooled(hf_hidden(llama_dir, long_ids), "mean"),
-                               atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(
+        np.array(done["emb"].outputs.embedding), pooled(hf_hidden(llama_dir, long_ids), "mean"), atol=2e-5, rtol=1e-4
+    )
 
 
 def test_pooling_state_takes_a_rerun_chunk_once():
     """A failed step is rerun with the same chunks: positions already folded in are skipped."""
-    from pagedllm.layers.pooler import PoolerConfig, Pooler, PoolingState
+    from pagedllm.layers.pooler import Pooler, PoolerConfig, PoolingState
 
     rows = torch.randn(10, 4)
     for kind in ("MEAN", "CLS", "LAST"):
@@ -209,10 +248,17 @@ def test_embeddings_batch_beside_generation_and_keep_no_kv(llama_dir):
     kinds_per_step = []
     runner = engine.model_runner
     execute = runner.execute
-    runner.execute = lambda output: kinds_per_step.append(
-        {runner.input_batch.requests[r.request_id].pooling_params is not None
-         if r.request_id in runner.input_batch.requests else r.new_request.pooling_params is not None
-         for r in output.scheduled}) or execute(output)
+    runner.execute = lambda output: (
+        kinds_per_step.append(
+            {
+                runner.input_batch.requests[r.request_id].pooling_params is not None
+                if r.request_id in runner.input_batch.requests
+                else r.new_request.pooling_params is not None
+                for r in output.scheduled
+            }
+        )
+        or execute(output)
+    )
     for i, ids in enumerate(prompts):
         engine.add_request(f"gen{i}", ids, greedy)
         engine.add_request(f"emb{i}", ids, PoolingParams())

@@ -1,5 +1,6 @@
 """The engine core in a process of its own (`engine_core_process`): the same outputs as in the
 frontend's thread, its failures reach the frontend, and the server runs on it."""
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,28 @@ def engines(llama_dir):
     own_process.engine.shutdown()
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-    SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, logprobs=2),
-    SamplingParams(temperature=0, max_tokens=12, stop=["e"]),
-    SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12,
-                   structured_outputs=StructuredOutputsParams(regex="[0-9]{2,4}(ab|cd)")),
-], ids=["greedy", "n3-seeded", "stop-string", "structured"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, stop=["e"]),
+        SamplingParams(
+            n=2,
+            temperature=1.0,
+            seed=5,
+            max_tokens=12,
+            structured_outputs=StructuredOutputsParams(regex="[0-9]{2,4}(ab|cd)"),
+        ),
+    ],
+    ids=["greedy", "n3-seeded", "stop-string", "structured"],
+)
 def test_same_outputs_in_a_process_of_its_own(engines, params):
     thread, process = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in engines)
     for a, b in zip(thread, process):
-        assert [(o.token_ids, o.text, o.finish_reason) for o in a.outputs] == \
-               [(o.token_ids, o.text, o.finish_reason) for o in b.outputs]
+        assert [(o.token_ids, o.text, o.finish_reason) for o in a.outputs] == [
+            (o.token_ids, o.text, o.finish_reason) for o in b.outputs
+        ]
     if params.logprobs:  # close, not equal: the steps' batches can differ (the process runs ahead)
         for a, b in zip(thread[0].outputs[0].logprobs, process[0].outputs[0].logprobs):
             assert a.keys() == b.keys()
@@ -80,10 +91,13 @@ def test_the_server_on_a_core_process(llama_dir):
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         done = client.completions.create(model=llama_dir, prompt=PROMPTS[0], max_tokens=8, temperature=0)
         assert done.usage.completion_tokens == 8 or done.choices[0].finish_reason == "stop"
-        stream = client.completions.create(model=llama_dir, prompt=PROMPTS[1], max_tokens=8, temperature=0,
-                                           stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == \
-               client.completions.create(model=llama_dir, prompt=PROMPTS[1], max_tokens=8, temperature=0).choices[0].text
+        stream = client.completions.create(model=llama_dir, prompt=PROMPTS[1], max_tokens=8, temperature=0, stream=True)
+        assert (
+            "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            == client.completions.create(model=llama_dir, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+        )
         # The dashboard's snapshot comes from the core's process with its next (idle) step.
         (snapshot,) = httpx.get(f"{server.url}/dashboard/state").json()["replicas"]
         assert snapshot["requests"] == [] and snapshot["steps"] and set(snapshot["blocks"]) <= {"f", "c"}
@@ -94,8 +108,15 @@ def test_the_server_on_a_core_process(llama_dir):
 
 
 def test_a_failing_core_process_stops_the_server(llama_dir):
-    server = Server(llama_dir, "--engine-core-process", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-                    env={"PAGEDLLM_FAULT": "fatal:3"})
+    server = Server(
+        llama_dir,
+        "--engine-core-process",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        env={"PAGEDLLM_FAULT": "fatal:3"},
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             body = {"prompt": "Hello", "max_tokens": 32, "ignore_eos": True, "stream": True}

@@ -1,4 +1,5 @@
 """A failure inside a step ends the requests it can be pinned on; the engine and the others go on."""
+
 from __future__ import annotations
 
 import pytest

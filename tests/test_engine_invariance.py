@@ -1,4 +1,5 @@
 """Greedy output does not depend on batching, chunking, preemption or block size."""
+
 from __future__ import annotations
 
 import pytest

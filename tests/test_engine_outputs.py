@@ -1,4 +1,5 @@
 """LLMEngine outputs: delta vs cumulative, prompt scoring with max_tokens=0, aborts, stats."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ def _drain(engine) -> list:
 
 def test_delta_outputs_add_up_to_the_cumulative_ones(engine):
     def run(kind):
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, n=2, seed=3,
-                                output_kind=kind)
+        params = SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, n=2, seed=3, output_kind=kind
+        )
         engine.add_request("x", "Hello there, general", params)
         return _drain(engine)
 

@@ -1,4 +1,5 @@
 """The fused C++ elementwise kernels against their torch references (same rounding points)."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import silu_and_mul, silu_and_mul_reference
-from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm, gemma_rms_norm_reference, rms_norm_reference
 from pagedllm.layers.attention import rotary_and_write_kv
+from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm, gemma_rms_norm_reference, rms_norm_reference
 from pagedllm.layers.rotary import RopeTables, apply_rotary
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")

@@ -5,6 +5,7 @@ reasoning, n-gram speculation, structured output (always on), embeddings (a deco
 and the dashboard. Two phases: schemathesis' coverage phase (deterministic boundary and
 missing-field cases of every schema) and random fuzzing, 20 examples a route and mode here;
 `PAGEDLLM_FUZZ_EXAMPLES=500 pytest tests/test_fuzz.py` is the longer one (docs/benchmarks-history.md)."""
+
 from __future__ import annotations
 
 import os
@@ -20,19 +21,43 @@ from server_utils import Server
 
 EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "20"))
 STATUSES: Counter = Counter()  # (route, status) -> requests, printed at the end (pytest -s)
-ROUTES = ["POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "POST /tokenize",
-          "POST /detokenize", "GET /v1/models", "GET /health", "GET /version", "GET /metrics", "GET /dashboard",
-          "GET /dashboard/state"]
+ROUTES = [
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /v1/embeddings",
+    "POST /tokenize",
+    "POST /detokenize",
+    "GET /v1/models",
+    "GET /health",
+    "GET /version",
+    "GET /metrics",
+    "GET /dashboard",
+    "GET /dashboard/state",
+]
 TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "examples", "tool_chat_template_hermes.jinja")
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(llama_dir):
     # A short context keeps what a generated request may ask for (n x max_tokens) small.
-    server = Server(llama_dir, "--max-model-len", "64", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-                    "--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                    "--reasoning-parser", "qwen3",
-                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    server = Server(
+        llama_dir,
+        "--max-model-len",
+        "64",
+        "--kv-cache-memory",
+        "16MiB",
+        "--served-model-name",
+        "tiny",
+        "--chat-template",
+        TEMPLATE,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+    )
     yield server
     server.stop()
 
@@ -48,8 +73,12 @@ def test_every_route_is_fuzzed(api_schema):
 
 
 # Invalid inputs (negative mode) exist only where a route takes a body.
-CASES = [(route, mode) for route in ROUTES for mode in schemathesis.GenerationMode
-         if route.startswith("POST") or mode == schemathesis.GenerationMode.POSITIVE]
+CASES = [
+    (route, mode)
+    for route in ROUTES
+    for mode in schemathesis.GenerationMode
+    if route.startswith("POST") or mode == schemathesis.GenerationMode.POSITIVE
+]
 
 
 def _check_response(route: str, case, fuzz_server) -> None:
@@ -73,9 +102,14 @@ def test_coverage_phase_no_5xx_and_every_4xx_in_openai_shape(route, api_schema, 
     method, path = route.split()
     operation = api_schema[path][method]
     config = api_schema.config.generation_for(operation=operation, phase="coverage")
-    cases = CoverageGenerator(operation=operation, generation_modes=list(schemathesis.GenerationMode),
-                              generation_config=config, auth_storage=None, override=Override(),
-                              feedback=FeedbackSources())
+    cases = CoverageGenerator(
+        operation=operation,
+        generation_modes=list(schemathesis.GenerationMode),
+        generation_config=config,
+        auth_storage=None,
+        override=Override(),
+        feedback=FeedbackSources(),
+    )
     count = 0
     for case in cases:
         _check_response(route, case, fuzz_server)
@@ -93,8 +127,9 @@ def test_no_5xx_and_every_4xx_in_openai_shape(route, mode, api_schema, fuzz_serv
     # Half the bodies drop their random `model`, which would otherwise stop nearly every request at the
     # model check before any deeper code runs.
     @given(case=operation.as_strategy(generation_mode=mode), any_model=st.booleans())
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     def check(case, any_model: bool) -> None:
         if not any_model and isinstance(case.body, dict):
             case.body.pop("model", None)
@@ -105,8 +140,10 @@ def test_no_5xx_and_every_4xx_in_openai_shape(route, mode, api_schema, fuzz_serv
 
 
 def test_the_server_still_serves_after_fuzzing(fuzz_server):
-    print(f"\nfuzzed: {sum(STATUSES.values())} requests;", ", ".join(f"{r} {c}: {n}" for (r, c), n in
-                                                               sorted(STATUSES.items())))
+    print(
+        f"\nfuzzed: {sum(STATUSES.values())} requests;",
+        ", ".join(f"{r} {c}: {n}" for (r, c), n in sorted(STATUSES.items())),
+    )
     body = {"prompt": "Hello", "max_tokens": 3, "model": "tiny"}
     assert httpx.post(f"{fuzz_server.url}/v1/completions", json=body, timeout=60).status_code == 200
     assert httpx.get(f"{fuzz_server.url}/health").status_code == 200

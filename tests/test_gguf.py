@@ -1,4 +1,5 @@
 """GGUF loading: dequantization, llama.cpp's Q/K permutation, metadata, tokenizer and chat template."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ def _assert_same_greedy(path: str, oracle, tokenizer_dir: str) -> None:
     """The file dequantized at load (--quantization none): exactly transformers' dequantized model.
     The files of these tests hold no tokenizer: parsing its 49k entries took transformers' reader
     most of each test's time, three times over (the tokenizer has tests of its own)."""
-    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", block_size=4, quantization="none",
-              tokenizer=tokenizer_dir)
+    llm = LLM(
+        path, dtype="float32", kv_cache_memory="32MiB", block_size=4, quantization="none", tokenizer=tokenizer_dir
+    )
     prompts = prompts_of_mixed_lengths(oracle.config.vocab_size, seed=4)[1:]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
@@ -38,12 +40,15 @@ def test_f32_gguf_equals_the_hf_folder(tmp_path, tiny_models, tokenizer_dir, arc
     from transformers import AutoModelForCausalLM
 
     path = _gguf(tmp_path, tiny_models[arch], "F32", None)
-    _assert_same_greedy(path, AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32),
-                        tokenizer_dir)
+    _assert_same_greedy(
+        path, AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32), tokenizer_dir
+    )
 
 
-@pytest.mark.parametrize("arch, qtype", [("llama", "F32"), ("llama", "Q8_0"), ("qwen2", "Q4_0"),
-                                         ("qwen2", "Q4_1"), ("llama", "F16"), ("qwen2", "BF16")])
+@pytest.mark.parametrize(
+    "arch, qtype",
+    [("llama", "F32"), ("llama", "Q8_0"), ("qwen2", "Q4_0"), ("qwen2", "Q4_1"), ("llama", "F16"), ("qwen2", "BF16")],
+)
 def test_quantized_gguf_equals_transformers_gguf_loader(tmp_path, tiny_models, tokenizer_dir, arch, qtype):
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
@@ -75,13 +80,15 @@ def test_gguf_tokenizer_and_chat_template(tmp_path, tiny_models, tokenizer_dir):
     assert llm.get_tokenizer().encode(text) == reference.encode(text)
     messages = [{"role": "user", "content": "Hi!"}]
     output = llm.chat(messages, PARAMS, use_tqdm=False)[0]
-    assert output.prompt_token_ids == reference.apply_chat_template(messages, add_generation_prompt=True,
-                                                                    tokenize=True, return_dict=False)
+    assert output.prompt_token_ids == reference.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert 2 in llm.engine.model_config.eos_token_ids  # <|im_end|> ends generation
 
 
-@pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count", "llama.attention.head_count",
-                                 "llama.feed_forward_length"])
+@pytest.mark.parametrize(
+    "key", ["llama.embedding_length", "llama.block_count", "llama.attention.head_count", "llama.feed_forward_length"]
+)
 def test_a_file_lacking_a_needed_field_is_refused_naming_it(tmp_path, tiny_models, tokenizer_dir, key):
     path = str(tmp_path / "incomplete.gguf")
     write_gguf(tiny_models["llama"], path, "F32", tokenizer_dir, drop_keys=(key,))

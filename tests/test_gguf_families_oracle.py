@@ -4,6 +4,7 @@ llama.cpp's converter writes it (tests/gguf_writer.py), read by transformers
 (`from_pretrained(gguf_file=...)`, which dequantizes) and by pagedllm (`--quantization none`, fp32):
 greedy tokens equal, logprobs close. The families' own test files hold the GGUF to the folder it
 came from; this holds our reading of the file to someone else's."""
+
 from __future__ import annotations
 
 import os
@@ -19,23 +20,36 @@ from test_phi3 import make_phi3
 
 
 def _gemma3(path, tokenizer_dir):
-    return make_gemma3(path, tokenizer_dir, num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=256,
-                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    return make_gemma3(
+        path,
+        tokenizer_dir,
+        num_hidden_layers=6,
+        layer_types=None,
+        query_pre_attn_scalar=256,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    )
 
 
 # transformers' GGUF reader takes no expert sizes from the file (its config classes' defaults stand
 # in), so the MoE models here have those sizes.
-FAMILIES = {"gemma3": _gemma3, "phi3": make_phi3,
-            "qwen2_moe": lambda path, tok, **kw: make_moe("qwen2_moe", path, tok, dense_layers=(),
-                                                          moe_intermediate_size=1408,
-                                                          shared_expert_intermediate_size=5632, **kw),
-            "qwen3_moe": lambda path, tok, **kw: make_moe("qwen3_moe", path, tok, dense_layers=(),
-                                                          moe_intermediate_size=768, **kw)}
+FAMILIES = {
+    "gemma3": _gemma3,
+    "phi3": make_phi3,
+    "qwen2_moe": lambda path, tok, **kw: make_moe(
+        "qwen2_moe", path, tok, dense_layers=(), moe_intermediate_size=1408, shared_expert_intermediate_size=5632, **kw
+    ),
+    "qwen3_moe": lambda path, tok, **kw: make_moe(
+        "qwen3_moe", path, tok, dense_layers=(), moe_intermediate_size=768, **kw
+    ),
+}
 
 
-@pytest.mark.parametrize("family, qtype", [("gemma3", "F32"), ("phi3", "Q8_0"), ("qwen2_moe", "F32"),
-                                           ("qwen3_moe", "Q8_0")])
+@pytest.mark.parametrize(
+    "family, qtype", [("gemma3", "F32"), ("phi3", "Q8_0"), ("qwen2_moe", "F32"), ("qwen3_moe", "Q8_0")]
+)
 def test_our_reading_of_the_file_equals_transformers_reading(tmp_path, tokenizer_dir, family, qtype):
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
@@ -46,10 +60,18 @@ def test_our_reading_of_the_file_equals_transformers_reading(tmp_path, tokenizer
     (tmp_path / "gguf").mkdir()
     path = str(tmp_path / "gguf" / "model.gguf")  # alone in its folder: no tokenizer.json beside it
     write_gguf(folder, path, qtype, None)
-    oracle = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file="model.gguf",
-                                                  dtype=torch.float32).eval()
-    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", block_size=4, max_model_len=64, quantization="none",
-              tokenizer=tokenizer_dir)
+    oracle = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file="model.gguf", dtype=torch.float32
+    ).eval()
+    llm = LLM(
+        path,
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        block_size=4,
+        max_model_len=64,
+        quantization="none",
+        tokenizer=tokenizer_dir,
+    )
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     for n in (3, 17, 40):
         prompt = list(range(5 + n, 5 + 2 * n))
@@ -60,10 +82,13 @@ def test_our_reading_of_the_file_equals_transformers_reading(tmp_path, tokenizer
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family, qtype, overrides", [
-    ("qwen3_moe", "Q4_K", {"ffn_down": "Q6_K"}),  # top-2 of 8 renormalized; Q4_K_M's mix
-    ("qwen2_moe", "Q8_0", None),  # top-3 of 6, the full softmax kept; a shared expert
-])
+@pytest.mark.parametrize(
+    "family, qtype, overrides",
+    [
+        ("qwen3_moe", "Q4_K", {"ffn_down": "Q6_K"}),  # top-2 of 8 renormalized; Q4_K_M's mix
+        ("qwen2_moe", "Q8_0", None),  # top-3 of 6, the full softmax kept; a shared expert
+    ],
+)
 def test_top_k_routing_on_quantized_experts_equals_transformers(tmp_path, tokenizer_dir, family, qtype, overrides):
     """A sparse layer whose experts run quantized, given the same hidden states as transformers' own
     MoE block reading the same file (dequantized): each token's output equals transformers' within
@@ -80,8 +105,9 @@ def test_top_k_routing_on_quantized_experts_equals_transformers(tmp_path, tokeni
     (tmp_path / "gguf").mkdir()
     path = str(tmp_path / "gguf" / "model.gguf")
     write_gguf(folder, path, qtype, None, overrides)
-    oracle = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file="model.gguf",
-                                                  dtype=torch.float32).eval()
+    oracle = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file="model.gguf", dtype=torch.float32
+    ).eval()
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", max_model_len=64, tokenizer=tokenizer_dir)
     ours = llm.engine.model_runner.model.model.layers[0].mlp
     assert isinstance(ours, SparseMoE) and ours.top_k < len(ours.experts)

@@ -1,5 +1,6 @@
 """A GGUF model's config and tokenizer come from the one parse of the file its weights use, and equal
 what transformers builds when it reads the file itself."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,11 +15,28 @@ from pagedllm.models.decoder import DecoderConfig
 from pagedllm.models.loader import default_model_path, load_model_config, load_tokenizer
 
 # What the model and the engine read off the config.
-CONFIG_ATTRS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "bos_token_id",
-                "eos_token_id", "pad_token_id", "max_position_embeddings", "tie_word_embeddings", "sliding_window")
-TEXTS = ["Hello  world 42 é", "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
-         "<|endoftext|> 日本語\t\n  x  ", " leading space and trailing  "]
+CONFIG_ATTRS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "sliding_window",
+)
+TEXTS = [
+    "Hello  world 42 é",
+    "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|> 日本語\t\n  x  ",
+    " leading space and trailing  ",
+]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
 
 
@@ -133,6 +151,7 @@ class _Counter:
         def counted(*args, **kwargs):
             self.calls += 1
             return fn(*args, **kwargs)
+
         return counted
 
 

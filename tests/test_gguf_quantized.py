@@ -2,6 +2,7 @@
 same distributions as the file dequantized to within int8 activation rounding, the fused decoder
 stack bit for bit against the op-by-op path, the start-up log, and a clear error for a type the
 kernels do not take."""
+
 from __future__ import annotations
 
 import logging
@@ -21,15 +22,23 @@ ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="quantized weights need the C++ kernels")
 # K types need rows of 256 values; head size 64 lets the bf16 stack run.
 # Weights of real models' scale (the other tiny models' 0.2 amplifies rounding many times over).
-WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            initializer_range=0.05)
+WIDE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    initializer_range=0.05,
+)
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output.weight": "Q6_K"}  # as llama.cpp's Q4_K_M mixes them
 
 
 @pytest.fixture(scope="module")
 def wide_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
-    return {arch: make_model(arch, tmp_path_factory.mktemp(f"wide-{arch}"), tokenizer_dir, **WIDE)
-            for arch in ("llama", "qwen2")}
+    return {
+        arch: make_model(arch, tmp_path_factory.mktemp(f"wide-{arch}"), tokenizer_dir, **WIDE)
+        for arch in ("llama", "qwen2")
+    }
 
 
 def gguf_file(tmp_path, hf_dir: str, qtype: str, overrides=None) -> str:
@@ -44,19 +53,31 @@ def gguf_file(tmp_path, hf_dir: str, qtype: str, overrides=None) -> str:
 
 def teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[torch.Tensor]:
     """Each sequence's logprobs of its own next tokens, from the prompt pass."""
-    outputs = llm.generate([{"prompt_token_ids": s} for s in sequences],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return [torch.tensor([entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], s[1:])])
-            for o, s in zip(outputs, sequences)]
+    outputs = llm.generate(
+        [{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
+    return [
+        torch.tensor([entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], s[1:])])
+        for o, s in zip(outputs, sequences)
+    ]
 
 
-@pytest.mark.parametrize("arch, qtype, overrides", [
-    ("qwen2", "Q8_0", None), ("llama", "Q4_0", None), ("qwen2", "Q4_1", None), ("llama", "Q5_0", None),
-    ("qwen2", "Q5_1", None), ("llama", "Q4_K", Q4_K_M), ("qwen2", "Q5_K", {"ffn_down": "Q6_K"}),
-])
+@pytest.mark.parametrize(
+    "arch, qtype, overrides",
+    [
+        ("qwen2", "Q8_0", None),
+        ("llama", "Q4_0", None),
+        ("qwen2", "Q4_1", None),
+        ("llama", "Q5_0", None),
+        ("qwen2", "Q5_1", None),
+        ("llama", "Q4_K", Q4_K_M),
+        ("qwen2", "Q5_K", {"ffn_down": "Q6_K"}),
+    ],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantized_layers_give_the_dequantized_distributions(tmp_path, wide_models, tokenizer_dir, arch, qtype,
-                                                              overrides, dtype):
+def test_quantized_layers_give_the_dequantized_distributions(
+    tmp_path, wide_models, tokenizer_dir, arch, qtype, overrides, dtype
+):
     """The same file computed on quantized and dequantized at load: the layers carry the file's
     types (a fused q/k/v of Q4_K and Q6_K shards included), and each position's logprob of the
     next token differs only by the activations' int8 rounding (teacher-forced, mixed lengths)."""
@@ -101,9 +122,11 @@ def test_mlp_in_chunks_changes_no_result(tmp_path, wide_models, tokenizer_dir, q
         if not stack:
             llm.engine.model_runner.model._stack = None
         prompts = prompts_of_mixed_lengths(len(llm.get_tokenizer()), seed=7)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,
-                                              prompt_logprobs=2), use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+            use_tqdm=False,
+        )
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs]
 
     assert run(16) == run(512)
@@ -117,8 +140,10 @@ def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokeniz
     with a fresh prompt go op by op, the rest by the stack."""
     monkeypatch.setattr(decoder, "MLP_ROWS", 16)
     path = gguf_file(tmp_path, wide_models["llama"], "Q4_K", Q4_K_M)
-    stacked, op_by_op = (LLM(path, tokenizer=tokenizer_dir, dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=48)
-                         for _ in range(2))
+    stacked, op_by_op = (
+        LLM(path, tokenizer=tokenizer_dir, dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=48)
+        for _ in range(2)
+    )
     model = stacked.engine.model_runner.model
     assert model._stack is not None
     model._stack = counting = _CountingStack(model._stack)
@@ -167,16 +192,20 @@ def test_default_model_quantized_near_transformers(default_hf_model):
     llm = LLM(kv_cache_memory="256MiB", max_model_len=2048)
     assert llm.engine.model_config.quantization == "gguf"
     tokenizer = llm.get_tokenizer()
-    texts = ["The capital of France is", "def fibonacci(n):",
-             "Once upon a time, in a land far away, there lived a dragon who " * 4]
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away, there lived a dragon who " * 4,
+    ]
     deltas, agree = [], []
     for text in texts:
         prompt = tokenizer.encode(text)
         sequence = prompt + hf_greedy(hf, prompt, 16)[0]
         with torch.no_grad():
             reference = torch.log_softmax(hf(torch.tensor([sequence])).logits[0].float(), dim=-1)
-        output = llm.generate([{"prompt_token_ids": sequence}], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                              use_tqdm=False)[0]
+        output = llm.generate(
+            [{"prompt_token_ids": sequence}], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
+        )[0]
         for i, entry in enumerate(output.prompt_logprobs[1:]):
             deltas.append(abs(entry[sequence[i + 1]].logprob - reference[i, sequence[i + 1]].item()))
             agree.append(next(t for t, lp in entry.items() if lp.rank == 1) == reference[i].argmax().item())

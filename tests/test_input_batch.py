@@ -3,6 +3,7 @@ whole once (when first scheduled, or resumed after preemption), then as deltas; 
 (prefill chunks, decodes, preemption, rejected drafts, aborts, stops found outside, a failed step
 rerun request by request), the worker's copy of every request equals the scheduler's, and the
 step's inputs built from it equal those built from the scheduler's own state."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -103,7 +104,7 @@ def _reference_inputs(scheduler: Scheduler, scheduled: list[ScheduledRequest]) -
     for s in scheduled:
         blocks = scheduler.kv.block_ids(s.request_id)
         span = range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
-        tokens += scheduler.requests[s.request_id].all_token_ids[span.start:span.stop] + s.spec_token_ids
+        tokens += scheduler.requests[s.request_id].all_token_ids[span.start : span.stop] + s.spec_token_ids
         positions += span
         slots += [blocks[p // bs] * bs + p % bs for p in span]
     return tokens, positions, slots
@@ -134,8 +135,13 @@ class FakeWorker:
             if self.culprit == "batch":
                 self.culprit = None
             raise RuntimeError("a failure on cue")
-        result = ModelRunnerOutput({s.request_id: accept(state.all_token_ids, s.spec_token_ids)
-                                    for s, state in zip(output.scheduled, states) if s.sample})
+        result = ModelRunnerOutput(
+            {
+                s.request_id: accept(state.all_token_ids, s.spec_token_ids)
+                for s, state in zip(output.scheduled, states)
+                if s.sample
+            }
+        )
         self.batch.append_sampled(result.sampled_token_ids)
         return result
 
@@ -151,30 +157,38 @@ class FakeWorker:
             assert state.block_ids == scheduler.kv.block_ids(s.request_id)
             assert state.num_computed_tokens == request.num_computed_tokens - s.num_new_tokens  # before the step
         input_ids, positions, meta = self.batch.prepare(output.scheduled, states)
-        assert (input_ids.tolist(), positions.tolist(), meta.slot_mapping.tolist()) == \
-            _reference_inputs(scheduler, output.scheduled)
+        assert (input_ids.tolist(), positions.tolist(), meta.slot_mapping.tolist()) == _reference_inputs(
+            scheduler, output.scheduled
+        )
         ends = [s.num_computed_tokens + s.num_new_tokens for s in output.scheduled]
         assert meta.seq_lens.tolist() == meta.seq_lens_list == ends
-        assert meta.query_start_loc.tolist()[1:] == [sum(meta.query_lens_list[:i + 1]) for i in range(len(ends))]
+        assert meta.query_start_loc.tolist()[1:] == [sum(meta.query_lens_list[: i + 1]) for i in range(len(ends))]
         for row, s in zip(meta.block_tables.tolist(), output.scheduled):
             table = scheduler.kv.block_ids(s.request_id)
-            assert row[:len(table)] == table
+            assert row[: len(table)] == table
 
 
-workload_st = st.fixed_dictionaries({
-    # (prompt, max_tokens, arrival step); a small vocabulary, so that prompts share cached prefixes
-    "requests": st.lists(st.tuples(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=30),
-                                   st.integers(0, 20), st.integers(0, 10)), min_size=1, max_size=8),
-    "block_size": st.sampled_from([1, 2, 4, 16]),
-    "spare_blocks": st.integers(0, 12),  # few: preemption
-    "budget": st.integers(1, 40),  # small: prefill chunks
-    "max_num_seqs": st.integers(1, 5),
-    "k": st.integers(0, 4),  # drafts per proposal
-    "right": st.lists(st.integers(0, 4), min_size=1, max_size=20),  # leading drafts right, in turn
-    "ends": st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40), st.booleans()), max_size=3),  # abort?
-    "failures": st.dictionaries(st.integers(0, 40), st.one_of(st.just("batch"), st.integers(0, 7)), max_size=3),
-    "max_list_table_entries": st.sampled_from([0, 8, 512]),  # block tables from the array, either, from lists
-})
+workload_st = st.fixed_dictionaries(
+    {
+        # (prompt, max_tokens, arrival step); a small vocabulary, so that prompts share cached prefixes
+        "requests": st.lists(
+            st.tuples(
+                st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=30), st.integers(0, 20), st.integers(0, 10)
+            ),
+            min_size=1,
+            max_size=8,
+        ),
+        "block_size": st.sampled_from([1, 2, 4, 16]),
+        "spare_blocks": st.integers(0, 12),  # few: preemption
+        "budget": st.integers(1, 40),  # small: prefill chunks
+        "max_num_seqs": st.integers(1, 5),
+        "k": st.integers(0, 4),  # drafts per proposal
+        "right": st.lists(st.integers(0, 4), min_size=1, max_size=20),  # leading drafts right, in turn
+        "ends": st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40), st.booleans()), max_size=3),  # abort?
+        "failures": st.dictionaries(st.integers(0, 40), st.one_of(st.just("batch"), st.integers(0, 7)), max_size=3),
+        "max_list_table_entries": st.sampled_from([0, 8, 512]),  # block tables from the array, either, from lists
+    }
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -196,7 +210,9 @@ def test_the_workers_copy_follows_the_scheduler(w):
             requests[message.request_id] = scheduler.requests[message.request_id]
         if step in ends:  # an abort, or a stop string the frontend found
             request_id, abort = ends[step]
-            core.finish_requests([request_id], RequestStatus.FINISHED_ABORTED if abort else RequestStatus.FINISHED_STOPPED)
+            core.finish_requests(
+                [request_id], RequestStatus.FINISHED_ABORTED if abort else RequestStatus.FINISHED_STOPPED
+            )
         if not pending and not core.has_unfinished_requests():
             break
         for request in scheduler.running:
@@ -211,5 +227,5 @@ def test_the_workers_copy_follows_the_scheduler(w):
     for request in requests.values():  # the fake model read the worker's copy: any slip shows here
         assert request.status.finished
         expected = model_sequence(request.prompt_token_ids, request.max_tokens)
-        assert request.output_token_ids == expected[:request.num_output_tokens]
+        assert request.output_token_ids == expected[: request.num_output_tokens]
         assert request.status != RequestStatus.FINISHED_LENGTH or request.num_output_tokens == request.max_tokens

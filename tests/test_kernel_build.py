@@ -1,5 +1,6 @@
 """The C++ kernels build wherever they can (a broken build fails here, not as skips), into a folder keyed
 by the sources and toolchain, with the ninja of the interpreter's own environment."""
+
 from __future__ import annotations
 
 import os
@@ -66,7 +67,10 @@ def test_build_path_puts_the_interpreters_ninja_first(tmp_path):
     bin_dir = _bin_dir(tmp_path, with_ninja=True)
     path = os.pathsep.join(["/usr/local/bin", bin_dir, "/usr/bin"])
     assert build_search_path(path, os.path.join(bin_dir, "python")).split(os.pathsep) == [
-        bin_dir, "/usr/local/bin", "/usr/bin"]
+        bin_dir,
+        "/usr/local/bin",
+        "/usr/bin",
+    ]
 
 
 def test_build_path_is_unchanged_without_a_ninja_beside_the_interpreter(tmp_path):

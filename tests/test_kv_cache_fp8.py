@@ -1,5 +1,6 @@
 """fp8 KV caches (--kv-cache-dtype fp8, fp8_e4m3, fp8_e5m2): the bytes written, the attention
 kernels reading them, and the engine running on them."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,14 @@ import torch
 from conftest import greedy_without_kernels, make_model, prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.attention import (KVScales, from_cache, paged_attention_reference, rotary_and_write_kv,
-                                       to_fp8, write_kv)
+from pagedllm.layers.attention import (
+    KVScales,
+    from_cache,
+    paged_attention_reference,
+    rotary_and_write_kv,
+    to_fp8,
+    write_kv,
+)
 from pagedllm.layers.rotary import RopeTables
 from test_paged_attention_kernel import _case
 
@@ -20,8 +27,21 @@ needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
 def _kernel(q, k_cache, v_cache, meta, window, scales: KVScales) -> torch.Tensor:
     """The C++ kernel over every token (no prompt left to the caller)."""
     out = torch.empty_like(q)
-    cpu_ops().paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                              q.shape[-1] ** -0.5, window or 0, False, 1, scales.k, scales.v)
+    cpu_ops().paged_attention(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        q.shape[-1] ** -0.5,
+        window or 0,
+        False,
+        1,
+        scales.k,
+        scales.v,
+    )
     return out
 
 
@@ -48,13 +68,13 @@ def test_bf16_kernels_on_fp8_match_them_on_the_widened_cache(kind, scales, head_
         pytest.skip("a build without the AVX512-BF16 attention kernels (the portable walk is tested below)")
     q, k8, v8, meta = _fp8_case(kind, torch.bfloat16, scales, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
     got = _kernel(q, k8, v8, meta, window, scales)
-    widened = _kernel(q, from_cache(k8, torch.bfloat16, scales.k), from_cache(v8, torch.bfloat16, scales.v), meta,
-                      window, KVScales())
-    decodes = torch.tensor([n == 1 for n in meta.query_lens_list]).repeat_interleave(
-        torch.tensor(meta.query_lens_list))
+    widened = _kernel(
+        q, from_cache(k8, torch.bfloat16, scales.k), from_cache(v8, torch.bfloat16, scales.v), meta, window, KVScales()
+    )
+    decodes = torch.tensor([n == 1 for n in meta.query_lens_list]).repeat_interleave(torch.tensor(meta.query_lens_list))
     assert torch.equal(got[~decodes], widened[~decodes])
     torch.testing.assert_close(got[decodes], widened[decodes], atol=8e-3, rtol=8e-3)
-    want = paged_attention_reference(q.float(), k8, v8, meta, head_dim ** -0.5, window, scales)
+    want = paged_attention_reference(q.float(), k8, v8, meta, head_dim**-0.5, window, scales)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
@@ -68,7 +88,7 @@ def test_portable_kernel_on_fp8_matches_the_reference(kind, dtype, tol, head_dim
     scales = KVScales(0.5, 0.3)
     q, k8, v8, meta = _fp8_case(kind, dtype, scales, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
     got = _kernel(q, k8, v8, meta, None, scales)
-    want = paged_attention_reference(q.float(), k8, v8, meta, head_dim ** -0.5, None, scales)
+    want = paged_attention_reference(q.float(), k8, v8, meta, head_dim**-0.5, None, scales)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
@@ -114,8 +134,16 @@ def test_cache_write_gives_the_bytes_torch_writes(kind, dtype):
 @pytest.fixture(scope="module")
 def head64_llama(tmp_path_factory, tokenizer_dir) -> str:
     """Head size 64, so that bf16 takes the AVX-512 walks and query tiles (and the C++ stack)."""
-    return make_model("llama", tmp_path_factory.mktemp("llama64"), tokenizer_dir, hidden_size=256,
-                      intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05)
+    return make_model(
+        "llama",
+        tmp_path_factory.mktemp("llama64"),
+        tokenizer_dir,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.05,
+    )
 
 
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
@@ -132,8 +160,14 @@ def test_engine_on_fp8_holds_more_tokens_and_stays_close(head64_llama, dtype):
     prompts = prompts_of_mixed_lengths(49152, seed=4)
     results = {}
     for cache in ("auto", "fp8", "fp8_e5m2"):
-        llm = LLM(head64_llama, dtype=dtype, kv_cache_memory="8MiB", kv_cache_dtype=cache, max_num_batched_tokens=48,
-                  enable_prefix_caching=False)
+        llm = LLM(
+            head64_llama,
+            dtype=dtype,
+            kv_cache_memory="8MiB",
+            kv_cache_dtype=cache,
+            max_num_batched_tokens=48,
+            enable_prefix_caching=False,
+        )
         results[cache] = (llm.engine.model_runner.kv_caches[0][0].shape[0], _prompt_logprobs(llm, prompts))
         llm.engine.shutdown()
     blocks, want = results["auto"]
@@ -155,8 +189,9 @@ def test_pure_torch_path_on_fp8_gives_the_same_greedy_tokens(tiny_models):
     args = dict(dtype="float32", kv_cache_memory="16MiB", block_size=4, kv_cache_dtype="fp8")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm = LLM(path, **args)
-    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
+    ours = [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
     assert greedy_without_kernels(dict(model=path, **args), prompts, 6)[0] == ours
 
 

@@ -1,4 +1,5 @@
 """KV sharing through the engine: prefix caching, parallel samples with copy-on-write, beam search."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,14 @@ def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     base = torch.randint(3, 40000, (41,), generator=g).tolist()
     tail = lambda n: torch.randint(3, 40000, (n,), generator=g).tolist()  # noqa: E731
-    return [base, base[:2] + tail(9),  # part of a block shared
-            base[:4] + tail(7),  # exactly one block
-            base[:5] + tail(3),  # one block and a bit
-            base[:37] + tail(6),  # many blocks
-            base[:40]]  # the whole cached run but the last token
+    return [
+        base,
+        base[:2] + tail(9),  # part of a block shared
+        base[:4] + tail(7),  # exactly one block
+        base[:5] + tail(3),  # one block and a bit
+        base[:37] + tail(6),  # many blocks
+        base[:40],
+    ]  # the whole cached run but the last token
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,9 @@ def test_prompt_logprobs_are_whole_when_the_prefix_is_cached(llama_dir):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     first, again = (llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0] for _ in range(2))
     assert first.prompt_logprobs[0] is None and all(e is not None for e in again.prompt_logprobs[1:])
-    assert [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in again.prompt_logprobs[1:]] == \
-           [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in first.prompt_logprobs[1:]]
+    assert [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in again.prompt_logprobs[1:]] == [
+        {t: round(lp.logprob, 4) for t, lp in e.items()} for e in first.prompt_logprobs[1:]
+    ]
 
 
 def test_prefix_caching_keeps_greedy_output(llama_dir, reference):
@@ -118,16 +123,25 @@ def test_beam_search_matches_transformers(llama_dir, beam_width, length_penalty)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, output in zip(prompts, outputs):
         # No EOS (ignore_eos here, eos_token_id=None there): both run every beam to max_tokens.
-        expected = hf.generate(torch.tensor([prompt]), num_beams=beam_width, do_sample=False, max_new_tokens=6,
-                               length_penalty=length_penalty, eos_token_id=None, pad_token_id=0,
-                               num_return_sequences=beam_width, output_scores=True, return_dict_in_generate=True)
+        expected = hf.generate(
+            torch.tensor([prompt]),
+            num_beams=beam_width,
+            do_sample=False,
+            max_new_tokens=6,
+            length_penalty=length_penalty,
+            eos_token_id=None,
+            pad_token_id=0,
+            num_return_sequences=beam_width,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         best = output.sequences[0]
         assert best.tokens == expected.sequences[0].tolist()
         assert len(output.sequences) == beam_width
         scores = [s.score for s in output.sequences]
         assert scores == sorted(scores, reverse=True)
         torch.testing.assert_close(torch.tensor(scores), expected.sequences_scores.float(), atol=1e-4, rtol=1e-4)
-        assert all(s.cum_logprob / 6 ** length_penalty == pytest.approx(s.score) for s in output.sequences)
+        assert all(s.cum_logprob / 6**length_penalty == pytest.approx(s.score) for s in output.sequences)
     stats = llm.engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total and not llm.engine.engine_core.scheduler.held
 

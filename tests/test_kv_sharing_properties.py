@@ -7,6 +7,7 @@ blocks freed behind it were never still needed; with two groups of layers (a sli
 full one sharing the pool, HybridKVCacheManager), each group's tables alike. The managers run in
 debug mode, so a write into a shared or cached block fails loudly.
 """
+
 from __future__ import annotations
 
 from hypothesis import example, given, settings
@@ -58,8 +59,9 @@ class FakeRunner:
             if r.sample:
                 token = (sum(state.all_token_ids) * 31 + len(r.request_id) + self.seed) % 50 + 3
                 result.sampled_token_ids[r.request_id] = [token]
-                result.logprobs[r.request_id] = [TokenLogprobs([token, token, token + 1, token + 2],
-                                                               [-0.1, -0.1, -1.0, -2.0], [1, 1, 2, 3])]
+                result.logprobs[r.request_id] = [
+                    TokenLogprobs([token, token, token + 1, token + 2], [-0.1, -0.1, -1.0, -2.0], [1, 1, 2, 3])
+                ]
                 self.logprobs[r.request_id] = result.logprobs[r.request_id][0]
         self.batch.append_sampled(result.sampled_token_ids)
         return result
@@ -84,7 +86,7 @@ def _check_pool(kv: KVCacheManager | HybridKVCacheManager, scheduler: Scheduler,
             for i, (block, block_hash) in enumerate(zip(table, request.block_hashes)):
                 if block.block_hash == group._pool_hash(block_hash):
                     held = [runner.slots.get(block.block_id * bs + o) for o in range(bs)]
-                    assert held == [(g, t) for t in request.all_token_ids[i * bs:(i + 1) * bs]]
+                    assert held == [(g, t) for t in request.all_token_ids[i * bs : (i + 1) * bs]]
 
 
 def _check_prefix_computed_once(kv: KVCacheManager, scheduler: Scheduler, output: SchedulerOutput) -> None:
@@ -102,54 +104,76 @@ def _check_prefix_computed_once(kv: KVCacheManager, scheduler: Scheduler, output
                 written.add(block_hash)
 
 
-workload = st.fixed_dictionaries({
-    "requests": st.lists(st.fixed_dictionaries({
-        "prefix": st.sampled_from([0, 3, 8, 20]),  # tokens shared with the common prefix
-        "own": st.integers(1, 15),
-        "max_tokens": st.integers(1, 12),
-        "n": st.sampled_from([1, 1, 2, 4]),
-        "beam": st.booleans(),
-        "arrival": st.integers(0, 8),
-        "abort_at": st.one_of(st.none(), st.integers(0, 20)),
-    }), min_size=1, max_size=8),
-    "block_size": st.sampled_from([1, 2, 4, 8]),
-    "spare": st.integers(0, 30),
-    "budget": st.integers(4, 40),
-    "caching": st.booleans(),
-    "seed": st.integers(0, 5),
-    "window": st.sampled_from([None, None, 1, 3, 8, 17]),
-    "hybrid": st.booleans(),  # a sliding group (the window, else 5) and a full group sharing the pool
-})
+workload = st.fixed_dictionaries(
+    {
+        "requests": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "prefix": st.sampled_from([0, 3, 8, 20]),  # tokens shared with the common prefix
+                    "own": st.integers(1, 15),
+                    "max_tokens": st.integers(1, 12),
+                    "n": st.sampled_from([1, 1, 2, 4]),
+                    "beam": st.booleans(),
+                    "arrival": st.integers(0, 8),
+                    "abort_at": st.one_of(st.none(), st.integers(0, 20)),
+                }
+            ),
+            min_size=1,
+            max_size=8,
+        ),
+        "block_size": st.sampled_from([1, 2, 4, 8]),
+        "spare": st.integers(0, 30),
+        "budget": st.integers(4, 40),
+        "caching": st.booleans(),
+        "seed": st.integers(0, 5),
+        "window": st.sampled_from([None, None, 1, 3, 8, 17]),
+        "hybrid": st.booleans(),  # a sliding group (the window, else 5) and a full group sharing the pool
+    }
+)
 
 
 # Found by the search: in the hybrid manager, one group's new blocks evicted a cached block that
 # another group had planned to revive as a prefix hit, and both groups' tables then held it.
-_EVICTED_HIT = {'block_size': 1,
-                'budget': 13,
-                'caching': True,
-                'hybrid': True,
-                'requests': [{'abort_at': None, 'arrival': 0, 'beam': False, 'max_tokens': 1, 'n': 1, 'own': 1, 'prefix': 0},
-                             {'abort_at': None, 'arrival': 0, 'beam': False, 'max_tokens': 1, 'n': 1, 'own': 1, 'prefix': 0},
-                             {'abort_at': None, 'arrival': 0, 'beam': False, 'max_tokens': 1, 'n': 1, 'own': 1, 'prefix': 0},
-                             {'abort_at': None, 'arrival': 0, 'beam': False, 'max_tokens': 1, 'n': 1, 'own': 1, 'prefix': 0},
-                             {'abort_at': None, 'arrival': 3, 'beam': False, 'max_tokens': 5, 'n': 4, 'own': 3, 'prefix': 0},
-                             {'abort_at': None, 'arrival': 4, 'beam': False, 'max_tokens': 1, 'n': 1, 'own': 1, 'prefix': 3},
-                             {'abort_at': None, 'arrival': 3, 'beam': False, 'max_tokens': 2, 'n': 4, 'own': 1, 'prefix': 20},
-                             {'abort_at': None, 'arrival': 3, 'beam': False, 'max_tokens': 1, 'n': 1, 'own': 3, 'prefix': 20}],
-                'seed': 0,
-                'spare': 0,
-                'window': None}
+_EVICTED_HIT = {
+    "block_size": 1,
+    "budget": 13,
+    "caching": True,
+    "hybrid": True,
+    "requests": [
+        {"abort_at": None, "arrival": 0, "beam": False, "max_tokens": 1, "n": 1, "own": 1, "prefix": 0},
+        {"abort_at": None, "arrival": 0, "beam": False, "max_tokens": 1, "n": 1, "own": 1, "prefix": 0},
+        {"abort_at": None, "arrival": 0, "beam": False, "max_tokens": 1, "n": 1, "own": 1, "prefix": 0},
+        {"abort_at": None, "arrival": 0, "beam": False, "max_tokens": 1, "n": 1, "own": 1, "prefix": 0},
+        {"abort_at": None, "arrival": 3, "beam": False, "max_tokens": 5, "n": 4, "own": 3, "prefix": 0},
+        {"abort_at": None, "arrival": 4, "beam": False, "max_tokens": 1, "n": 1, "own": 1, "prefix": 3},
+        {"abort_at": None, "arrival": 3, "beam": False, "max_tokens": 2, "n": 4, "own": 1, "prefix": 20},
+        {"abort_at": None, "arrival": 3, "beam": False, "max_tokens": 1, "n": 1, "own": 3, "prefix": 20},
+    ],
+    "seed": 0,
+    "spare": 0,
+    "window": None,
+}
 
 
 # Found by the search: a beam's fork held the prefix's first block without a hit on it in the
 # sliding group (window 1), so a request with the same prefix admitted in the same step had no hit
 # and would have computed a block the fork was computing (only its first block was checked).
-_FORK_AHEAD = {'block_size': 8, 'budget': 27, 'caching': True, 'hybrid': True, 'seed': 0, 'spare': 2, 'window': 1,
-               'requests': [{'abort_at': None, 'arrival': 0, 'beam': False, 'max_tokens': 1, 'n': 1, 'own': 1, 'prefix': 0}] * 4 + [
-                   {'abort_at': None, 'arrival': 1, 'beam': True, 'max_tokens': 4, 'n': 1, 'own': 1, 'prefix': 0},
-                   {'abort_at': None, 'arrival': 1, 'beam': True, 'max_tokens': 5, 'n': 1, 'own': 1, 'prefix': 20},
-                   {'abort_at': None, 'arrival': 1, 'beam': True, 'max_tokens': 4, 'n': 1, 'own': 1, 'prefix': 8},
-                   {'abort_at': None, 'arrival': 0, 'beam': True, 'max_tokens': 5, 'n': 1, 'own': 5, 'prefix': 20}]}
+_FORK_AHEAD = {
+    "block_size": 8,
+    "budget": 27,
+    "caching": True,
+    "hybrid": True,
+    "seed": 0,
+    "spare": 2,
+    "window": 1,
+    "requests": [{"abort_at": None, "arrival": 0, "beam": False, "max_tokens": 1, "n": 1, "own": 1, "prefix": 0}] * 4
+    + [
+        {"abort_at": None, "arrival": 1, "beam": True, "max_tokens": 4, "n": 1, "own": 1, "prefix": 0},
+        {"abort_at": None, "arrival": 1, "beam": True, "max_tokens": 5, "n": 1, "own": 1, "prefix": 20},
+        {"abort_at": None, "arrival": 1, "beam": True, "max_tokens": 4, "n": 1, "own": 1, "prefix": 8},
+        {"abort_at": None, "arrival": 0, "beam": True, "max_tokens": 5, "n": 1, "own": 5, "prefix": 20},
+    ],
+}
 
 
 @settings(max_examples=120, deadline=None)
@@ -159,11 +183,17 @@ _FORK_AHEAD = {'block_size': 8, 'budget': 27, 'caching': True, 'hybrid': True, '
 def test_sharing_never_leaks_and_reads_only_own_tokens(w):
     bs = w["block_size"]
     if w["hybrid"]:
-        kv = HybridKVCacheManager(2 * cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, (w["window"] or 5, None),
-                                  w["caching"], debug=True)
+        kv = HybridKVCacheManager(
+            2 * cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, (w["window"] or 5, None), w["caching"], debug=True
+        )
     else:
-        kv = KVCacheManager(cdiv(MAX_MODEL_LEN, bs) + w["spare"], bs, enable_prefix_caching=w["caching"], debug=True,
-                            sliding_window=w["window"])
+        kv = KVCacheManager(
+            cdiv(MAX_MODEL_LEN, bs) + w["spare"],
+            bs,
+            enable_prefix_caching=w["caching"],
+            debug=True,
+            sliding_window=w["window"],
+        )
     scheduler = Scheduler(SchedulerConfig(8, w["budget"], MAX_MODEL_LEN), kv)
     runner = FakeRunner(kv, w["seed"])
     common = list(range(100, 120))
@@ -174,7 +204,7 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
     for step in range(3000):
         while pending and pending[0][1]["arrival"] <= step:
             i, spec = pending.pop(0)
-            prompt = common[:spec["prefix"]] + [200 + i] * spec["own"]
+            prompt = common[: spec["prefix"]] + [200 + i] * spec["own"]
             params = SamplingParams(n=spec["n"], max_tokens=spec["max_tokens"], seed=i)
             if spec["beam"]:  # one held token a step
                 scheduler.add_request(Request(f"r{i}", prompt, params, 1, hold=True))
@@ -187,7 +217,9 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
         for i, spec in enumerate(w["requests"]):
             if spec["abort_at"] == step:
                 samples.pop(f"r{i}", None)
-                for rid in [r for r in list(scheduler.requests) if r.endswith(f"r{i}") or beams.get(r, ("",))[0] == f"r{i}"]:
+                for rid in [
+                    r for r in list(scheduler.requests) if r.endswith(f"r{i}") or beams.get(r, ("",))[0] == f"r{i}"
+                ]:
                     scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         for prompt_id in [p for p in samples if p in scheduler.held]:
             for sample in samples.pop(prompt_id):
@@ -206,8 +238,12 @@ def test_sharing_never_leaks_and_reads_only_own_tokens(w):
                     depth = parents_of[parent.request_id][1]
                     if depth + 1 < parent.sampling_params.max_tokens:
                         child_id = f"b{next(ids)}"
-                        scheduler.add_request(Request(child_id, parent.all_token_ids[:-1] + [token],
-                                                      parent.sampling_params, 1, hold=True), fork_of=parent.request_id)
+                        scheduler.add_request(
+                            Request(
+                                child_id, parent.all_token_ids[:-1] + [token], parent.sampling_params, 1, hold=True
+                            ),
+                            fork_of=parent.request_id,
+                        )
                         beams[child_id] = (group, depth + 1)
                 for parent in parents:
                     scheduler.finish_request(parent.request_id, RequestStatus.FINISHED_ABORTED)

@@ -3,6 +3,7 @@ kernel that reads the packed weights (up to ROWS_KERNEL_MAX rows a call, more in
 sums in fp32, and the gate_up layer that applies SiLU-and-mul as it stores against the two steps;
 each linear method, its checkpoint shards loaded in another order than the layer's, against
 F.linear on the whole matrix."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,10 +12,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.activation import silu_and_mul_reference
 from pagedllm.layers import linear
-from pagedllm.layers.linear import (ROWS_KERNEL_CHUNKS, ROWS_KERNEL_MAX, Linear, LinearMethodBase, PackedBF16LinearMethod,
-                                    QKVLinear, SiluAndMulLinear, UnquantizedLinearMethod, can_pack)
+from pagedllm.layers.activation import silu_and_mul_reference
+from pagedllm.layers.linear import (
+    ROWS_KERNEL_CHUNKS,
+    ROWS_KERNEL_MAX,
+    Linear,
+    LinearMethodBase,
+    PackedBF16LinearMethod,
+    QKVLinear,
+    SiluAndMulLinear,
+    UnquantizedLinearMethod,
+    can_pack,
+)
 
 
 def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool, cls: type = Linear) -> Linear:
@@ -43,8 +53,13 @@ def _rows_kernel_built() -> bool:
 
 
 @pytest.mark.skipif(not _rows_kernel_built(), reason="no AVX512-BF16 kernels or oneDNN here")
-@pytest.mark.parametrize("rows", sorted({r for r in (1, 2, 3, 5, 8, 64, 301, ROWS_KERNEL_MAX) if r <= ROWS_KERNEL_MAX}
-                                         | ({2 * ROWS_KERNEL_MAX + 3} if ROWS_KERNEL_CHUNKS else set())))
+@pytest.mark.parametrize(
+    "rows",
+    sorted(
+        {r for r in (1, 2, 3, 5, 8, 64, 301, ROWS_KERNEL_MAX) if r <= ROWS_KERNEL_MAX}
+        | ({2 * ROWS_KERNEL_MAX + 3} if ROWS_KERNEL_CHUNKS else set())
+    ),
+)
 @pytest.mark.parametrize("out_features, in_features", [(7, 64), (576, 1536), (1030, 100), (128, 2816)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_kernel_sums_in_fp32(rows, out_features, in_features, bias, monkeypatch):
@@ -85,8 +100,13 @@ def test_packing_a_tied_head_leaves_the_embedding_alone():
 
 
 @pytest.mark.skipif(not _rows_kernel_built(), reason="no AVX512-BF16 kernels or oneDNN here")
-@pytest.mark.parametrize("rows", sorted({r for r in (1, 3, 5, 64, 301) if r <= ROWS_KERNEL_MAX}
-                                         | ({2 * ROWS_KERNEL_MAX + 3} if ROWS_KERNEL_CHUNKS else set())))
+@pytest.mark.parametrize(
+    "rows",
+    sorted(
+        {r for r in (1, 3, 5, 64, 301) if r <= ROWS_KERNEL_MAX}
+        | ({2 * ROWS_KERNEL_MAX + 3} if ROWS_KERNEL_CHUNKS else set())
+    ),
+)
 @pytest.mark.parametrize("n, in_features", [(64, 64), (192, 100), (2816, 1024)])
 def test_silu_and_mul_linear_stores_what_silu_and_mul_makes_of_the_plain_layer(rows, n, in_features):
     """Gate and up interleaved, the activation applied as the kernel stores: bit for bit the
@@ -131,8 +151,9 @@ class _Uint8Method(LinearMethodBase):
     """A stand-in for a quantized format: its own uint8 parameter (w + 128), no decoder-stack kernel."""
 
     def create_weights(self, layer: Linear, weight_loader) -> None:
-        layer.qweight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=torch.uint8),
-                                     requires_grad=False)
+        layer.qweight = nn.Parameter(
+            torch.empty(layer.out_features, layer.in_features, dtype=torch.uint8), requires_grad=False
+        )
         layer.qweight.weight_loader = weight_loader
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +162,15 @@ class _Uint8Method(LinearMethodBase):
 
 _bf16_packs = can_pack(torch.zeros(1, dtype=torch.bfloat16))
 # (the method a layer is built with, the weights' dtype, the method that serves them once loaded)
-_METHODS = [(UnquantizedLinearMethod, torch.float32, UnquantizedLinearMethod),
-            pytest.param(UnquantizedLinearMethod, torch.bfloat16, PackedBF16LinearMethod,
-                         marks=pytest.mark.skipif(not _bf16_packs, reason="no oneDNN here"))]
+_METHODS = [
+    (UnquantizedLinearMethod, torch.float32, UnquantizedLinearMethod),
+    pytest.param(
+        UnquantizedLinearMethod,
+        torch.bfloat16,
+        PackedBF16LinearMethod,
+        marks=pytest.mark.skipif(not _bf16_packs, reason="no oneDNN here"),
+    ),
+]
 
 
 @pytest.mark.parametrize("method, dtype, serving", _METHODS)
@@ -181,7 +208,9 @@ def test_gate_up_shards_loaded_up_first_give_silu_and_mul_of_f_linear(method, dt
 def test_a_method_owns_parameters_of_its_own_dtype_and_shape():
     """The layer's shard loader fills a uint8 parameter by rows; the model's dtype leaves it alone."""
     torch.manual_seed(2)
-    shards = {name: torch.randint(0, 256, (rows, 32), dtype=torch.uint8) for name, rows in (("q", 64), ("k", 32), ("v", 32))}
+    shards = {
+        name: torch.randint(0, 256, (rows, 32), dtype=torch.uint8) for name, rows in (("q", 64), ("k", 32), ("v", 32))
+    }
     layer = QKVLinear(32, 64, 32, bias=False, method=_Uint8Method()).to(torch.bfloat16)
     assert layer.qweight.dtype == torch.uint8 and not hasattr(layer, "weight")
     for shard in ("k", "v", "q"):

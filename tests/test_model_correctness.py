@@ -1,4 +1,5 @@
 """Greedy tokens equal transformers' on the same weights; logprobs agree within fp32 tolerance."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,12 +45,17 @@ def test_default_model_matches_transformers_gguf_loader(default_hf_model):
     hf = default_hf_model
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
     tokenizer = llm.get_tokenizer()
-    texts = ["The capital of France is", "def fibonacci(n):",
-             "Once upon a time, in a land far away, there lived a dragon who " * 4]
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away, there lived a dragon who " * 4,
+    ]
     prompts = [tokenizer.encode(t) for t in texts]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0),
-                           use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )
     for prompt, output in zip(prompts, outputs):
         tokens, logprobs, _ = hf_greedy(hf, prompt, 16)
         assert output.outputs[0].token_ids == tokens
@@ -68,10 +74,12 @@ def test_pure_torch_path_gives_the_same_greedy_tokens(tiny_models, compile):
     prompts = prompts_of_mixed_lengths(49152, seed=6)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", block_size=4)
-    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
-    tokens, graphs = greedy_without_kernels(dict(model=path, dtype="float32", kv_cache_memory="16MiB", block_size=4,
-                                                 compile=compile), prompts, 6)
+    ours = [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
+    tokens, graphs = greedy_without_kernels(
+        dict(model=path, dtype="float32", kv_cache_memory="16MiB", block_size=4, compile=compile), prompts, 6
+    )
     assert tokens == ours
     # Compiled: norms, SiLU and rotary each became graphs (and decode's one-token shapes their own).
     assert graphs >= 4 if compile else graphs == 0

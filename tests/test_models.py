@@ -1,4 +1,5 @@
 """The model registry and the families' options: each architecture its own class, on the shared decoder."""
+
 from __future__ import annotations
 
 import re
@@ -11,8 +12,12 @@ from conftest import ARCHS, _config
 from pagedllm.models.interface import CausalLM
 from pagedllm.models.registry import model_class
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 @pytest.mark.parametrize("family", ARCHS)
@@ -29,17 +34,26 @@ def test_the_four_classes_are_distinct():
 
 
 def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones():
-    supported = ("BertModel, Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-                 "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")
-    with pytest.raises(ValueError, match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: "
-                                         + re.escape(supported) + "$"):
+    supported = (
+        "BertModel, Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+        "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: " + re.escape(supported) + "$",
+    ):
         model_class(SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
 
 
-@pytest.mark.parametrize("family, qkv_bias, qk_norm, window", [("llama", False, False, None),
-                                                               ("mistral", False, False, 8),
-                                                               ("qwen2", True, False, None),
-                                                               ("qwen3", False, True, None)])
+@pytest.mark.parametrize(
+    "family, qkv_bias, qk_norm, window",
+    [
+        ("llama", False, False, None),
+        ("mistral", False, False, 8),
+        ("qwen2", True, False, None),
+        ("qwen3", False, True, None),
+    ],
+)
 def test_each_family_builds_its_options_into_the_shared_layers(family, qkv_bias, qk_norm, window):
     config = _config(family, 256)
     with torch.device("meta"):

@@ -1,6 +1,7 @@
 """Mixture-of-experts families against transformers on tiny random models (greedy tokens equal,
 logprobs close): Qwen3-MoE (renormalized top-k, a dense layer among sparse ones), Qwen2-MoE (shared
 expert, top-k not renormalized), Mixtral; and the experts compute only the tokens routed to them."""
+
 from __future__ import annotations
 
 import json
@@ -10,21 +11,51 @@ import torch
 
 from test_model_correctness import assert_matches_transformers
 
-COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    initializer_range=0.2,
+)
 
 
 def _config(family: str, vocab: int, dense_layers: list[int], **overrides):
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family == "qwen3_moe":
-        return Qwen3MoeConfig(**{"vocab_size": vocab, "intermediate_size": 96, "moe_intermediate_size": 32,
-                                 "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "head_dim": 16,
-                                 "mlp_only_layers": dense_layers, **COMMON, **overrides})
+        return Qwen3MoeConfig(
+            **{
+                "vocab_size": vocab,
+                "intermediate_size": 96,
+                "moe_intermediate_size": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "norm_topk_prob": True,
+                "head_dim": 16,
+                "mlp_only_layers": dense_layers,
+                **COMMON,
+                **overrides,
+            }
+        )
     if family == "qwen2_moe":
-        return Qwen2MoeConfig(**{"vocab_size": vocab, "intermediate_size": 96, "moe_intermediate_size": 32,
-                                 "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
-                                 "shared_expert_intermediate_size": 48, **COMMON, **overrides})
+        return Qwen2MoeConfig(
+            **{
+                "vocab_size": vocab,
+                "intermediate_size": 96,
+                "moe_intermediate_size": 32,
+                "num_experts": 6,
+                "num_experts_per_tok": 3,
+                "norm_topk_prob": False,
+                "shared_expert_intermediate_size": 48,
+                **COMMON,
+                **overrides,
+            }
+        )
     return MixtralConfig(vocab_size=vocab, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **COMMON)
 
 
@@ -35,8 +66,9 @@ def make_moe(family: str, path, tokenizer_dir: str, dense_layers: tuple[int, ...
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(_config(family, len(tokenizer), list(dense_layers), **overrides),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        _config(family, len(tokenizer), list(dense_layers), **overrides), dtype=torch.float32
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -94,7 +126,8 @@ def test_moe_from_gguf(tmp_path, tokenizer_dir, family):
     for a, b in zip(ours, theirs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [e[t].logprob for e, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == pytest.approx(
-            [e[t].logprob for e, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)], abs=1e-4)
+            [e[t].logprob for e, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)], abs=1e-4
+        )
     # Quantized: every expert routed (top-k = all), so that the int8 activations' rounding cannot
     # flip a token's choice of experts, which moves its logprob by far more than the rounding does.
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -2,6 +2,7 @@
 ones kept, rejected ones rolled back with their slots and the blocks only they filled. Whatever the
 drafts, each request's output equals the fake model's own sequence (what greedy speculative
 decoding promises), budgets hold, and no block leaks."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -28,7 +29,7 @@ def model_sequence(prompt: list[int], max_tokens: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(model_token(tokens))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def accept(context: list[int], drafts: list[int]) -> list[int]:
@@ -43,8 +44,13 @@ def accept(context: list[int], drafts: list[int]) -> list[int]:
 
 
 def verify(output: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
-    return ModelRunnerOutput({s.request_id: accept(requests[s.request_id].all_token_ids, s.spec_token_ids)
-                              for s in output.scheduled if s.sample})
+    return ModelRunnerOutput(
+        {
+            s.request_id: accept(requests[s.request_id].all_token_ids, s.spec_token_ids)
+            for s in output.scheduled
+            if s.sample
+        }
+    )
 
 
 def propose(context: list[int], k: int, right: int) -> list[int]:
@@ -56,18 +62,23 @@ def propose(context: list[int], k: int, right: int) -> list[int]:
     return drafts
 
 
-workload_st = st.fixed_dictionaries({
-    "requests": st.lists(st.tuples(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=30),
-                                   st.integers(1, 24)), min_size=1, max_size=8),
-    "block_size": st.sampled_from([1, 2, 4, 16]),
-    "spare_blocks": st.integers(0, 12),
-    "budget": st.integers(1, 40),
-    "max_num_seqs": st.integers(1, 5),
-    "k": st.integers(1, 5),
-    # Per proposal, how many leading drafts are right (the rest are wrong), drawn in turn.
-    "right": st.lists(st.integers(0, 5), min_size=1, max_size=50),
-    "aborts": st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40)), max_size=2),
-})
+workload_st = st.fixed_dictionaries(
+    {
+        "requests": st.lists(
+            st.tuples(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=30), st.integers(1, 24)),
+            min_size=1,
+            max_size=8,
+        ),
+        "block_size": st.sampled_from([1, 2, 4, 16]),
+        "spare_blocks": st.integers(0, 12),
+        "budget": st.integers(1, 40),
+        "max_num_seqs": st.integers(1, 5),
+        "k": st.integers(1, 5),
+        # Per proposal, how many leading drafts are right (the rest are wrong), drawn in turn.
+        "right": st.lists(st.integers(0, 5), min_size=1, max_size=50),
+        "aborts": st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40)), max_size=2),
+    }
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -78,8 +89,9 @@ def test_drafts_never_change_the_output_and_rollback_leaves_nothing_behind(w):
     requests = {}
     for i, (prompt, max_tokens) in enumerate(w["requests"]):
         max_tokens = min(max_tokens, MAX_MODEL_LEN - len(prompt))
-        requests[f"r{i}"] = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens,
-                                    frozenset({EOS}))
+        requests[f"r{i}"] = Request(
+            f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS})
+        )
         scheduler.add_request(requests[f"r{i}"])
     aborts = {step: f"r{i}" for i, step in w["aborts"]}
     proposals = 0
@@ -101,14 +113,14 @@ def test_drafts_never_change_the_output_and_rollback_leaves_nothing_behind(w):
         _check_blocks(kv, scheduler)  # tables cover exactly the computed tokens: rejected slots are gone
         for request in scheduler.running:
             assert request.num_computed_tokens <= request.num_tokens
-            hashes = request.block_hashes[:kv._num_cached.get(request.request_id, 0)]
-            for index, block in enumerate(kv.req_blocks[request.request_id][:len(hashes)]):
+            hashes = request.block_hashes[: kv._num_cached.get(request.request_id, 0)]
+            for index, block in enumerate(kv.req_blocks[request.request_id][: len(hashes)]):
                 # Only accepted tokens were ever hashed (a block whose content another block already
                 # caches stays unhashed).
                 assert block.block_hash in (None, hashes[index])
     else:
         raise AssertionError("requests never finished")
-    for request_id, request in requests.items():
+    for request in requests.values():
         if request.status == RequestStatus.FINISHED_ABORTED:
             continue
         assert request.status == RequestStatus.FINISHED_LENGTH

@@ -1,5 +1,6 @@
 """--quantization int8 / int4 / int4_g32: a Hugging Face checkpoint's linear layers quantized as it
 loads, onto the same kernels as GGUF's."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,14 @@ from pagedllm.layers.quantization.formats import dequantize, quantize_int4_group
 
 ops = cpu_ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="quantized weights need the C++ kernels")
-WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            initializer_range=0.05)
+WIDE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    initializer_range=0.05,
+)
 
 
 def test_int8_per_channel():
@@ -48,10 +55,15 @@ def wide_llama(tmp_path_factory, tokenizer_dir) -> str:
 
 
 def teacher_forced(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
-    outputs = llm.generate([{"prompt_token_ids": s} for s in sequences],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return torch.cat([torch.tensor([entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], s[1:])])
-                      for o, s in zip(outputs, sequences)])
+    outputs = llm.generate(
+        [{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
+    return torch.cat(
+        [
+            torch.tensor([entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], s[1:])])
+            for o, s in zip(outputs, sequences)
+        ]
+    )
 
 
 @needs_kernels
@@ -78,8 +90,9 @@ def test_online_quantization_near_the_float_model(wide_llama, scheme, bound, wor
 def test_online_quantized_layers_run_in_the_stack(wide_llama):
     llm = LLM(wide_llama, quantization="int4", kv_cache_memory="32MiB", dtype="bfloat16")
     assert llm.engine.model_runner.model._stack is not None
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0),
-                       use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 4
 
 

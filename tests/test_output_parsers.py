@@ -1,5 +1,6 @@
 """Tool-call parsers (hermes, llama3_json) and reasoning parsers (deepseek_r1, qwen3): what parse()
 finds in whole outputs, and that their streams, fed the same text cut anywhere, send the same."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.entrypoints.openai.tool_parsers import (TOOL_PARSERS, ToolCallDelta, ToolParser,
-                                                      get_tool_parser)
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallDelta, ToolParser, get_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers.constrained import NamedFunctionOutput, RequiredFunctionsOutput
 from pagedllm.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 
@@ -17,6 +17,7 @@ PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
 
 def cut(text: str, positions: list[int]) -> list[str]:
     """`text` in pieces at the given positions (taken modulo len+1, sorted, repeats allowed)."""
@@ -78,6 +79,7 @@ def calls_of(parser: ToolParser, text: str) -> list[tuple[str, dict]]:
 
 # ---- registries ---------------------------------------------------------------------------------
 
+
 def test_registries_and_unknown_names():
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
@@ -99,33 +101,61 @@ HERMES_CASES = [
     ("The weather is fine.", "The weather is fine.", []),
     ("", None, []),
     ("  \n ", None, []),
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>',
-     None, [("get_weather", W)]),
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}</tool_call>',
-     None, [("get_weather", W)]),
-    ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-     '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', None, [("a", {"x": 1}), ("b", {})]),
-    ('Let me check.\n\n<tool_call>\n{"name": "a", "arguments": {"x": [1, 2]}}\n</tool_call>\n',
-     "Let me check.", [("a", {"x": [1, 2]})]),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>',
+        None,
+        [("get_weather", W)],
+    ),
+    (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}</tool_call>',
+        None,
+        [("get_weather", W)],
+    ),
+    (
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
+        None,
+        [("a", {"x": 1}), ("b", {})],
+    ),
+    (
+        'Let me check.\n\n<tool_call>\n{"name": "a", "arguments": {"x": [1, 2]}}\n</tool_call>\n',
+        "Let me check.",
+        [("a", {"x": [1, 2]})],
+    ),
     ('A <tool_call>{"name": "a", "arguments": {}}</tool_call> B', "A  B", [("a", {})]),
     # arguments as a JSON string holding an object
     ('<tool_call>{"name": "a", "arguments": "{\\"q\\": \\"日本\\"}"}</tool_call>', None, [("a", {"q": "日本"})]),
     # missing arguments: {}
     ('<tool_call>{"name": "a"}</tool_call>', None, [("a", {})]),
     # malformed JSON: the span, tags included, is content; the valid call after it still counts
-    ('<tool_call>{"name": "a", "arguments": {</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>',
-     '<tool_call>{"name": "a", "arguments": {</tool_call>', [("b", {})]),
+    (
+        '<tool_call>{"name": "a", "arguments": {</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": {</tool_call>',
+        [("b", {})],
+    ),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
-    ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
-     []),
-    ('<tool_call>{"name": "a", "arguments": "not json"}</tool_call>',
-     '<tool_call>{"name": "a", "arguments": "not json"}</tool_call>', []),
-    ('<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>',
-     '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>', []),
+    (
+        '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "a", "arguments": "not json"}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": "not json"}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>',
+        [],
+    ),
     # unclosed: content to the end
     ('Sure. <tool_call>\n{"name": "a", "arguments": {}}', 'Sure. <tool_call>\n{"name": "a", "arguments": {}}', []),
-    ('<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b"',
-     'then <tool_call>{"name": "b"', [("a", {})]),
+    (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b"',
+        'then <tool_call>{"name": "b"',
+        [("a", {})],
+    ),
     # lookalikes of the tags are plain text
     ("use <tool_calls> or </tool_call> here", "use <tool_calls> or </tool_call> here", []),
 ]
@@ -150,25 +180,35 @@ def test_hermes_stream_sends_content_early_and_holds_partial_tags():
     stream = get_tool_parser("hermes").stream()
     assert stream.feed("Hi <tool") == ("Hi", [])  # the space is held (trailing) and so is "<tool"
     assert stream.feed("s are") == (" <tools are", [])  # not a tag after all: released
-    assert stream.feed(" here.\n<tool_call>\n{\"name\": ") == (" here.", [])
+    assert stream.feed(' here.\n<tool_call>\n{"name": ') == (" here.", [])
     assert stream.feed('"f", "arguments": {"a": 1}}\n</tool_') == ("", [])
     content, deltas = stream.feed("call>\n")
     assert content == ""
     call = stream.tool_calls[0]
-    assert deltas == [ToolCallDelta(index=0, id=call.id, name="f", arguments=""),
-                      ToolCallDelta(index=0, arguments='{"a": 1}')]
+    assert deltas == [
+        ToolCallDelta(index=0, id=call.id, name="f", arguments=""),
+        ToolCallDelta(index=0, arguments='{"a": 1}'),
+    ]
     assert stream.finish() == ("", [])
 
 
 # ---- hermes: properties -------------------------------------------------------------------------
 
 # Text drawn from the characters tags and JSON are made of, so that cuts and lookalikes are common.
-TAGGY = st.text(alphabet=st.sampled_from(list("<>/_tool_call{}\":, \n") + ["é", "日", "🙂", "x"]), max_size=12)
+TAGGY = st.text(alphabet=st.sampled_from(list('<>/_tool_call{}":, \n') + ["é", "日", "🙂", "x"]), max_size=12)
 NAMES = st.text(alphabet="abcdefghij_", min_size=1, max_size=8)
-JSON_SCALARS = (st.none() | st.booleans() | st.integers(-10**6, 10**6)
-                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6))
-JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6)
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
 ARGS = st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=4)
 SPACE = st.sampled_from(["", "\n", " ", "\n\n", " \t"])
 
@@ -181,16 +221,26 @@ def hermes_call(draw) -> tuple[str, str, str]:
     as_string = draw(st.booleans())
     obj = {"name": name, "arguments": json.dumps(args) if as_string else args}
     body = json.dumps(obj, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
-    return (f"<tool_call>{draw(SPACE)}{body}{draw(SPACE)}</tool_call>", name,
-            json.dumps(args, ensure_ascii=False))
+    return (f"<tool_call>{draw(SPACE)}{body}{draw(SPACE)}</tool_call>", name, json.dumps(args, ensure_ascii=False))
 
 
-HERMES_JUNK = st.sampled_from(["<tool_call>", "</tool_call>", "<tool_call>{", '<tool_call>{"name": 1}</tool_call>',
-                               '<tool_call>{"name": "x", "arguments": {}', "<tool_", "</tool_c"])
+HERMES_JUNK = st.sampled_from(
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_call>{",
+        '<tool_call>{"name": 1}</tool_call>',
+        '<tool_call>{"name": "x", "arguments": {}',
+        "<tool_",
+        "</tool_c",
+    ]
+)
 
 
-@given(parts=st.lists(TAGGY | HERMES_JUNK | hermes_call().map(lambda c: c[0]), max_size=8),
-       positions=st.lists(st.integers(min_value=0), max_size=12))
+@given(
+    parts=st.lists(TAGGY | HERMES_JUNK | hermes_call().map(lambda c: c[0]), max_size=8),
+    positions=st.lists(st.integers(min_value=0), max_size=12),
+)
 @PROPERTY
 def test_hermes_stream_matches_parse_for_any_text_and_cuts(parts, positions):
     text = "".join(parts)
@@ -217,8 +267,11 @@ LLAMA_CASES = [
     ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}', None, [("get_weather", W)]),
     ('  {"name": "a", "arguments": {"x": 1}}\n', None, [("a", {"x": 1})]),
     ('<|python_tag|>{"name": "a", "parameters": {}}', None, [("a", {})]),
-    ('<|python_tag|> {"name": "a", "parameters": {"x": true}}; {"name": "b", "parameters": {"y": null}}',
-     None, [("a", {"x": True}), ("b", {"y": None})]),
+    (
+        '<|python_tag|> {"name": "a", "parameters": {"x": true}}; {"name": "b", "parameters": {"y": null}}',
+        None,
+        [("a", {"x": True}), ("b", {"y": None})],
+    ),
     ('{"name": "a", "parameters": {}};{"name": "b", "parameters": {}}', None, [("a", {}), ("b", {})]),
     ('{"name": "a", "parameters": {}} ;\n {"name": "b", "parameters": {}};', None, [("a", {}), ("b", {})]),
     ('{"name": "a", "parameters": "{\\"q\\": 1}"}', None, [("a", {"q": 1})]),  # arguments as a string
@@ -251,7 +304,7 @@ def test_llama3_stream_decides_early_when_it_is_content():
     assert stream.feed("lo") == ("lo", [])
 
     stream = parser.stream()
-    assert stream.feed('<|python_') == ("", [])
+    assert stream.feed("<|python_") == ("", [])
     assert stream.feed('tag|>{"name": "f", "parameters": {"a": 1}}') == ("", [])  # may be more calls
     assert stream.feed(" and") == ('<|python_tag|>{"name": "f", "parameters": {"a": 1}} and', [])
     assert stream.finish() == ("", [])
@@ -270,11 +323,14 @@ def test_llama3_stream_decides_early_when_it_is_content():
     assert stream.feed('{"name": "f", "parameters": {}}') == ("", [])
     content, deltas = stream.finish()
     call = stream.tool_calls[0]
-    assert (content, deltas) == ("", [ToolCallDelta(index=0, id=call.id, name="f"),
-                                      ToolCallDelta(index=0, arguments="{}")])
+    assert (content, deltas) == (
+        "",
+        [ToolCallDelta(index=0, id=call.id, name="f"), ToolCallDelta(index=0, arguments="{}")],
+    )
 
 
 # ---- llama3_json: properties --------------------------------------------------------------------
+
 
 @st.composite
 def llama_output(draw) -> tuple[str, list[tuple[str, str]]]:
@@ -288,8 +344,12 @@ def llama_output(draw) -> tuple[str, list[tuple[str, str]]]:
         calls.append((name, json.dumps(args, ensure_ascii=False)))
     seps = [draw(st.sampled_from([";", "; ", " ;\n", ";\n\n"])) for _ in objs[1:]]
     body = objs[0] + "".join(sep + obj for sep, obj in zip(seps, objs[1:]))
-    text = (draw(SPACE) + draw(st.sampled_from(["", "<|python_tag|>", "<|python_tag|> "])) + body
-            + draw(st.sampled_from(["", ";", "\n", " ;\n"])))
+    text = (
+        draw(SPACE)
+        + draw(st.sampled_from(["", "<|python_tag|>", "<|python_tag|> "]))
+        + body
+        + draw(st.sampled_from(["", ";", "\n", " ;\n"]))
+    )
     return text, calls
 
 
@@ -302,9 +362,13 @@ def test_llama3_finds_the_calls(output):
     assert [(c.name, c.arguments) for c in result.tool_calls] == calls
 
 
-@given(output=llama_output(), junk=st.text(alphabet=st.sampled_from(list('{}";: ax<|') + ["é", "🙂"]), max_size=6),
-       where=st.integers(min_value=0), truncate=st.booleans(), positions=st.lists(st.integers(min_value=0),
-                                                                                     max_size=12))
+@given(
+    output=llama_output(),
+    junk=st.text(alphabet=st.sampled_from(list('{}";: ax<|') + ["é", "🙂"]), max_size=6),
+    where=st.integers(min_value=0),
+    truncate=st.booleans(),
+    positions=st.lists(st.integers(min_value=0), max_size=12),
+)
 @PROPERTY
 def test_llama3_stream_matches_parse_for_damaged_outputs_and_any_cuts(output, junk, where, truncate, positions):
     text = output[0]
@@ -341,8 +405,9 @@ QWEN3_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,text,reasoning,content",
-                         [("deepseek_r1", *c) for c in R1_CASES] + [("qwen3", *c) for c in QWEN3_CASES])
+@pytest.mark.parametrize(
+    "name,text,reasoning,content", [("deepseek_r1", *c) for c in R1_CASES] + [("qwen3", *c) for c in QWEN3_CASES]
+)
 def test_reasoning_parse(name, text, reasoning, content):
     parser = get_reasoning_parser(name)
     assert parser.parse(text) == (reasoning, content)
@@ -371,8 +436,11 @@ def test_reasoning_stream_holds_a_cut_tag_and_releases_a_false_one():
 
 # ---- reasoning: properties ----------------------------------------------------------------------
 
-THINKY = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "nk>", "\n", "\n\n", " ", "x", "é🙂",
-                                   "<", "/", ">"]) | st.text(max_size=5), max_size=12).map("".join)
+THINKY = st.lists(
+    st.sampled_from(["<think>", "</think>", "<thi", "</th", "nk>", "\n", "\n\n", " ", "x", "é🙂", "<", "/", ">"])
+    | st.text(max_size=5),
+    max_size=12,
+).map("".join)
 
 
 @pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
@@ -387,22 +455,28 @@ def test_reasoning_stream_matches_parse_for_any_text_and_cuts(name, text, positi
 BODY = st.text(alphabet=st.sampled_from(list("ab <>/\n") + ["é", "🙂"]), max_size=15)
 
 
-@given(lead=st.sampled_from(["", "\n", "  \n"]), reasoning=BODY.filter(lambda t: "</think>" not in t),
-       sep=st.sampled_from(["", "\n", "\n\n"]), content=BODY)
+@given(
+    lead=st.sampled_from(["", "\n", "  \n"]),
+    reasoning=BODY.filter(lambda t: "</think>" not in t),
+    sep=st.sampled_from(["", "\n", "\n\n"]),
+    content=BODY,
+)
 @PROPERTY
 def test_qwen3_splits_a_thinking_output(lead, reasoning, sep, content):
     text = f"{lead}<think>{reasoning}</think>{sep}{content}"
-    assert get_reasoning_parser("qwen3").parse(text) == (reasoning.strip("\n") or None,
-                                                          content.lstrip("\n") or None)
+    assert get_reasoning_parser("qwen3").parse(text) == (reasoning.strip("\n") or None, content.lstrip("\n") or None)
     # deepseek_r1 reads the same output after its template opened <think>
-    assert get_reasoning_parser("deepseek_r1").parse(text.lstrip()) == (reasoning.strip("\n") or None,
-                                                                         content.lstrip("\n") or None)
+    assert get_reasoning_parser("deepseek_r1").parse(text.lstrip()) == (
+        reasoning.strip("\n") or None,
+        content.lstrip("\n") or None,
+    )
 
 
 # -- the outputs tool_choice "required" and a named function are constrained to ------------------
 
-REQUIRED_TEXT = ('[{"name": "f", "parameters": {"q": "a \\\\\\" ] } [ {"}}, '
-                 '{"name": "g", "parameters": {"n": [1, {"x": 2}]}}]')
+REQUIRED_TEXT = (
+    '[{"name": "f", "parameters": {"q": "a \\\\\\" ] } [ {"}}, {"name": "g", "parameters": {"n": [1, {"x": 2}]}}]'
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -420,10 +494,10 @@ def test_required_calls_stream_as_each_completes(cuts):
         assert content == ""
         deltas += new
         if new and first_call_at is None:
-            first_call_at = sum(map(len, pieces[:i + 1]))
+            first_call_at = sum(map(len, pieces[: i + 1]))
     assert stream.finish() == ("", [])
     f_end = REQUIRED_TEXT.index("}}, ") + 2
-    ends = [sum(map(len, pieces[:i + 1])) for i in range(len(pieces))]
+    ends = [sum(map(len, pieces[: i + 1])) for i in range(len(pieces))]
     assert first_call_at == min(e for e in ends if e >= f_end)  # f went out with the piece that completed it
     joined = {}
     for d in deltas:

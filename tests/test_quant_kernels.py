@@ -1,5 +1,7 @@
 """Quantized weights: GGUF blocks decoded exactly (against the gguf package's own dequantizer), and
-the C++ kernels (their vector path, AVX512-VNNI or AVX2, and the portable one) against the pure-torch reference, dequantize-then-matmul."""
+the C++ kernels (their vector path, AVX512-VNNI or AVX2, and the portable one) against the pure-torch
+reference, dequantize-then-matmul."""
+
 from __future__ import annotations
 
 import gguf
@@ -44,15 +46,18 @@ def test_decode_of_quantized_floats(name):
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_record_size(name):
     fmt = FORMATS[name]
-    assert pack(fields_of(name, 40, cols_for(name, 2))).shape == (3, 2 * fmt.record_values // fmt.record_values,
-                                                                   fmt.record_bytes)
+    assert pack(fields_of(name, 40, cols_for(name, 2))).shape == (
+        3,
+        2 * fmt.record_values // fmt.record_values,
+        fmt.record_bytes,
+    )
     # The same bits a weight as the file, give or take the 16-row padding and the K types' scales.
     file_bits = fmt.block_bytes * 8 / fmt.block_values
     assert fmt.record_bytes * 8 / (16 * fmt.record_values) == pytest.approx(file_bits, abs=0.126)
     if fmt.k_quant:  # K records end on a cache line, so that none starts mid-line; the padding is zeros
         assert fmt.record_bytes % 64 == 0
         packed = pack(fields_of(name, 40, cols_for(name, 2)))
-        assert not packed[..., fmt.record_bytes - fmt.record_padding:].any()
+        assert not packed[..., fmt.record_bytes - fmt.record_padding :].any()
 
 
 @needs_kernels
@@ -62,14 +67,13 @@ def test_record_size(name):
 def test_activations_quantize_as_the_reference(portable, dtype, block):
     cols = 3 * block
     x = (torch.randn(7, cols) * torch.logspace(-3, 2, cols)).to(dtype)
-    x[3, block:2 * block] = 0  # a block of zeros: scale 0, codes 0
+    x[3, block : 2 * block] = 0  # a block of zeros: scale 0, codes 0
     x[4, 5] = 2.5 * x[4, :block].abs().max() / 127  # (not a tie after scaling, but near the top)
     codes, scales, sums = ops.quantize_activations(x, portable, block)
     q, d = quantize_activations(x, block)
     assert d.shape == (7, 3)
     assert torch.equal(codes, q) and torch.equal(scales, d)
     assert torch.equal(sums, q.view(7, -1, 16).int().sum(-1))
-
 
 
 def kernel_linear(fields: list[formats.Fields], x: torch.Tensor, bias=None, portable=False, silu_mul=False):
@@ -110,7 +114,7 @@ def test_a_row_is_the_same_whatever_rows_share_its_call(name):
     several rows, one pass of 5-8 while weights stream from memory, two of 4 beyond)."""
     fields = fields_of(name, 40, cols_for(name, 3 if FORMATS[name].k_quant else 5), seed=11)
     x = torch.randn(12, fields.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
-    alone = torch.cat([kernel_linear([fields], x[i:i + 1]) for i in range(12)])
+    alone = torch.cat([kernel_linear([fields], x[i : i + 1]) for i in range(12)])
     for rows in (2, 4, 5, 6, 7, 8, 9, 12):
         assert torch.equal(kernel_linear([fields], x[:rows]), alone[:rows]), rows
 

@@ -1,6 +1,7 @@
 """The Ray executor: tensor-parallel ranks as Ray actors on a local Ray instance the tests start
 (num_cpus=2) and stop, with outputs equal to one rank's, through shared memory and through gloo
 (the path ranks on several machines take), a rank's death, and bad set-ups."""
+
 from __future__ import annotations
 
 import os
@@ -88,10 +89,17 @@ def test_ranks_get_equal_cpus_each_on_one_machine():
 
 
 def test_an_unreachable_ray_cluster_fails_in_seconds(llama_dir):
-    script = ("from pagedllm import LLM\n"
-              f"LLM({llama_dir!r}, tensor_parallel_size=2, distributed_executor_backend='ray', dtype='float32')")
+    script = (
+        "from pagedllm import LLM\n"
+        f"LLM({llama_dir!r}, tensor_parallel_size=2, distributed_executor_backend='ray', dtype='float32')"
+    )
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"},
+    )
     assert result.returncode != 0 and "no Ray cluster is reachable at RAY_ADDRESS=127.0.0.1:1" in result.stderr
     assert time.monotonic() - start < 60

@@ -1,4 +1,5 @@
 """Rejection sampling of draft tokens: what comes out is distributed as the target's own draws."""
+
 from __future__ import annotations
 
 import random
@@ -6,8 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedllm.layers.rejection_sampler import draw, rejection_sample
-
+from pagedllm.worker.rejection_sampler import draw, rejection_sample
 
 # Chi-square critical values at p = 0.001 by degrees of freedom (a fixed table: no scipy needed).
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
@@ -42,7 +42,7 @@ def test_the_first_token_follows_the_target_not_the_draft(case):
     if case == "far":
         q = torch.softmax(torch.randn(2, vocab, generator=g) * 2, dim=-1)
     elif case == "near":
-        q = (p[:2] * 0.8 + 0.2 / vocab)
+        q = p[:2] * 0.8 + 0.2 / vocab
     else:  # the draft puts mass where the target has none, and none on the target's favourite
         p[0] = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0, 0.0])
         q = torch.tensor([[0.0, 0.2, 0.1, 0.3, 0.2, 0.2]] * 2)

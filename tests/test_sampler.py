@@ -1,4 +1,5 @@
 """The sampler on hand-made logits, and sampling behaviour through the engine."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.sampler import Sampler, apply_penalties, greedy_tokens
 from pagedllm.worker.input_batch import RequestState
+from pagedllm.worker.sampler import Sampler, apply_penalties, greedy_tokens
 
 VOCAB = 8
 
@@ -39,14 +40,16 @@ def test_greedy_tokens_is_torch_argmax_with_its_ties_infinities_and_nans(vocab):
     logits[5, vocab - 1] = -0.0  # equal to 0.0: still the first index
     logits[6, ::2] = float("nan")
     logits[7] = logits[7].bfloat16().float()  # coarse values tie more often
-    logits[8, vocab // 3:] = logits[8].max()  # the max again, late in the row
+    logits[8, vocab // 3 :] = logits[8].max()  # the max again, late in the row
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
 
 
 def test_draws_follow_the_distribution():
     sampler = Sampler()
     rows = 6000
-    out = sampler(torch.tensor([PROBS] * rows), [_req(SamplingParams(temperature=1.0), rid=str(i)) for i in range(rows)])
+    out = sampler(
+        torch.tensor([PROBS] * rows), [_req(SamplingParams(temperature=1.0), rid=str(i)) for i in range(rows)]
+    )
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).float() / rows
     want = torch.tensor(PROBS).exp()
     assert (freq - want).abs().max() < 0.025, freq  # ~4 standard errors at p = 0.5
@@ -71,8 +74,11 @@ def test_min_p_drops_tokens_below_share_of_the_best():
 def test_greedy_with_logit_bias_and_allowed_tokens():
     sampler = Sampler()
     logits = torch.tensor([PROBS, PROBS, PROBS])
-    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0, logit_bias={3: 100.0})),
-            _req(SamplingParams(temperature=0, allowed_token_ids=[2, 5]))]
+    reqs = [
+        _req(SamplingParams(temperature=0)),
+        _req(SamplingParams(temperature=0, logit_bias={3: 100.0})),
+        _req(SamplingParams(temperature=0, allowed_token_ids=[2, 5])),
+    ]
     assert sampler(logits, reqs).token_ids == [0, 3, 2]
 
 
@@ -102,16 +108,19 @@ def test_penalties_match_their_formulas():
 def test_seeded_sampling_is_reproducible(llama_dir):
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB")
     prompts = ["Hello there", "The weather today"]
+
     def run(seed):
         params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=12, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
     first = run(7)
     # Unseeded traffic in between must not disturb seeded requests.
     llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=5), use_tqdm=False)
     assert run(7) == first
     assert run(8) != first
-    n_samples = llm.generate(["Hello"], SamplingParams(n=3, seed=1, max_tokens=8, ignore_eos=True),
-                             use_tqdm=False)[0].outputs
+    n_samples = llm.generate(["Hello"], SamplingParams(n=3, seed=1, max_tokens=8, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs
     assert [s.index for s in n_samples] == [0, 1, 2]
     assert len({tuple(s.token_ids) for s in n_samples}) > 1
 
@@ -122,26 +131,47 @@ def test_stop_strings_and_stop_tokens(llama_dir):
     free = llm.generate(["Hello there"], base, use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 20
     text = free.text
-    stop = text[len(text) // 2: len(text) // 2 + 4]  # most likely spans a token boundary
+    stop = text[len(text) // 2 : len(text) // 2 + 4]  # most likely spans a token boundary
     cut = text.index(stop)
-    stopped = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                           stop=[stop]), use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        ["Hello there"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert (stopped.text, stopped.finish_reason, stopped.stop_reason) == (text[:cut], "stop", stop)
-    kept = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop,
-                                                        include_stop_str_in_output=True), use_tqdm=False)
-    assert kept[0].outputs[0].text == text[:cut + len(stop)]
+    kept = llm.generate(
+        ["Hello there"],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
+    assert kept[0].outputs[0].text == text[: cut + len(stop)]
     token = free.token_ids[4]
-    by_token = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                            stop_token_ids=[token]), use_tqdm=False)[0].outputs[0]
+    by_token = llm.generate(
+        ["Hello there"],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[token]),
+        use_tqdm=False,
+    )[0].outputs[0]
     first = free.token_ids.index(token)
-    assert by_token.token_ids == free.token_ids[:first + 1]
+    assert by_token.token_ids == free.token_ids[: first + 1]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
 
 
-@pytest.mark.parametrize("bad", [dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
-                                 dict(min_p=2), dict(max_tokens=-1), dict(presence_penalty=3),
-                                 dict(repetition_penalty=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=-1),
-                                 dict(stop=[""]), dict(allowed_token_ids=[])])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(n=0),
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(max_tokens=-1),
+        dict(presence_penalty=3),
+        dict(repetition_penalty=0),
+        dict(min_tokens=5, max_tokens=2),
+        dict(logprobs=-1),
+        dict(stop=[""]),
+        dict(allowed_token_ids=[]),
+    ],
+)
 def test_invalid_sampling_params_raise(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -182,8 +212,11 @@ def test_token_bitmask_limits_what_is_sampled_and_leaves_logprobs_alone():
     assert out.token_ids[2] in allowed
     raw = torch.log_softmax(logits, dim=-1)
     assert out.logprobs[0].logprobs[0] == pytest.approx(float(raw[best_allowed]), abs=1e-5)  # the model's, unmasked
-    draws = Sampler()(logits.repeat(200, 1), [_req(SamplingParams(temperature=2.0), rid=str(i)) for i in range(200)],
-                      TokenBitmask({str(i): 0 for i in range(200)}, [TokenBitmask.pack(allowed, vocab)]))
+    draws = Sampler()(
+        logits.repeat(200, 1),
+        [_req(SamplingParams(temperature=2.0), rid=str(i)) for i in range(200)],
+        TokenBitmask({str(i): 0 for i in range(200)}, [TokenBitmask.pack(allowed, vocab)]),
+    )
     assert set(draws.token_ids) <= set(allowed) and len(set(draws.token_ids)) > 1
     everything = TokenBitmask({"masked": 0}, [TokenBitmask.pack(list(range(vocab)), vocab)])
     assert Sampler()(logits[None].clone(), rows[:1], everything).token_ids == [int(logits.argmax())]
@@ -194,28 +227,28 @@ def test_token_mask_kernel_equals_the_torch_path(monkeypatch):
     portable path bars, high bits and a partial last word included."""
     import numpy as np
 
-    from pagedllm import layers
     from pagedllm.core.step import TokenBitmask
     from pagedllm.kernels import cpu_ops
-    from pagedllm.layers.sampler import apply_token_bitmask
+    from pagedllm.worker import sampler
+    from pagedllm.worker.sampler import apply_token_bitmask
 
     if cpu_ops() is None:
         pytest.skip("no C++ kernels here")
     vocab, batch = 1000, 6
     rng = np.random.default_rng(1)
-    words = rng.integers(-2**31, 2**31 - 1, size=(4, -(-vocab // 32)), dtype=np.int64).astype(np.int32)
+    words = rng.integers(-(2**31), 2**31 - 1, size=(4, -(-vocab // 32)), dtype=np.int64).astype(np.int32)
     words[0, :10] = -1
     words[1, 5:] = 0
     words[2, :] = -1
     words[3, :] = 0
-    words[3, 3] = np.int32(-2**31)  # only token 3 * 32 + 31
+    words[3, 3] = np.int32(-(2**31))  # only token 3 * 32 + 31
     states = [_req(SamplingParams(), rid=str(i)) for i in range(batch)]
     mask = TokenBitmask({"4": 0, "1": 1, "5": 2, "2": 3}, words)
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(2))
     with_kernel = apply_token_bitmask(logits.clone(), states, mask)
-    monkeypatch.setattr(layers.sampler, "cpu_ops", lambda: None)
+    monkeypatch.setattr(sampler, "cpu_ops", lambda: None)
     portable = apply_token_bitmask(logits.clone(), states, mask)
     assert torch.equal(with_kernel, portable)
     barred = torch.isinf(portable)
-    assert not barred[[0, 3]].any() and not barred[5].any() and barred[1, 5 * 32:].all()
+    assert not barred[[0, 3]].any() and not barred[5].any() and barred[1, 5 * 32 :].all()
     assert barred[2].sum() == vocab - 1 and not barred[2, 3 * 32 + 31]

@@ -1,4 +1,5 @@
 """Property tests of the pure-Python core: budgets, block accounting, no leaks, no deadlock."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -15,16 +16,18 @@ EOS = 0
 MAX_MODEL_LEN = 64
 
 request_st = st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 6))  # prompt, max_tokens, arrival step
-workload_st = st.fixed_dictionaries({
-    "requests": st.lists(request_st, min_size=1, max_size=12),
-    "aborts": st.lists(st.tuples(st.integers(0, 11), st.integers(0, 30)), max_size=4),  # (request, step)
-    "block_size": st.sampled_from([1, 2, 4, 16]),
-    "spare_blocks": st.integers(0, 20),
-    "budget": st.integers(1, 48),
-    "max_num_seqs": st.integers(1, 6),
-    "eos_every": st.integers(3, 50),
-    "window": st.sampled_from([None, None, 2, 9]),  # a sliding window: blocks behind it are freed
-})
+workload_st = st.fixed_dictionaries(
+    {
+        "requests": st.lists(request_st, min_size=1, max_size=12),
+        "aborts": st.lists(st.tuples(st.integers(0, 11), st.integers(0, 30)), max_size=4),  # (request, step)
+        "block_size": st.sampled_from([1, 2, 4, 16]),
+        "spare_blocks": st.integers(0, 20),
+        "budget": st.integers(1, 48),
+        "max_num_seqs": st.integers(1, 6),
+        "eos_every": st.integers(3, 50),
+        "window": st.sampled_from([None, None, 2, 9]),  # a sliding window: blocks behind it are freed
+    }
+)
 
 
 def _check_blocks(kv: KVCacheManager, scheduler: Scheduler) -> None:
@@ -44,8 +47,9 @@ def _check_blocks(kv: KVCacheManager, scheduler: Scheduler) -> None:
 
 def make_scheduler(w: dict) -> tuple[KVCacheManager, SchedulerConfig, Scheduler]:
     """A scheduler over a pool that holds one max_model_len request plus the workload's spare blocks."""
-    kv = KVCacheManager(cdiv(MAX_MODEL_LEN, w["block_size"]) + w["spare_blocks"], w["block_size"],
-                        sliding_window=w.get("window"))
+    kv = KVCacheManager(
+        cdiv(MAX_MODEL_LEN, w["block_size"]) + w["spare_blocks"], w["block_size"], sliding_window=w.get("window")
+    )
     config = SchedulerConfig(w["max_num_seqs"], w["budget"], MAX_MODEL_LEN)
     return kv, config, Scheduler(config, kv)
 
@@ -61,8 +65,9 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
     for step in range(2000):
         while pending and pending[0][1][2] <= step:
             i, (prompt_len, max_tokens, _) = pending.pop(0)
-            scheduler.add_request(Request(f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens),
-                                          max_tokens, frozenset({EOS})))
+            scheduler.add_request(
+                Request(f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
+            )
         if step in aborts:
             scheduler.finish_request(aborts[step], RequestStatus.FINISHED_ABORTED)
         if not pending and not scheduler.has_unfinished_requests():

@@ -2,6 +2,7 @@
 (sentence-transformers folder, Matryoshka) answers as transformers pools it, in float and base64,
 for text and token ids, with `dimensions`; the wrong endpoint for a model, and bad inputs, get 400
 in OpenAI's shape while the server goes on."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -19,8 +20,14 @@ from test_embeddings import SENTENCES, hf_hidden, make_bert, pooled
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
     path = make_bert(tmp_path_factory.mktemp("bert"), is_matryoshka=True)
-    server = Server(path, "--dtype", "float32", "--served-model-name", "bert",
-                    log_path=str(tmp_path_factory.mktemp("logs") / "bert.log"))
+    server = Server(
+        path,
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "bert",
+        log_path=str(tmp_path_factory.mktemp("logs") / "bert.log"),
+    )
     yield server, path, OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     assert server.stop() in (0, -15)
 
@@ -64,17 +71,21 @@ def test_dimensions_and_concurrency(bert):
         np.testing.assert_allclose(vector, alone[i % len(SENTENCES)].embedding, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": []}, "input"),
-    ({"input": "the cat", "dimensions": 65}, "dimensions"),
-    ({"input": "the cat", "dimensions": 0}, "dimensions"),
-    ({"input": [[]]}, "input"),
-    ({"input": [[10**6]]}, "input"),
-    ({"input": "the cat", "encoding_format": "hex"}, "encoding_format"),
-    ({"input": "cat " * 100}, "input"),  # past max_seq_length (64)
-    ({"input": "the cat", "model": "other"}, "model"),
-    ({"input": 5}, "input"),
-], ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": []}, "input"),
+        ({"input": "the cat", "dimensions": 65}, "dimensions"),
+        ({"input": "the cat", "dimensions": 0}, "dimensions"),
+        ({"input": [[]]}, "input"),
+        ({"input": [[10**6]]}, "input"),
+        ({"input": "the cat", "encoding_format": "hex"}, "encoding_format"),
+        ({"input": "cat " * 100}, "input"),  # past max_seq_length (64)
+        ({"input": "the cat", "model": "other"}, "model"),
+        ({"input": 5}, "input"),
+    ],
+    ids=lambda v: str(v)[:30],
+)
 def test_bad_embedding_requests_get_400(bert, body, param):
     server, _, _ = bert
     reply = httpx.post(f"{server.url}/v1/embeddings", json={"model": "bert", **body}, timeout=30)
@@ -95,8 +106,18 @@ def test_generation_on_an_encoder_gets_400(bert):
 
 
 def test_embeddings_on_a_generation_only_server_get_400(llama_dir, tmp_path):
-    server = Server(llama_dir, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--runner", "generate",
-                    "--served-model-name", "tiny", log_path=str(tmp_path / "server.log"))
+    server = Server(
+        llama_dir,
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--runner",
+        "generate",
+        "--served-model-name",
+        "tiny",
+        log_path=str(tmp_path / "server.log"),
+    )
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="does not serve embeddings"):

@@ -1,5 +1,6 @@
 """Faults and limits, on the real server: a request that fails inside a step ends alone; an engine
 that cannot go on says so and the process exits; SIGTERM drains; waiting and time are capped."""
+
 from __future__ import annotations
 
 import json
@@ -28,14 +29,14 @@ def _sse(client: httpx.Client, body: dict, path: str = "/v1/completions") -> lis
     """Every event of a stream, [DONE] as the string."""
     with client.stream("POST", path, json={**body, "stream": True}) as response:
         assert response.status_code == 200, response.read()
-        return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
-                for line in response.iter_lines() if line]
+        return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in response.iter_lines() if line]
 
 
 @pytest.fixture(scope="module")
 def faulty(llama_dir):
-    server = Server(llama_dir, *COMMON, "--allowed-origins", "http://app.example",
-                    env={"PAGEDLLM_FAULT": f"token:{FAULT_TOKEN}"})
+    server = Server(
+        llama_dir, *COMMON, "--allowed-origins", "http://app.example", env={"PAGEDLLM_FAULT": f"token:{FAULT_TOKEN}"}
+    )
     yield server
     server.stop()
 
@@ -67,7 +68,10 @@ def test_a_failing_request_ends_alone_and_the_others_go_on(faulty):
         assert client.get("/health").status_code == 200
         assert _complete(client, good[0]).json()["choices"][0]["text"] == alone[0]
         metrics = client.get("/metrics").text
-        assert "pagedllm:num_requests_running{" in metrics and 'pagedllm:num_requests_running{engine="0",model_name="' in metrics
+        assert (
+            "pagedllm:num_requests_running{" in metrics
+            and 'pagedllm:num_requests_running{engine="0",model_name="' in metrics
+        )
 
 
 def test_cors_only_for_the_allowed_origins(faulty):
@@ -133,8 +137,9 @@ def test_sigterm_ends_what_outlives_the_grace_period_with_a_final_event(llama_di
 
 
 def test_waiting_cap_and_request_timeout(llama_dir):
-    server = Server(llama_dir, *COMMON, "--max-num-seqs", "1", "--max-waiting-requests", "2",
-                    "--request-timeout", "3", env=SLOW)
+    server = Server(
+        llama_dir, *COMMON, "--max-num-seqs", "1", "--max-waiting-requests", "2", "--request-timeout", "3", env=SLOW
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             results: list[httpx.Response] = []
@@ -169,12 +174,20 @@ def test_a_taken_port_fails_before_the_model_loads(llama_dir):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", llama_dir, "--port",
-                               str(port)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", llama_dir, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "KV cache" not in done.stderr and "Loading" not in done.stderr
-    bad = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", llama_dir, "--port", "99999"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", llama_dir, "--port", "99999"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "not a TCP port" in bad.stderr
 
 
@@ -205,10 +218,13 @@ def test_clients_that_send_slowly_or_never_read_cannot_hold_the_engine(llama_dir
     server = Server(llama_dir, *COMMON)
     try:
         host, port = "127.0.0.1", server.port
-        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
-                           "stream": True}).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        body = json.dumps(
+            {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        ).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
         # One client stops half-way through its body; another asks for a long stream and never reads it.
         stalled = socket.create_connection((host, port))
         stalled.sendall(head + body[: len(body) // 2])
@@ -219,8 +235,12 @@ def test_clients_that_send_slowly_or_never_read_cannot_hold_the_engine(llama_dir
             for i in range(3):
                 assert _complete(client, f"meanwhile {i}").status_code == 200
             # The unread stream is generated to its end (its chunks wait in buffers): nothing stays running.
-            _wait_for(lambda: _gauge(client.get("/metrics").text, "num_requests_running") == 0
-                      and _gauge(client.get("/metrics").text, "num_requests_waiting") == 0)
+            _wait_for(
+                lambda: (
+                    _gauge(client.get("/metrics").text, "num_requests_running") == 0
+                    and _gauge(client.get("/metrics").text, "num_requests_waiting") == 0
+                )
+            )
             assert client.get("/health").status_code == 200
         stalled.close()
         deaf.close()

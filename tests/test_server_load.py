@@ -1,4 +1,5 @@
 """Bounded load: 64 concurrent streams, a quarter of the clients leaving mid-stream."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,13 @@ def server(llama_dir):
 
 
 async def _stream(client: httpx.AsyncClient, i: int, leave_after: int | None) -> dict:
-    body = {"prompt": f"Request number {i} says", "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True,
-            "temperature": 0}
+    body = {
+        "prompt": f"Request number {i} says",
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     chunks, done = [], False
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -83,15 +89,19 @@ def test_64_streams_with_disconnects(server):
         assert all(c["finish_reason"] is None for c in choices[:-1])
     assert latencies  # every /health probe during the load answered 200 (asserted as it came)
     latencies.sort()
-    print(f"\n{STREAMS} streams in {elapsed:.1f}s; /health latency under load: median "
-          f"{latencies[len(latencies) // 2] * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms, n={len(latencies)}")
+    print(
+        f"\n{STREAMS} streams in {elapsed:.1f}s; /health latency under load: median "
+        f"{latencies[len(latencies) // 2] * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms, n={len(latencies)}"
+    )
     # The aborted requests' blocks come back: nothing running, every block free.
     deadline = time.monotonic() + 30
     while True:
         metrics = httpx.get(f"{server.url}/metrics").text
-        idle = (_metric(metrics, "pagedllm:num_requests_running") == 0
-                and _metric(metrics, "pagedllm:num_requests_waiting") == 0
-                and _metric(metrics, "pagedllm:kv_cache_usage_perc") == 0)
+        idle = (
+            _metric(metrics, "pagedllm:num_requests_running") == 0
+            and _metric(metrics, "pagedllm:num_requests_waiting") == 0
+            and _metric(metrics, "pagedllm:kv_cache_usage_perc") == 0
+        )
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)

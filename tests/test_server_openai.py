@@ -1,4 +1,5 @@
 """The official `openai` client against a real server process."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,19 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    server = Server(llama_dir, "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--dtype", "float32",
-                    "--served-model-name", "tiny", api_key=KEY, log_path=str(log))
+    server = Server(
+        llama_dir,
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "32MiB",
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "tiny",
+        api_key=KEY,
+        log_path=str(log),
+    )
     yield server
     # SIGTERM shuts down cleanly (uvicorn re-raises the signal once it has finished).
     assert server.stop() in (0, -15)
@@ -49,8 +61,9 @@ def test_completion_usage_and_greedy_equals_offline_llm(client, tokenizer, llama
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
     offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert choice.text == offline[0].outputs[0].text
-    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, stream=True,
-                                         stream_options={"include_usage": True}, **GREEDY)
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
@@ -60,8 +73,11 @@ def test_chat_streaming_and_not(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
     full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, **GREEDY)
     assert full.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -72,14 +88,23 @@ def test_chat_streaming_and_not(client):
 
 def test_n_and_seed(client):
     def sample(seed):
-        r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, n=2, seed=seed,
-                                      temperature=1.0, extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model="tiny",
+            prompt="Once upon",
+            max_tokens=8,
+            n=2,
+            seed=seed,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
     first = sample(11)
     assert len(first) == 2 and first == sample(11)
     assert first != sample(12)
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2,
-                                          max_tokens=4, seed=1, temperature=1.0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4, seed=1, temperature=1.0
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
@@ -92,8 +117,14 @@ def test_logprobs_and_echo_scoring(client, tokenizer):
     assert len(choice.logprobs.tokens) == n and choice.logprobs.token_logprobs[0] is None
     assert all(isinstance(x, float) and x <= 0 for x in choice.logprobs.token_logprobs[1:])
     assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                          logprobs=True, top_logprobs=2, **GREEDY)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3
     assert all(len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.logprob for item in content)
@@ -103,7 +134,7 @@ def test_stop_string(client):
     free = client.completions.create(model="tiny", prompt="Count:", max_tokens=16, **GREEDY).choices[0].text
     stop = free[5:8]
     stopped = client.completions.create(model="tiny", prompt="Count:", max_tokens=16, stop=[stop], **GREEDY).choices[0]
-    assert stopped.finish_reason == "stop" and stopped.text == free[:free.index(stop)]
+    assert stopped.finish_reason == "stop" and stopped.text == free[: free.index(stop)]
 
 
 def test_bench_serve_against_the_server_counts_what_the_server_counted(server, tmp_path, capsys):
@@ -121,10 +152,39 @@ def test_bench_serve_against_the_server_counts_what_the_server_counted(server, t
         return float(re.search(r"^pagedllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M).group(1))
 
     before = generated()
-    common = ["bench", "serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "5", "--disable-tqdm",
-              "--random-output-len", "6", "--random-token-range", "100", "1000", "--seed", "3"]
-    assert main([*common, "--random-input-len", "12", "--ignore-eos", "--max-concurrency", "2",
-                 "--result-filename", str(tmp_path / "r.json")]) == 0
+    common = [
+        "bench",
+        "serve",
+        "--base-url",
+        server.url,
+        "--api-key",
+        KEY,
+        "--num-prompts",
+        "5",
+        "--disable-tqdm",
+        "--random-output-len",
+        "6",
+        "--random-token-range",
+        "100",
+        "1000",
+        "--seed",
+        "3",
+    ]
+    assert (
+        main(
+            [
+                *common,
+                "--random-input-len",
+                "12",
+                "--ignore-eos",
+                "--max-concurrency",
+                "2",
+                "--result-filename",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "r.json").read_text())
     assert (result["requests"], result["failed"], result["output_tokens"], result["input_tokens"]) == (5, 0, 30, 60)
     assert generated() - before == 30
@@ -149,7 +209,8 @@ def test_grafana_dashboard_queries_only_series_the_server_exports(server, client
     # A series declared but without samples yet (speculative decoding's, off here) counts by its HELP line.
     exposition = httpx.get(f"{server.url}/metrics").text
     declared = re.findall(r"^# HELP (pagedllm:[a-z0-9_]+)", exposition, re.M)
-    exported = set(re.findall(r"^(pagedllm:[a-z0-9_]+)", exposition, re.M)) | \
-        {name + suffix for name in declared for suffix in ("", "_total", "_bucket", "_sum", "_count")}
+    exported = set(re.findall(r"^(pagedllm:[a-z0-9_]+)", exposition, re.M)) | {
+        name + suffix for name in declared for suffix in ("", "_total", "_bucket", "_sum", "_count")
+    }
     assert len(used) >= 15 and used <= exported, used - exported
     assert len({panel["id"] for panel in board["panels"]}) == len(board["panels"])

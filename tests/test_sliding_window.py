@@ -4,6 +4,7 @@ the torch path (which reads the freed entries' stale blocks and masks them); pre
 samples and beams over freed blocks give what the engine gives without freeing. And a tiny Gemma 3
 (three sliding layers, one full): each group of layers has its own block tables, the sliding
 groups holding a window's worth while the full group holds everything."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,13 +48,26 @@ def test_long_requests_hold_a_window_of_blocks_and_match_transformers(mistral):
     assert core.scheduler.kv.sliding_window == WINDOW
     held: list[int] = []
     step = core.step
-    core.step = lambda: step() if not held.append(max(
-        (len(core.scheduler.kv.req_blocks[r.request_id]) - core.scheduler.kv._num_freed.get(r.request_id, 0)
-         for r in core.scheduler.running), default=0)) else None
+    core.step = lambda: (
+        step()
+        if not held.append(
+            max(
+                (
+                    len(core.scheduler.kv.req_blocks[r.request_id]) - core.scheduler.kv._num_freed.get(r.request_id, 0)
+                    for r in core.scheduler.running
+                ),
+                default=0,
+            )
+        )
+        else None
+    )
     hf = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
     batch = prompts(hf.config.vocab_size)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch],
-                           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )
     for prompt, output in zip(batch, outputs):
         tokens, logprobs, _ = hf_greedy(hf, prompt, 30)
         assert output.outputs[0].token_ids == tokens
@@ -64,7 +78,9 @@ def test_long_requests_hold_a_window_of_blocks_and_match_transformers(mistral):
     stats = llm.engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total
     # Without the C++ kernels (the torch reference attention reads whole tables): the same tokens.
-    assert greedy_without_kernels(dict(model=mistral, **ARGS), batch, 30)[0] == [o.outputs[0].token_ids for o in outputs]
+    assert greedy_without_kernels(dict(model=mistral, **ARGS), batch, 30)[0] == [
+        o.outputs[0].token_ids for o in outputs
+    ]
 
 
 def test_gemma3_groups_hold_their_own_blocks(gemma3):
@@ -75,11 +91,22 @@ def test_gemma3_groups_hold_their_own_blocks(gemma3):
     assert isinstance(kv, HybridKVCacheManager) and [g.sliding_window for g in kv.groups] == [WINDOW] * 3 + [None]
     core, held = llm.engine.engine_core, []
     step = core.step
-    core.step = lambda: step() if not held.append([
-        len(g.req_blocks[r.request_id]) - g._num_freed.get(r.request_id, 0) for g in kv.groups
-        for r in core.scheduler.running]) else None
-    llm.generate([{"prompt_token_ids": prompts(llm.engine.model_config.vocab_size)[0]}],
-                 SamplingParams(temperature=0, max_tokens=31, ignore_eos=True), use_tqdm=False)
+    core.step = lambda: (
+        step()
+        if not held.append(
+            [
+                len(g.req_blocks[r.request_id]) - g._num_freed.get(r.request_id, 0)
+                for g in kv.groups
+                for r in core.scheduler.running
+            ]
+        )
+        else None
+    )
+    llm.generate(
+        [{"prompt_token_ids": prompts(llm.engine.model_config.vocab_size)[0]}],
+        SamplingParams(temperature=0, max_tokens=31, ignore_eos=True),
+        use_tqdm=False,
+    )
     last = held[-1]  # before the last step: 100 tokens computed
     assert last[3] == cdiv(100, BLOCK) and all(n <= cdiv(WINDOW, BLOCK) + 1 for n in last[:3])
 
@@ -98,12 +125,22 @@ def test_prefix_hits_samples_and_beams_over_freed_blocks(family, request):
         greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
         first = llm.generate([{"prompt_token_ids": shared}], greedy, use_tqdm=False)
         again = llm.generate([{"prompt_token_ids": shared + [5, 6, 7, 8, 9]}], greedy, use_tqdm=False)
-        sampled = llm.generate([{"prompt_token_ids": shared}], SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=15,
-                                                                               ignore_eos=True), use_tqdm=False)
-        beams = llm.beam_search([{"prompt_token_ids": shared[:30]}], BeamSearchParams(beam_width=3, max_tokens=12,
-                                                                                      ignore_eos=True))
+        sampled = llm.generate(
+            [{"prompt_token_ids": shared}],
+            SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=15, ignore_eos=True),
+            use_tqdm=False,
+        )
+        beams = llm.beam_search(
+            [{"prompt_token_ids": shared[:30]}], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+        )
         hits = llm.engine.stats().prefix_cache_hits
-        runs.append(([o.outputs[0].token_ids for o in first + again], [s.token_ids for s in sampled[0].outputs],
-                     [b.tokens for b in beams[0].sequences], hits))
+        runs.append(
+            (
+                [o.outputs[0].token_ids for o in first + again],
+                [s.token_ids for s in sampled[0].outputs],
+                [b.tokens for b in beams[0].sequences],
+                hits,
+            )
+        )
     assert runs[0][:3] == runs[1][:3]
     assert runs[0][3] > 0  # the second prompt found blocks of the first (those still cached)

@@ -1,5 +1,6 @@
 """The soak's greedy check (benchmarks/soak.py): where a difference from the alone run sits, and
 how far below the alone run's best the soak's pick was."""
+
 import sys
 from pathlib import Path
 
@@ -33,15 +34,23 @@ def test_a_longer_token_that_starts_with_the_alone_token():
 
 
 def test_special_tokens_left_out_of_the_text_are_skipped():
-    alone_steps = steps((".", {".": -0.1}), ("<|im_end|>", {"<|im_end|>": -0.1}), ("\n", {"\n": -0.5, "\n\n": -0.6}),
-                        ("user", {"user": -0.1}))
+    alone_steps = steps(
+        (".", {".": -0.1}),
+        ("<|im_end|>", {"<|im_end|>": -0.1}),
+        ("\n", {"\n": -0.5, "\n\n": -0.6}),
+        ("user", {"user": -0.1}),
+    )
     assert flip_gap(alone_steps, ".\nuser", ".\n\nI'll") == pytest.approx(0.1)
 
 
 def test_the_soak_going_on_where_the_alone_run_ended_its_turn():
     # Alone: "." then <|im_end|> (no text) then "\n"; the soak took " I" where alone ended the turn.
-    alone_steps = steps((".", {".": -0.1}), ("<|im_end|>", {"<|im_end|>": -0.4, " I": -0.5}),
-                        ("\n", {"\n": -0.01}), ("assistant", {"assistant": -0.01}))
+    alone_steps = steps(
+        (".", {".": -0.1}),
+        ("<|im_end|>", {"<|im_end|>": -0.4, " I": -0.5}),
+        ("\n", {"\n": -0.01}),
+        ("assistant", {"assistant": -0.01}),
+    )
     assert flip_gap(alone_steps, "watching.\nassistant", "watching. I've") is None  # "watching" not a step here
     alone_steps = steps(("watching", {"watching": -0.2}), *alone_steps)
     assert flip_gap(alone_steps, "watching.\nassistant", "watching. I've") == pytest.approx(0.1)
@@ -53,13 +62,27 @@ def test_the_mixed_runs_checks_of_json_tool_calls_and_embeddings():
     assert schema_error('{"topic": "rivers", "rating": 4}', SCHEMA) is None
     assert "schema" in schema_error('{"topic": "rivers", "rating": 9}', SCHEMA)
     assert "schema" in schema_error('{"topic": "riv', SCHEMA)
-    spec = Spec(index=0, chat=True, stream=True, n=1, greedy=True, long=False, max_tokens=64, ignore_eos=False,
-                seed=None, drop_after=None, prompt="?", kind="tools",
-                tool_choice={"type": "function", "function": {"name": "get_time"}})
+    spec = Spec(
+        index=0,
+        chat=True,
+        stream=True,
+        n=1,
+        greedy=True,
+        long=False,
+        max_tokens=64,
+        ignore_eos=False,
+        seed=None,
+        drop_after=None,
+        prompt="?",
+        kind="tools",
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     result = Result(spec)
-    for delta in ({"tool_calls": [{"index": 0, "id": "x", "function": {"name": "get_time", "arguments": ""}}]},
-                  {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
-                  {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}):
+    for delta in (
+        {"tool_calls": [{"index": 0, "id": "x", "function": {"name": "get_time", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+    ):
         take_choice(result, {"index": 0, "delta": delta, "finish_reason": None}, chat=True)
     take_choice(result, {"index": 0, "delta": {}, "finish_reason": "tool_calls"}, chat=True)
     assert result.calls == {0: {0: ["get_time", '{"city": "Oslo"}']}} and bad_calls(result, spec) is None

@@ -1,5 +1,6 @@
 """The adaptive speculation controller: its step cost model, each request's acceptance, and the draft
 lengths that follow (pure Python: no model)."""
+
 from __future__ import annotations
 
 import math
@@ -98,8 +99,14 @@ def test_observe_learns_acceptance_and_forgets_finished_requests():
 
 
 @settings(max_examples=200, deadline=None)
-@given(b=st.floats(0, 0.01), a=st.floats(1e-4, 0.05), batch=st.integers(1, 64), max_k=st.integers(1, 10),
-       successes=st.floats(0.01, 50), failures=st.floats(0.01, 50))
+@given(
+    b=st.floats(0, 0.01),
+    a=st.floats(1e-4, 0.05),
+    batch=st.integers(1, 64),
+    max_k=st.integers(1, 10),
+    successes=st.floats(0.01, 50),
+    failures=st.floats(0.01, 50),
+)
 def test_lengths_are_bounded_and_follow_the_threshold(b, a, batch, max_k, successes, failures):
     controller = controller_after(b, a, batch, max_k)
     ids = [f"r{i}" for i in range(batch)]
@@ -109,7 +116,7 @@ def test_lengths_are_bounded_and_follow_the_threshold(b, a, batch, max_k, succes
     alpha, tau = controller.requests["r0"].alpha, controller.threshold(batch)
     # Each draft proposed is worth its cost (alpha^j >= tau), and the next one, had it been allowed, was not.
     if length:
-        assert alpha ** length >= tau * (1 - 1e-9)
+        assert alpha**length >= tau * (1 - 1e-9)
     if length < max_k:
         assert alpha ** (length + 1) <= tau * (1 + 1e-9) or math.isclose(alpha ** (length + 1), tau)
     # A request that accepts more never gets fewer drafts.

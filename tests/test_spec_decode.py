@@ -1,5 +1,6 @@
 """Speculative decoding: the n-gram proposer's contract, and verification in the model runner, whose
 outputs with drafts are token for token those without (greedy and seeded sampling), on a tiny model."""
+
 from __future__ import annotations
 
 import json
@@ -27,14 +28,17 @@ def test_a_proposal_continues_an_earlier_occurrence_of_the_longest_suffix(tokens
     max_n = min_n + extra
     proposal = NgramProposer(k, min_n, max_n).propose(tokens)
     assert len(proposal) <= k
-    found = [n for n in range(max_n, min_n - 1, -1)
-             if len(tokens) > n and any(tokens[i:i + n] == tokens[-n:] for i in range(len(tokens) - n))]
+    found = [
+        n
+        for n in range(max_n, min_n - 1, -1)
+        if len(tokens) > n and any(tokens[i : i + n] == tokens[-n:] for i in range(len(tokens) - n))
+    ]
     if not found:
         assert proposal == []
         return
     n = found[0]
-    start = max(i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]) + n
-    assert proposal == tokens[start:start + k]
+    start = max(i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]) + n
+    assert proposal == tokens[start : start + k]
 
 
 @pytest.mark.parametrize("bad", [dict(k=0), dict(k=2, min_n=0), dict(k=2, min_n=3, max_n=2)])
@@ -99,7 +103,7 @@ class ScriptedProposer:
         n = len(token_ids)
         for sequence in self.sequences:
             if sequence[:n] == token_ids:
-                drafts = sequence[n:n + min(self.k, limit if limit is not None else self.k)]
+                drafts = sequence[n : n + min(self.k, limit if limit is not None else self.k)]
                 self.calls += 1
                 drafts = [t + 1 if (self.calls + i) % 3 == 0 else t for i, t in enumerate(drafts)]
                 self.proposed += len(drafts)
@@ -109,12 +113,16 @@ class ScriptedProposer:
     proposed = 0  # draft tokens handed out
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1),
-    dict(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5),
-    dict(temperature=1.0, seed=3, top_k=20, top_p=0.9, min_tokens=5, max_tokens=30, n=2),
-    dict(temperature=0.8, seed=5, max_tokens=30, stop_token_ids=[]),
-], ids=["greedy-logprobs", "seeded-penalties", "seeded-top-k-p-n2", "seeded-stop-ids"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1),
+        dict(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5),
+        dict(temperature=1.0, seed=3, top_k=20, top_p=0.9, min_tokens=5, max_tokens=30, n=2),
+        dict(temperature=0.8, seed=5, max_tokens=30, stop_token_ids=[]),
+    ],
+    ids=["greedy-logprobs", "seeded-penalties", "seeded-top-k-p-n2", "seeded-stop-ids"],
+)
 def test_verification_changes_no_output(engines, params):
     """Drafts partly right, partly wrong, verified in one step: every output is the one without
     speculation, greedy and seeded sampling alike (each token drawn from the target's distribution
@@ -133,15 +141,19 @@ def compare_with_scripted_drafts(plain, spec, prompts: list[list[int]], params: 
         params = {**params, "stop_token_ids": stops}
         theirs = plain.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
     core = spec.engine.engine_core
-    ngram, core.proposer = core.proposer, ScriptedProposer([p + o.token_ids for p, r in zip(prompts, theirs) for o in r.outputs])
+    ngram, core.proposer = (
+        core.proposer,
+        ScriptedProposer([p + o.token_ids for p, r in zip(prompts, theirs) for o in r.outputs]),
+    )
     before = spec.engine.stats()
     try:
         ours = spec.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
     finally:
         core.proposer = ngram
     for a, b in zip(ours, theirs):
-        assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in a.outputs] == \
-               [(o.token_ids, o.finish_reason, o.stop_reason) for o in b.outputs]
+        assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in a.outputs] == [
+            (o.token_ids, o.finish_reason, o.stop_reason) for o in b.outputs
+        ]
         if params.get("logprobs") is not None:
             for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
                 assert x.keys() == y.keys()
@@ -165,9 +177,9 @@ def test_constrained_requests_take_drafts_their_grammar_allows(engines, sampling
     from test_structured_output import SCHEMA
 
     plain, spec = engines
-    params = SamplingParams(max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMA,
-                                                                                      disable_any_whitespace=True),
-                            **sampling)
+    params = SamplingParams(
+        max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), **sampling
+    )
     prompts = [list(range(9 + i, 30 + i)) for i in range(3)]
     theirs = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     core = spec.engine.engine_core
@@ -195,8 +207,9 @@ def bf16_engines(tmp_path_factory, tokenizer_dir):
     from conftest import make_model
     from pagedllm import LLM
 
-    path = make_model("llama", tmp_path_factory.mktemp("spec-bf16"), tokenizer_dir, hidden_size=256,
-                      intermediate_size=512)
+    path = make_model(
+        "llama", tmp_path_factory.mktemp("spec-bf16"), tokenizer_dir, hidden_size=256, intermediate_size=512
+    )
     args = {**ARGS, "dtype": "bfloat16"}
     return LLM(path, **args), fixed_drafts(LLM(path, speculative_config=SPEC, **args))
 
@@ -208,15 +221,21 @@ def test_bf16_verification_changes_no_greedy_output(bf16_engines):
     compare_with_scripted_drafts(*bf16_engines, prompts, dict(temperature=0, max_tokens=48, ignore_eos=True))
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram"}, "num_speculative_tokens"),
-    ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "does not exist"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a 'model'"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "does not exist"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a 'model'"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+            "prompt_lookup",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
+    ],
+)
 def test_bad_speculative_configs_stop_the_start(llama_dir, config, message):
     from pagedllm import LLM
 
@@ -237,38 +256,59 @@ def test_server_streams_speculated_tokens_and_counts_them(llama_dir, engines, tm
 
     plain, _ = engines
     prompt = repetitive_prompts(plain.engine.model_config.vocab_size)[0]
-    expected = plain.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=40,
-                                                                            ignore_eos=True), use_tqdm=False)
-    server = Server(llama_dir, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--block-size", "4",
-                    "--served-model-name", "tiny", "--speculative-config",
-                    json.dumps(SPEC if method == "ngram" else {"model": llama_dir, "num_speculative_tokens": 3}),
-                    log_path=str(tmp_path / "server.log"))
+    expected = plain.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )
+    server = Server(
+        llama_dir,
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--block-size",
+        "4",
+        "--served-model-name",
+        "tiny",
+        "--speculative-config",
+        json.dumps(SPEC if method == "ngram" else {"model": llama_dir, "num_speculative_tokens": 3}),
+        log_path=str(tmp_path / "server.log"),
+    )
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
         metrics = httpx.get(f"{server.url}/metrics").text
         dashboard = httpx.get(f"{server.url}/dashboard/state").json()["replicas"][0]["stats"]
     finally:
         server.stop()
     assert text == expected[0].outputs[0].text
-    counts = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
-              if line.startswith("pagedllm:spec_decode")}
+    counts = {
+        line.split("{")[0]: float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("pagedllm:spec_decode")
+    }
     assert counts["pagedllm:spec_decode_num_draft_tokens_total"] > 0
     assert counts["pagedllm:spec_decode_num_drafts_total"] > 0
-    accepted, drafted = (counts["pagedllm:spec_decode_num_accepted_tokens_total"],
-                         counts["pagedllm:spec_decode_num_draft_tokens_total"])
+    accepted, drafted = (
+        counts["pagedllm:spec_decode_num_accepted_tokens_total"],
+        counts["pagedllm:spec_decode_num_draft_tokens_total"],
+    )
     if method == "draft_model":  # the draft is the target, greedy in fp32: every draft token is accepted
         assert accepted == drafted
     else:  # (a random model seldom continues the prompt's pattern: its drafts mostly fail)
         assert accepted <= drafted
     # The dashboard's acceptance is read from the same totals.
     assert (dashboard["spec_num_draft_tokens"], dashboard["spec_num_accepted_tokens"]) == (
-        counts["pagedllm:spec_decode_num_draft_tokens_total"], counts["pagedllm:spec_decode_num_accepted_tokens_total"])
-    per_position = {int(line.split('position="')[1].split('"')[0]): float(line.split()[-1])
-                    for line in metrics.splitlines()
-                    if line.startswith("pagedllm:spec_decode_num_accepted_tokens_per_pos_total")}
+        counts["pagedllm:spec_decode_num_draft_tokens_total"],
+        counts["pagedllm:spec_decode_num_accepted_tokens_total"],
+    )
+    per_position = {
+        int(line.split('position="')[1].split('"')[0]): float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("pagedllm:spec_decode_num_accepted_tokens_per_pos_total")
+    }
     assert sum(per_position.values()) == counts["pagedllm:spec_decode_num_accepted_tokens_total"]
     # A draft's token j is accepted only after token j - 1 was.
     assert all(per_position[j] <= per_position[j - 1] for j in per_position if j)

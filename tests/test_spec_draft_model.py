@@ -1,5 +1,6 @@
 """Draft-model speculation: a second model proposes, the target verifies; greedy outputs are the
 target's own, random ones follow the target's distribution (rejection sampling), seeded ones repeat."""
+
 from __future__ import annotations
 
 import collections
@@ -72,8 +73,10 @@ def test_the_target_as_its_own_draft_accepts_everything(llama_dir):
     from pagedllm import LLM, SamplingParams
 
     llm = fixed_drafts(LLM(llama_dir, speculative_config={"model": llama_dir, "num_speculative_tokens": K}, **ARGS))
-    for params in (SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
-                   SamplingParams(temperature=1.0, seed=4, max_tokens=25, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=25, ignore_eos=True),
+    ):
         llm.generate(prompts(), params, use_tqdm=False)
     stats = llm.engine.stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
@@ -85,12 +88,16 @@ def test_rejection_sampled_tokens_carry_the_targets_logprobs(engines):
     from pagedllm import SamplingParams
 
     plain, spec = engines
-    ours = spec.generate(prompts(2), SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True,
-                                                     logprobs=1), use_tqdm=False)
+    ours = spec.generate(
+        prompts(2), SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True, logprobs=1), use_tqdm=False
+    )
     for prompt, output in zip(prompts(2), ours):
         sample = output.outputs[0]
-        scored = plain.generate([{"prompt_token_ids": prompt["prompt_token_ids"] + sample.token_ids}],
-                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        scored = plain.generate(
+            [{"prompt_token_ids": prompt["prompt_token_ids"] + sample.token_ids}],
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )[0]
         n = len(prompt["prompt_token_ids"])
         for token, entry, reference in zip(sample.token_ids, sample.logprobs, scored.prompt_logprobs[n:]):
             assert entry[token].logprob == pytest.approx(reference[token].logprob, abs=1e-4)
@@ -141,8 +148,13 @@ def test_sampled_tokens_follow_the_targets_distribution(engines):
     prompt = list(range(40, 52))
 
     def top5(tokens: list[int]) -> dict[int, float]:
-        out = plain.generate([{"prompt_token_ids": tokens}], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
-                             use_tqdm=False)[0].outputs[0].logprobs[0]
+        out = (
+            plain.generate(
+                [{"prompt_token_ids": tokens}], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False
+            )[0]
+            .outputs[0]
+            .logprobs[0]
+        )
         weights = {t: torch.tensor(v.logprob).exp().item() for t, v in out.items() if v.rank <= 5}
         total = sum(weights.values())
         return {t: w / total for t, w in weights.items()}
@@ -164,9 +176,9 @@ def test_sampled_tokens_follow_the_targets_distribution(engines):
 
 
 def test_a_draft_with_another_vocabulary_stops_the_start(llama_dir, tmp_path):
-    from pagedllm import LLM
-
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedllm import LLM
 
     config = AutoConfig.from_pretrained(llama_dir)
     config.vocab_size = 1000

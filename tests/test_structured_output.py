@@ -1,6 +1,7 @@
 """Structured output in the engine: constraints hold on every output (greedy and sampled, n > 1),
 unconstrained requests beside them are unchanged, grammars compile off the loop and are cached,
 bad constraints are refused before anything is queued, and a grammar that fails ends only its request."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,12 @@ SCHEMA = {
     "properties": {
         "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "boolean"}},
-                "required": ["kind", "legs"], "additionalProperties": False},
+        "pet": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "boolean"}},
+            "required": ["kind", "legs"],
+            "additionalProperties": False,
+        },
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
     },
     "required": ["name", "age", "pet", "tags"],
@@ -39,12 +44,16 @@ def llm(llama_dir):
 def _constraints() -> list[tuple[StructuredOutputsParams, object]]:
     """(constraint, check of one output's text)"""
     return [
-        (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
-         lambda text: jsonschema.validate(json.loads(text), SCHEMA)),
+        (
+            StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+            lambda text: jsonschema.validate(json.loads(text), SCHEMA),
+        ),
         (StructuredOutputsParams(regex=REGEX), lambda text: _assert(re.fullmatch(REGEX, text), text)),
         (StructuredOutputsParams(choice=CHOICES), lambda text: _assert(text in CHOICES, text)),
-        (StructuredOutputsParams(grammar=GRAMMAR),
-         lambda text: _assert(re.fullmatch(r"\((?:[a-c]|xy)(?:,(?:[a-c]|xy))*\)", text), text)),
+        (
+            StructuredOutputsParams(grammar=GRAMMAR),
+            lambda text: _assert(re.fullmatch(r"\((?:[a-c]|xy)(?:,(?:[a-c]|xy))*\)", text), text),
+        ),
     ]
 
 
@@ -55,8 +64,13 @@ def _assert(ok, text: str) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_output_holds_its_constraint(llm, temperature):
     for constraint, check in _constraints():
-        params = SamplingParams(temperature=temperature, n=1 if temperature == 0 else 3, seed=7, max_tokens=120,
-                                structured_outputs=constraint)
+        params = SamplingParams(
+            temperature=temperature,
+            n=1 if temperature == 0 else 3,
+            seed=7,
+            max_tokens=120,
+            structured_outputs=constraint,
+        )
         for output in llm.generate(PROMPTS, params, use_tqdm=False):
             for sample in output.outputs:
                 assert sample.finish_reason == "stop", (constraint, sample.text)
@@ -64,8 +78,13 @@ def test_every_output_holds_its_constraint(llm, temperature):
 
 
 def test_json_object_is_a_json_object(llm):
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=200, n=2,
-                            structured_outputs=StructuredOutputsParams(json_object=True, disable_any_whitespace=True))
+    params = SamplingParams(
+        temperature=1.0,
+        seed=3,
+        max_tokens=200,
+        n=2,
+        structured_outputs=StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+    )
     samples = [s for o in llm.generate(PROMPTS, params, use_tqdm=False) for s in o.outputs]
     finished = [s.text for s in samples if s.finish_reason == "stop"]
     assert finished, [s.text for s in samples]
@@ -89,12 +108,15 @@ def test_max_tokens_inside_the_constraint_finishes_with_length(llm):
     assert sample.finish_reason == "length" and len(sample.token_ids) == 3
 
 
-@pytest.mark.parametrize("constraint, reason", [
-    (dict(json={"type": "object", "properties": {"a": {"type": "strnig"}}}), "strnig"),
-    (dict(json="{not json"), "json"),
-    (dict(regex="[a-"), "regex"),
-    (dict(grammar="root ::= undefined_rule"), "undefined_rule"),
-])
+@pytest.mark.parametrize(
+    "constraint, reason",
+    [
+        (dict(json={"type": "object", "properties": {"a": {"type": "strnig"}}}), "strnig"),
+        (dict(json="{not json"), "json"),
+        (dict(regex="[a-"), "regex"),
+        (dict(grammar="root ::= undefined_rule"), "undefined_rule"),
+    ],
+)
 def test_a_bad_constraint_is_refused_before_anything_is_queued(llm, constraint, reason):
     good = SamplingParams(max_tokens=2)
     bad = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(**constraint))
@@ -103,8 +125,9 @@ def test_a_bad_constraint_is_refused_before_anything_is_queued(llm, constraint, 
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("fields", [dict(), dict(json=SCHEMA, regex="a"), dict(choice=[]), dict(choice="ab"),
-                                    dict(regex="")])
+@pytest.mark.parametrize(
+    "fields", [dict(), dict(json=SCHEMA, regex="a"), dict(choice=[]), dict(choice="ab"), dict(regex="")]
+)
 def test_structured_outputs_params_take_exactly_one_valid_constraint(fields):
     with pytest.raises(ValueError):
         StructuredOutputsParams(**fields)
@@ -125,7 +148,9 @@ def test_grammars_compile_off_the_loop_once_per_text(llm):
     manager.backend.compile = slow_compile
     try:
         constraint = StructuredOutputsParams(regex="[a-z]{1,5}z")
-        engine.add_request("slow", PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, structured_outputs=constraint))
+        engine.add_request(
+            "slow", PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, structured_outputs=constraint)
+        )
         engine.add_request("free", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         finished: dict[str, object] = {}
         while "free" not in finished:
@@ -152,8 +177,10 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
 
     manager.backend.compile = failing
     try:
-        params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                  SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+q"))]
+        params = [
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+            SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+q")),
+        ]
         free, failed = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     finally:
         manager.backend.compile = compile_
@@ -169,8 +196,11 @@ def test_an_abort_while_the_grammar_compiles_leaves_nothing(llm):
     compile_ = manager.backend.compile
     manager.backend.compile = lambda key: (release.wait(30), compile_(key))[1]
     try:
-        engine.add_request("waits", PROMPTS[0], SamplingParams(max_tokens=4,
-                           structured_outputs=StructuredOutputsParams(regex="[0-9]+w")))
+        engine.add_request(
+            "waits",
+            PROMPTS[0],
+            SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+w")),
+        )
         assert engine.has_unfinished_requests() and engine.stats().num_waiting == 1
         engine.abort_request("waits")
         assert not engine.has_unfinished_requests()
@@ -202,13 +232,21 @@ def test_bounded_json_strings_refuse_raw_control_characters(llm):
     which is not JSON; the backend's grammar refuses them."""
     tokenizer = llm.get_tokenizer()
     backend = XgrammarBackend(lambda: tokenizer, llm.engine.model_config.vocab_size, [tokenizer.eos_token_id])
-    compiled = backend.compile(("json", json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}},
-                                                    "required": ["a"]}), True))
+    compiled = backend.compile(
+        (
+            "json",
+            json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}, "required": ["a"]}),
+            True,
+        )
+    )
 
     def accepts(text: str) -> bool:
         matcher = backend.matcher(compiled)
-        return all(matcher.accept_token(t) for t in tokenizer.encode(text)) and matcher.accept_token(
-            tokenizer.eos_token_id) and matcher.is_terminated()
+        return (
+            all(matcher.accept_token(t) for t in tokenizer.encode(text))
+            and matcher.accept_token(tokenizer.eos_token_id)
+            and matcher.is_terminated()
+        )
 
     assert accepts('{"a": "ab"}') and accepts('{"a": "éa b"}')
     assert not accepts('{"a": "a\x1bb"}') and not accepts('{"a": "a\tb"}') and not accepts('{"a": "abcde"}')
@@ -217,9 +255,15 @@ def test_bounded_json_strings_refuse_raw_control_characters(llm):
 def test_min_tokens_past_the_grammars_end_fails_only_that_request(llm):
     """A complete grammar allows only its end (EOS), which min_tokens bars: the request ends with an
     error saying so; the others go on."""
-    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
-                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        SamplingParams(
+            temperature=0,
+            max_tokens=20,
+            min_tokens=10,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        ),
+    ]
     free, failed = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert len(free.outputs[0].token_ids) == 6
     assert failed.outputs[0].finish_reason == "error" and "min_tokens" in failed.error

@@ -1,5 +1,6 @@
 """Tensor parallelism: each rank's share of the layers, the worker processes, and outputs equal to
 one rank's, token for token."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,6 @@ import torch
 
 from conftest import make_model, prompts_of_mixed_lengths
 from gguf_writer import write_gguf
-from server_utils import Server, kill_mid_stream
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import HeadShare, TensorParallel, check_head_split, head_share
@@ -23,6 +23,7 @@ from pagedllm.executor import cpu_binding
 from pagedllm.executor.cpu_binding import parse_cpu_binding
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization.gguf import GGUFTensor, columns_in_blocks
+from server_utils import Server, kill_mid_stream
 
 
 def test_heads_split_by_whole_groups_and_replicate_the_few():
@@ -30,8 +31,12 @@ def test_heads_split_by_whole_groups_and_replicate_the_few():
     # The default model: 9 heads reading 3 K/V heads (groups of 3) over 2 ranks: 2 groups and 1.
     assert shares(9, 3, 2) == [HeadShare(0, 6, 0, 2), HeadShare(6, 3, 2, 1)]
     # 4 heads, 2 K/V heads over 4 ranks: each K/V head on 2 ranks, which split its 2 query heads.
-    assert shares(4, 2, 4) == [HeadShare(0, 1, 0, 1), HeadShare(1, 1, 0, 1), HeadShare(2, 1, 1, 1),
-                               HeadShare(3, 1, 1, 1)]
+    assert shares(4, 2, 4) == [
+        HeadShare(0, 1, 0, 1),
+        HeadShare(1, 1, 0, 1),
+        HeadShare(2, 1, 1, 1),
+        HeadShare(3, 1, 1, 1),
+    ]
     check_head_split(9, 3, 2)
     with pytest.raises(ValueError, match="neither split"):
         check_head_split(4, 2, 3)  # 2 K/V heads over 3 ranks
@@ -59,8 +64,12 @@ def test_auto_binding_gives_each_rank_whole_numa_nodes(monkeypatch):
     # Two sockets, a NUMA node each, CPUs numbered alternately between them, hyper-threads n and n + 8.
     monkeypatch.setattr(cpu_binding, "cpu_topology", lambda cpu: (cpu % 2, cpu % 2, cpu % 8 // 2))
     assert parse_cpu_binding("auto", 2, list(range(16))) == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
-    assert parse_cpu_binding("auto", 4, list(range(16))) == [[0, 2, 8, 10], [4, 6, 12, 14], [1, 3, 9, 11],
-                                                             [5, 7, 13, 15]]
+    assert parse_cpu_binding("auto", 4, list(range(16))) == [
+        [0, 2, 8, 10],
+        [4, 6, 12, 14],
+        [1, 3, 9, 11],
+        [5, 7, 13, 15],
+    ]
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
@@ -75,8 +84,9 @@ def _processes(llm: LLM) -> list:
 
 # (Llama in fp32 runs in the fault tests below; Qwen2's q/k/v biases are split in the uneven test's
 # biased Llama: each case starts two rank processes, ~9 s.)
-@pytest.mark.parametrize("arch, dtype", [("qwen3", "float32"), ("mistral", "float32"), ("llama", "bfloat16"),
-                                         ("qwen3", "bfloat16")])
+@pytest.mark.parametrize(
+    "arch, dtype", [("qwen3", "float32"), ("mistral", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")]
+)
 def test_two_ranks_give_one_rank_greedy_tokens(tiny_models, arch, dtype):
     """The heads, K/V heads, MLP features and vocabulary split over 2 worker processes, with qkv
     biases (Qwen2), per-head q/k norms (Qwen3), a sliding window (Mistral), a tied head (Llama).
@@ -113,12 +123,15 @@ def test_bad_sizes_fail_at_start_up(llama_dir):
         LLM(llama_dir, dtype="float32", tensor_parallel_size=3)
 
 
-@pytest.mark.parametrize("overrides", [
-    # 6 heads over 3 K/V heads: 2 groups on rank 0, 1 on rank 1; an o_proj bias (added by rank 0
-    # alone); an odd vocabulary (rank 0 holds one row more; rank 1's logits padded for the gather)
-    dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, attention_bias=True, vocab_size=49153),
-    dict(num_attention_heads=4, num_key_value_heads=1),  # one K/V head, held by both ranks
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # 6 heads over 3 K/V heads: 2 groups on rank 0, 1 on rank 1; an o_proj bias (added by rank 0
+        # alone); an odd vocabulary (rank 0 holds one row more; rank 1's logits padded for the gather)
+        dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, attention_bias=True, vocab_size=49153),
+        dict(num_attention_heads=4, num_key_value_heads=1),  # one K/V head, held by both ranks
+    ],
+)
 def test_uneven_and_replicated_heads_give_one_rank_tokens(tmp_path, tokenizer_dir, overrides):
     path = make_model("llama", tmp_path, tokenizer_dir, **overrides)
     prompts = prompts_of_mixed_lengths(49152)
@@ -198,16 +211,29 @@ def test_shared_memory_collectives(monkeypatch):
 
 
 def _ranks_of(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "pagedllm.executor.multiproc" in " ".join(p.cmdline())]
+    return [
+        p
+        for p in psutil.Process(pid).children(recursive=True)
+        if "pagedllm.executor.multiproc" in " ".join(p.cmdline())
+    ]
 
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_request_fails_the_stream_and_the_server_exits(llama_dir):
     """The server with -tp 2: a rank killed while a stream runs; the client gets the engine's error
     event within seconds, the server exits non-zero, and no rank process is left."""
-    server = Server(llama_dir, "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--dtype", "float32",
-                    "-tp", "2", env={"PAGEDLLM_FAULT": "slow:20"})  # 20 ms more a step: the stream stays open
+    server = Server(
+        llama_dir,
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--dtype",
+        "float32",
+        "-tp",
+        "2",
+        env={"PAGEDLLM_FAULT": "slow:20"},
+    )  # 20 ms more a step: the stream stays open
     try:
         ranks = _ranks_of(server.process.pid)
         assert len(ranks) == 2

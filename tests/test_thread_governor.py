@@ -1,6 +1,7 @@
 """The thread governor (executor/thread_governor.py): its policy on scripted readings, the real
 schedstat reading, the cgroup quota, and the invariant it relies on: greedy outputs are the same
 bits whatever the thread count."""
+
 from __future__ import annotations
 
 import os
@@ -56,12 +57,13 @@ def test_a_failed_probe_goes_back_and_waits_twice_as_long():
     governor, script, calls = _governor()
     _step(governor, script, 0.4)  # down to 1
     probes = []
-    for i in range(int(40 / tg.WINDOW_S)):  # 40 s of one busy neighbour: 1 thread waits little, 2 a lot
+    for _ in range(int(40 / tg.WINDOW_S)):  # 40 s of one busy neighbour: 1 thread waits little, 2 a lot
         if _step(governor, script, 0.4 if governor.threads == 2 else 0.02) == 2:
             probes.append(script.now)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[:3] == pytest.approx([2 * tg.FIRST_PROBE_S + tg.WINDOW_S, 4 * tg.FIRST_PROBE_S + tg.WINDOW_S,
-                                      tg.MAX_PROBE_S + tg.WINDOW_S])
+    assert gaps[:3] == pytest.approx(
+        [2 * tg.FIRST_PROBE_S + tg.WINDOW_S, 4 * tg.FIRST_PROBE_S + tg.WINDOW_S, tg.MAX_PROBE_S + tg.WINDOW_S]
+    )
     assert max(gaps) <= tg.MAX_PROBE_S + tg.WINDOW_S
     assert governor.threads == 1 and calls[-1] == 1
 
@@ -142,7 +144,9 @@ def test_greedy_outputs_are_the_same_bits_with_one_thread_or_two(source, llama_d
     on how many threads share the work (batched and alone, prompts and decodes)."""
     from pagedllm import LLM, SamplingParams
 
-    path, dtype = (llama_dir, "bfloat16") if source == "bf16" else (os.path.join(default_model_dir(), _DEFAULT_GGUF), "auto")
+    path, dtype = (
+        (llama_dir, "bfloat16") if source == "bf16" else (os.path.join(default_model_dir(), _DEFAULT_GGUF), "auto")
+    )
     llm = LLM(path, dtype=dtype, kv_cache_memory="32MiB", max_model_len=256, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [[1] + list(range(40 + 29 * i, 40 + 29 * i + 5 + 23 * i)) for i in range(5)]
@@ -153,8 +157,9 @@ def test_greedy_outputs_are_the_same_bits_with_one_thread_or_two(source, llama_d
             torch.set_num_threads(threads)
             batch = llm.generate(prompts, params, use_tqdm=False)
             alone = llm.generate(prompts[:1], params, use_tqdm=False)
-            results.append([(o.outputs[0].token_ids, [sorted(e.items()) for e in o.outputs[0].logprobs])
-                            for o in [*batch, *alone]])
+            results.append(
+                [(o.outputs[0].token_ids, [sorted(e.items()) for e in o.outputs[0].logprobs]) for o in [*batch, *alone]]
+            )
     finally:
         torch.set_num_threads(before)
     assert results[0] == results[1]

@@ -1,5 +1,6 @@
 """Logprob `bytes` are the token's own bytes (a token holding part of a UTF-8 character decodes to
 U+FFFD alone), and metrics carry the served model name."""
+
 from __future__ import annotations
 
 import pytest

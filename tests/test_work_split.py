@@ -2,6 +2,7 @@
 attention kernels use: every item exactly once; a thread owns a contiguous share (by count, or by
 weight) and works through it from the front; a thread that is done takes the others' items from
 the back. Observed through work_split_trace, whose thread 0 starts late."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,13 +42,16 @@ def test_the_others_take_a_late_threads_share():
     assert cpu_ops().work_split_trace(100, 2, LATE_US) == _late_thread_0(100, 50)
 
 
-@pytest.mark.parametrize("weights, own_from", [
-    ([1] * 100, 50),
-    ([50] + [1] * 50, 1),   # the heavy first item is half the work: thread 0's whole share
-    ([1] * 50 + [50], 50),
-    ([3, 1, 1, 1], 1),
-    ([10, 10, 10], 2),      # the middle item's middle falls on the half: the first share takes it
-])
+@pytest.mark.parametrize(
+    "weights, own_from",
+    [
+        ([1] * 100, 50),
+        ([50] + [1] * 50, 1),  # the heavy first item is half the work: thread 0's whole share
+        ([1] * 50 + [50], 50),
+        ([3, 1, 1, 1], 1),
+        ([10, 10, 10], 2),  # the middle item's middle falls on the half: the first share takes it
+    ],
+)
 def test_shares_by_weight(weights, own_from):
     trace = cpu_ops().work_split_trace(len(weights), 2, LATE_US, weights)
     assert trace == _late_thread_0(len(weights), own_from)

@@ -1,5 +1,6 @@
 """Synthetic requests: (prompt token ids, output tokens) pairs, seeded, over a vocabulary's ids
 (the first and last hundred left out: special tokens tend to sit there)."""
+
 from __future__ import annotations
 
 import random
@@ -7,8 +8,7 @@ import random
 Requests = list[tuple[list[int], int]]
 
 
-def fixed_workload(vocab: int, seed: int = 0, count: int = 64, input_len: int = 128,
-                   output_len: int = 128) -> Requests:
+def fixed_workload(vocab: int, seed: int = 0, count: int = 64, input_len: int = 128, output_len: int = 128) -> Requests:
     rng = random.Random(seed)
     return [([rng.randrange(100, vocab - 100) for _ in range(input_len)], output_len) for _ in range(count)]
 

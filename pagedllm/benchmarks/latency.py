@@ -7,6 +7,7 @@ prompts of --input-len tokens; after --num-iters-warmup untimed ones, --num-iter
 their mean and percentiles printed (vLLM's `bench latency`). benchmarks/latency.py measures batch-1
 decode against the machine's bandwidth roofline and the time to first token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,11 +51,15 @@ def main(ns: argparse.Namespace, engine_kwargs: dict) -> dict:
     for _ in tqdm(range(ns.num_iters_warmup), desc="warm-up", disable=ns.disable_tqdm):
         once()
     latencies = sorted(once() for _ in tqdm(range(ns.num_iters), desc="iterations", disable=ns.disable_tqdm))
-    result = {"avg_latency": statistics.fmean(latencies), "latencies": latencies,
-              "percentiles": {str(p): percentile(latencies, p) for p in PERCENTILES},
-              "output_tokens_per_second": ns.batch_size * ns.n * ns.output_len / statistics.fmean(latencies)}
-    print(f"Avg latency: {result['avg_latency']:.4f} seconds "
-          f"({result['output_tokens_per_second']:.1f} output tokens/s)")
+    result = {
+        "avg_latency": statistics.fmean(latencies),
+        "latencies": latencies,
+        "percentiles": {str(p): percentile(latencies, p) for p in PERCENTILES},
+        "output_tokens_per_second": ns.batch_size * ns.n * ns.output_len / statistics.fmean(latencies),
+    }
+    print(
+        f"Avg latency: {result['avg_latency']:.4f} seconds ({result['output_tokens_per_second']:.1f} output tokens/s)"
+    )
     for p, seconds in result["percentiles"].items():
         print(f"{p}% percentile latency: {seconds:.4f} seconds")
     if ns.output_json:

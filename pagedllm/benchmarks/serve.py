@@ -14,6 +14,7 @@ numpy's, which vLLM's client uses). The client is aiohttp, as vLLM's own (import
 starts): on a small machine the client shares the CPUs with the server it measures; its CPU
 seconds are reported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,10 @@ from tqdm import tqdm
 from pagedllm.entrypoints.cli import positive
 
 Prompt = list[int] | list[dict]  # token ids (completions) or messages (chat)
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-          "number group problem fact").split()
+_WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "number group problem fact"
+).split()
 
 
 @dataclass
@@ -54,26 +57,54 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (else --host, --port)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--backend", choices=("openai", "openai-chat", "vllm"), default="openai",
-                        help="openai/vllm: /v1/completions with token-id prompts; openai-chat: /v1/chat/completions")
+    parser.add_argument(
+        "--backend",
+        choices=("openai", "openai-chat", "vllm"),
+        default="openai",
+        help="openai/vllm: /v1/completions with token-id prompts; openai-chat: /v1/chat/completions",
+    )
     parser.add_argument("--endpoint", default=None, help="the path requests go to (default: the backend's)")
     parser.add_argument("--model", default=None, help="the served model's name (default: the first /v1/models lists)")
     parser.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=("random",), default="random")
     parser.add_argument("--num-prompts", type=positive(int), default=64)
     parser.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=positive(int), default=128)
-    parser.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=positive(int), default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0,
-                        help="input and output lengths drawn from [len x (1 - R), len x (1 + R)] (0: all equal)")
-    parser.add_argument("--random-token-range", type=int, nargs=2, default=(1000, 20000), metavar=("LOW", "HIGH"),
-                        help="token ids of random prompts are drawn from [LOW, HIGH)")
-    parser.add_argument("--request-rate", type=positive(float), default=float("inf"),
-                        help="requests a second (Poisson); inf: all at once")
-    parser.add_argument("--max-concurrency", type=positive(int), default=None, help="at most this many requests in flight")
-    parser.add_argument("--ignore-eos", action="store_true", help="ask each request to generate all its tokens (vLLM's extension)")
+    parser.add_argument(
+        "--random-output-len", "--output-len", dest="random_output_len", type=positive(int), default=128
+    )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="input and output lengths drawn from [len x (1 - R), len x (1 + R)] (0: all equal)",
+    )
+    parser.add_argument(
+        "--random-token-range",
+        type=int,
+        nargs=2,
+        default=(1000, 20000),
+        metavar=("LOW", "HIGH"),
+        help="token ids of random prompts are drawn from [LOW, HIGH)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=positive(float),
+        default=float("inf"),
+        help="requests a second (Poisson); inf: all at once",
+    )
+    parser.add_argument(
+        "--max-concurrency", type=positive(int), default=None, help="at most this many requests in flight"
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="ask each request to generate all its tokens (vLLM's extension)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
-    parser.add_argument("--metric-percentiles", type=_percentiles, default=[99.0],
-                        help="comma-separated percentiles to report, e.g. 50,90,99")
+    parser.add_argument(
+        "--metric-percentiles",
+        type=_percentiles,
+        default=[99.0],
+        help="comma-separated percentiles to report, e.g. 50,90,99",
+    )
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--save-result", action="store_true", help="write the results as JSON (--result-filename)")
     parser.add_argument("--result-filename", "--out", dest="result_filename", default=None)
@@ -90,9 +121,18 @@ def _percentiles(value: str) -> list[float]:
 
 
 def config_from_args(ns: argparse.Namespace) -> ServeConfig:
-    return ServeConfig(ns.base_url or f"http://{ns.host}:{ns.port}", ns.model, ns.backend == "openai-chat",
-                       ns.endpoint, ns.request_rate, ns.max_concurrency, ns.ignore_eos, ns.api_key, ns.seed,
-                       not ns.disable_tqdm)
+    return ServeConfig(
+        ns.base_url or f"http://{ns.host}:{ns.port}",
+        ns.model,
+        ns.backend == "openai-chat",
+        ns.endpoint,
+        ns.request_rate,
+        ns.max_concurrency,
+        ns.ignore_eos,
+        ns.api_key,
+        ns.seed,
+        not ns.disable_tqdm,
+    )
 
 
 def random_requests(ns: argparse.Namespace, chat: bool) -> list[tuple[Prompt, int]]:
@@ -107,8 +147,11 @@ def random_requests(ns: argparse.Namespace, chat: bool) -> list[tuple[Prompt, in
     requests = []
     for _ in range(ns.num_prompts):
         n_in, n_out = length(ns.random_input_len), length(ns.random_output_len)
-        prompt = ([{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(n_in))}] if chat
-                  else [rng.randrange(low, high) for _ in range(n_in)])
+        prompt = (
+            [{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(n_in))}]
+            if chat
+            else [rng.randrange(low, high) for _ in range(n_in)]
+        )
         requests.append((prompt, n_out))
     return requests
 
@@ -118,8 +161,13 @@ async def one_request(client, config: ServeConfig, model: str, prompt: Prompt, o
     included)."""
     import aiohttp
 
-    body = {"model": model, "max_tokens": output_len, "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": output_len,
+        "stream": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     body.update({"messages": prompt} if config.chat else {"prompt": prompt})
     if config.ignore_eos:
         body["ignore_eos"] = True
@@ -150,9 +198,14 @@ async def one_request(client, config: ServeConfig, model: str, prompt: Prompt, o
     ttft = arrivals[0] - start if arrivals else latency
     tokens = usage.get("completion_tokens") or len(arrivals)  # a server that sends no usage: a chunk a token
     prompt_tokens = usage.get("prompt_tokens") or (len(prompt) if not config.chat else 0)
-    return {"ttft": ttft, "latency": latency, "tokens": tokens, "prompt_tokens": prompt_tokens,
-            "tpot": (latency - ttft) / (tokens - 1) if tokens > 1 else None,
-            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+    return {
+        "ttft": ttft,
+        "latency": latency,
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+        "tpot": (latency - ttft) / (tokens - 1) if tokens > 1 else None,
+        "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
+    }
 
 
 async def _poll_health(client, stop: asyncio.Event) -> list[float]:
@@ -180,8 +233,9 @@ async def benchmark(config: ServeConfig, requests: list[tuple[Prompt, int]]) -> 
     connector = aiohttp.TCPConnector(limit=len(requests) + 8)
     gate = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
     bar = tqdm(total=len(requests), disable=not config.progress, desc="requests")
-    async with aiohttp.ClientSession(config.base_url, connector=connector, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=3600)) as client:
+    async with aiohttp.ClientSession(
+        config.base_url, connector=connector, headers=headers, timeout=aiohttp.ClientTimeout(total=3600)
+    ) as client:
         model = config.model or await _first_model(client, config.base_url)
 
         async def limited(prompt: Prompt, output_len: int) -> dict:
@@ -213,8 +267,10 @@ async def _first_model(client, base_url: str) -> str:
     try:
         async with client.get("/v1/models") as response:
             if response.status != 200:
-                raise ValueError(f"{base_url}/v1/models answered {response.status}: "
-                                 f"{(await response.text())[:200]} (--model names the model; --api-key)")
+                raise ValueError(
+                    f"{base_url}/v1/models answered {response.status}: "
+                    f"{(await response.text())[:200]} (--model names the model; --api-key)"
+                )
             return (await response.json())["data"][0]["id"]
     except aiohttp.ClientError as exc:
         raise ValueError(f"cannot reach the server at {base_url}: {exc}") from exc
@@ -227,8 +283,12 @@ def _cpu_seconds() -> float:
 
 def _stats(values: list[float]) -> dict:
     ordered = sorted(values) or [0.0]
-    return {"mean_ms": statistics.fmean(ordered) * 1000, "median_ms": statistics.median(ordered) * 1000,
-            "p99_ms": percentile(ordered, 99) * 1000, "values_s": ordered}
+    return {
+        "mean_ms": statistics.fmean(ordered) * 1000,
+        "median_ms": statistics.median(ordered) * 1000,
+        "p99_ms": percentile(ordered, 99) * 1000,
+        "values_s": ordered,
+    }
 
 
 def percentile(ordered: list[float], p: float) -> float:
@@ -245,32 +305,51 @@ def summarize(results: list[dict], duration: float, health: list[float]) -> dict
     done = [r for r in results if "error" not in r]
     output_tokens = sum(r["tokens"] for r in done)
     input_tokens = sum(r["prompt_tokens"] for r in done)
-    return {"requests": len(done), "failed": len(results) - len(done),
-            "errors": sorted({r["error"] for r in results if "error" in r})[:5], "duration_s": duration,
-            "input_tokens": input_tokens, "output_tokens": output_tokens,
-            "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
-            "total_token_throughput": (input_tokens + output_tokens) / duration,
-            "ttft": _stats([r["ttft"] for r in done]),
-            "tpot": _stats([r["tpot"] for r in done if r["tpot"] is not None]),  # (as vLLM: 2 tokens or more)
-            "itl": _stats([x for r in done for x in r["itl"]]), "e2e": _stats([r["latency"] for r in done]),
-            "health": _stats(health), "health_max_ms": max(health, default=0.0) * 1000}
+    return {
+        "requests": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r["error"] for r in results if "error" in r})[:5],
+        "duration_s": duration,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "ttft": _stats([r["ttft"] for r in done]),
+        "tpot": _stats([r["tpot"] for r in done if r["tpot"] is not None]),  # (as vLLM: 2 tokens or more)
+        "itl": _stats([x for r in done for x in r["itl"]]),
+        "e2e": _stats([r["latency"] for r in done]),
+        "health": _stats(health),
+        "health_max_ms": max(health, default=0.0) * 1000,
+    }
 
 
 def print_results(result: dict, percentiles: list[float]) -> None:
     width = 50
     print(" Serving benchmark ".center(width, "="))
-    rows = [("Successful requests", result["requests"]), ("Failed requests", result["failed"]),
-            ("Duration (s)", f"{result['duration_s']:.2f}"), ("Input tokens", result["input_tokens"]),
-            ("Output tokens", result["output_tokens"]),
-            ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s)", f"{result['output_throughput']:.1f}"),
-            ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.1f}")]
-    for name, label in (("ttft", "Time to first token"), ("tpot", "Time per output token (excl. 1st)"),
-                        ("itl", "Inter-token latency"), ("e2e", "End-to-end latency"), ("health", "/health latency")):
+    rows = [
+        ("Successful requests", result["requests"]),
+        ("Failed requests", result["failed"]),
+        ("Duration (s)", f"{result['duration_s']:.2f}"),
+        ("Input tokens", result["input_tokens"]),
+        ("Output tokens", result["output_tokens"]),
+        ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{result['output_throughput']:.1f}"),
+        ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.1f}"),
+    ]
+    for name, label in (
+        ("ttft", "Time to first token"),
+        ("tpot", "Time per output token (excl. 1st)"),
+        ("itl", "Inter-token latency"),
+        ("e2e", "End-to-end latency"),
+        ("health", "/health latency"),
+    ):
         rows.append((f"-- {label} --", ""))
         stats = result[name]
-        rows += [(f"Mean {name.upper()} (ms)", f"{stats['mean_ms']:.2f}"),
-                 (f"Median {name.upper()} (ms)", f"{stats['median_ms']:.2f}")]
+        rows += [
+            (f"Mean {name.upper()} (ms)", f"{stats['mean_ms']:.2f}"),
+            (f"Median {name.upper()} (ms)", f"{stats['median_ms']:.2f}"),
+        ]
         rows += [(f"P{p:g} {name.upper()} (ms)", f"{percentile(stats['values_s'], p) * 1000:.2f}") for p in percentiles]
     rows.append(("Client CPU (s)", f"{result['client_cpu_s']:.2f}"))
     for name, value in rows:

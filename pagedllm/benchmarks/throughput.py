@@ -7,6 +7,7 @@ heavy-tailed lengths: input 4..1024, output 4..512), shared (64 requests sharing
 prefix, 32 own tokens, 128 out). benchmarks/throughput.py adds transformers' speed on the same
 requests and the share of the machine's compute roofline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,15 +56,25 @@ def main(ns: argparse.Namespace, engine_kwargs: dict) -> dict:
     seconds = measure(llm, requests, progress=not ns.disable_tqdm)
     output_tokens = sum(n for _, n in requests)
     total_tokens = output_tokens + sum(len(p) for p, _ in requests)
-    result = {"dataset": ns.dataset_name, "requests": len(requests), "elapsed_s": seconds,
-              "requests_per_second": len(requests) / seconds, "output_tokens_per_second": output_tokens / seconds,
-              "tokens_per_second": total_tokens / seconds, "total_num_tokens": total_tokens}
-    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.1f} total "
-          f"tokens/s, {result['output_tokens_per_second']:.1f} output tokens/s")
+    result = {
+        "dataset": ns.dataset_name,
+        "requests": len(requests),
+        "elapsed_s": seconds,
+        "requests_per_second": len(requests) / seconds,
+        "output_tokens_per_second": output_tokens / seconds,
+        "tokens_per_second": total_tokens / seconds,
+        "total_num_tokens": total_tokens,
+    }
+    print(
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.1f} total "
+        f"tokens/s, {result['output_tokens_per_second']:.1f} output tokens/s"
+    )
     print("| dataset | requests | seconds | req/s | output tok/s | total tok/s |")
     print("|---|---|---|---|---|---|")
-    print(f"| {ns.dataset_name} | {len(requests)} | {seconds:.2f} | {result['requests_per_second']:.2f} | "
-          f"{result['output_tokens_per_second']:.1f} | {result['tokens_per_second']:.1f} |")
+    print(
+        f"| {ns.dataset_name} | {len(requests)} | {seconds:.2f} | {result['requests_per_second']:.2f} | "
+        f"{result['output_tokens_per_second']:.1f} | {result['tokens_per_second']:.1f} |"
+    )
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,5 +1,6 @@
 """BlockPool: the KV cache's physical blocks, their reference counts, the free queue, and the
 prefix cache (hash of a full block -> the block holding it)."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -68,7 +69,7 @@ class BlockPool:
     def _free_run_after(self, block_id: int, limit: int) -> list[KVBlock]:
         """Up to `limit` free, uncached blocks right after block_id, in order."""
         run = []
-        for block in self.blocks[block_id + 1:block_id + 1 + limit]:
+        for block in self.blocks[block_id + 1 : block_id + 1 + limit]:
             if block.block_id not in self._free or block.block_hash is not None:
                 break
             run.append(block)

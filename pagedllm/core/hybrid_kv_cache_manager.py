@@ -12,6 +12,7 @@ taken only if the pool has room for all; a prefix hit is the run of blocks cache
 forks, trims and frees go to each. The scheduler sees one manager: group 0's tables travel in a
 step's usual fields, the others' beside them (ScheduledRequest.other_group_blocks).
 """
+
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
@@ -24,12 +25,20 @@ class Hits(list):
 
 
 class HybridKVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, windows: tuple[int | None, ...],
-                 enable_prefix_caching: bool = True, debug: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        windows: tuple[int | None, ...],
+        enable_prefix_caching: bool = True,
+        debug: bool = False,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
-        self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, debug, window, self.pool, g)
-                       for g, window in enumerate(windows)]
+        self.groups = [
+            KVCacheManager(num_blocks, block_size, enable_prefix_caching, debug, window, self.pool, g)
+            for g, window in enumerate(windows)
+        ]
 
     # -- what the scheduler reads ------------------------------------------------------------------
     @property
@@ -73,8 +82,9 @@ class HybridKVCacheManager:
     # -- allocation ----------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: Hits | tuple = ()) -> bool:
         """Room in every group, or (changing nothing but frees behind windows) False."""
-        plans = [group.plan(request, num_new_tokens, [hit[g] for hit in computed])
-                 for g, group in enumerate(self.groups)]
+        plans = [
+            group.plan(request, num_new_tokens, [hit[g] for hit in computed]) for g, group in enumerate(self.groups)
+        ]
         if sum(plan.num_blocks for plan in plans) > self.pool.num_free_blocks:
             return False
         for group, plan in zip(self.groups, plans):

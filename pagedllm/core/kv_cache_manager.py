@@ -12,6 +12,7 @@ request holds about a window's worth of blocks. Their entries stay in its table 
 positions keep their indices; the worker keeps the ids it had there (or reads block 0 for them)
 and never attends to them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ FREED = KVBlock(0)
 @dataclass
 class Allocation:
     """What allocate_slots would take for a request: planned, then committed if the pool has room."""
+
     start: int  # the first position written
     computed: list[KVBlock]  # prefix hits (FREED where behind the window)
     taken: list[KVBlock]  # the hits that are blocks
@@ -50,9 +52,16 @@ class KVCacheManager:
     with the other groups' managers (core/hybrid_kv_cache_manager.py); its prefix-cache entries
     are told apart from theirs by the group's number."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 debug: bool = False, sliding_window: int | None = None, pool: BlockPool | None = None,
-                 group: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        debug: bool = False,
+        sliding_window: int | None = None,
+        pool: BlockPool | None = None,
+        group: int = 0,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -89,8 +98,12 @@ class KVCacheManager:
         The last token is always left to compute, so that the first sampled token has logits. A
         request that asks for prompt logprobs computes its whole prompt (as in vLLM): cached blocks
         hold K/V, not the logits of the positions they cover."""
-        if (not self._caches(request) or request.num_computed_tokens or self.req_blocks.get(request.request_id)
-                or request.sampling_params.prompt_logprobs is not None):
+        if (
+            not self._caches(request)
+            or request.num_computed_tokens
+            or self.req_blocks.get(request.request_id)
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return []
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
         hits = []
@@ -108,8 +121,9 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Hashes of the request's first `num_blocks` full blocks, extended on demand."""
-        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                                   request.cache_salt, num_blocks)
+        return extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt, num_blocks
+        )
 
     def uncached_prompt_hashes(self, request: Request) -> list[int]:
         """Hashes of the request's full prompt blocks not in the prefix cache yet: the ones it
@@ -117,14 +131,14 @@ class KVCacheManager:
         if not self._caches(request):
             return []
         num_full = request.num_prompt_tokens // self.block_size
-        return self._block_hashes(request, num_full)[self._num_cached.get(request.request_id, 0):]
+        return self._block_hashes(request, num_full)[self._num_cached.get(request.request_id, 0) :]
 
     def step_block_hashes(self, request: Request, num_hits: int, num_new: int) -> list[int]:
         """The hashes of the full blocks that `num_new` tokens after `num_hits` cached blocks write into."""
         if not self._caches(request):
             return []
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
-        return hashes[num_hits:cdiv(num_hits * self.block_size + num_new, self.block_size)]
+        return hashes[num_hits : cdiv(num_hits * self.block_size + num_new, self.block_size)]
 
     def cache_full_blocks(self, request: Request) -> None:
         """After a step: make the request's newly full, computed blocks findable."""
@@ -157,10 +171,14 @@ class KVCacheManager:
         start = request.num_computed_tokens + len(computed) * self.block_size
         computed = self._free_behind_window(request.request_id, blocks, computed, start)
         taken = [b for b in computed if b is not FREED]
-        return Allocation(start, computed, taken,
-                          needed=cdiv(start + num_new_tokens, self.block_size) - len(blocks) - len(computed),
-                          copy=self._shared_block_at(blocks, start),
-                          revived=sum(1 for b in taken if self.pool.is_free(b)))
+        return Allocation(
+            start,
+            computed,
+            taken,
+            needed=cdiv(start + num_new_tokens, self.block_size) - len(blocks) - len(computed),
+            copy=self._shared_block_at(blocks, start),
+            revived=sum(1 for b in taken if self.pool.is_free(b)),
+        )
 
     def commit(self, request: Request, num_new_tokens: int, plan: Allocation) -> None:
         """Take what `plan` planned; the pool must have room."""
@@ -195,8 +213,9 @@ class KVCacheManager:
         if self.debug:
             self._check_writable(blocks, start, num_new_tokens)
 
-    def _free_behind_window(self, request_id: str, blocks: list[KVBlock], computed: list[KVBlock],
-                            start: int) -> list[KVBlock]:
+    def _free_behind_window(
+        self, request_id: str, blocks: list[KVBlock], computed: list[KVBlock], start: int
+    ) -> list[KVBlock]:
         """With a sliding window: free the request's blocks that no query from position `start` on
         can see, and leave prefix hits there untaken (FREED in their place); returns the hits."""
         if self.sliding_window is None:
@@ -224,7 +243,7 @@ class KVCacheManager:
         blocks[index] = fresh
 
     def _check_writable(self, blocks: list[KVBlock], start: int, num_new: int) -> None:
-        for block in blocks[start // self.block_size: cdiv(start + num_new, self.block_size)]:
+        for block in blocks[start // self.block_size : cdiv(start + num_new, self.block_size)]:
             assert block.ref_cnt == 1, f"write into block {block.block_id} shared by {block.ref_cnt}"
             assert block.block_hash is None, f"write into cached block {block.block_id}"
 
@@ -282,8 +301,10 @@ class KVCacheManager:
         self.pool.free_blocks([b for b in reversed(blocks) if b is not FREED])
 
     def num_allocated_slots(self) -> int:
-        return sum(len(blocks) - self._num_freed.get(request_id, 0)
-                   for request_id, blocks in self.req_blocks.items()) * self.block_size
+        return (
+            sum(len(blocks) - self._num_freed.get(request_id, 0) for request_id, blocks in self.req_blocks.items())
+            * self.block_size
+        )
 
     def num_stored_tokens(self, request: Request) -> int:
         """Tokens of the request whose K/V its blocks hold (its computed ones less those freed
@@ -291,12 +312,13 @@ class KVCacheManager:
         return max(request.num_computed_tokens - self._num_freed.get(request.request_id, 0) * self.block_size, 0)
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, salt: str | None,
-                        num_blocks: int) -> list[int]:
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, salt: str | None, num_blocks: int
+) -> list[int]:
     """The chained hashes of the first `num_blocks` full blocks of `token_ids`: `hashes` (those
     known so far) extended in place, the first `num_blocks` returned."""
     while len(hashes) < num_blocks:
         i = len(hashes)
         parent = hashes[-1] if hashes else hash(("pagedllm-root", salt))
-        hashes.append(hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))))
+        hashes.append(hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))))
     return hashes[:num_blocks]

@@ -4,6 +4,7 @@ the core can sit behind a queue, in a thread or another process.
     EngineCoreRequest  -> EngineCore.add_request
     EngineCore.step()  -> list[EngineCoreOutput]: per request touched by the step, what is new
 """
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Request: one sequence's state as the scheduler sees it (token ids, progress, status)."""
+
 from __future__ import annotations
 
 import enum

@@ -12,6 +12,7 @@ and new requests can fork from it (take references to its blocks for the tokens 
 go on from there). That is all the core knows of parallel samples and beam search, which the
 frontend drives (engine/llm_engine.py, engine/beam_search.py).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -51,15 +52,30 @@ class SchedulerStats:
         total = sum(s.kv_blocks_total for s in replicas)
         used = [s.kv_blocks_total - s.kv_blocks_free for s in replicas]
         width = max(len(s.spec_accepted_per_position) for s in replicas)
-        summed = {name: sum(getattr(s, name) for s in replicas) for name in (
-            "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions",
-            "prefix_cache_queries", "prefix_cache_hits", "spec_num_drafts", "spec_num_draft_tokens",
-            "spec_num_accepted_tokens")}
+        summed = {
+            name: sum(getattr(s, name) for s in replicas)
+            for name in (
+                "num_running",
+                "num_waiting",
+                "kv_blocks_total",
+                "kv_blocks_free",
+                "num_preemptions",
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+                "spec_num_drafts",
+                "spec_num_draft_tokens",
+                "spec_num_accepted_tokens",
+            )
+        }
         return SchedulerStats(
-            **summed, kv_cache_usage=sum(used) / total if total else 0.0,
+            **summed,
+            kv_cache_usage=sum(used) / total if total else 0.0,
             kv_waste=sum(s.kv_waste * u for s, u in zip(replicas, used)) / sum(used) if sum(used) else 0.0,
-            spec_accepted_per_position=tuple(sum(s.spec_accepted_per_position[j] for s in replicas
-                                                 if j < len(s.spec_accepted_per_position)) for j in range(width)))
+            spec_accepted_per_position=tuple(
+                sum(s.spec_accepted_per_position[j] for s in replicas if j < len(s.spec_accepted_per_position))
+                for j in range(width)
+            ),
+        )
 
 
 class Scheduler:
@@ -92,11 +108,15 @@ class Scheduler:
 
     def _fork(self, parent: Request, child: Request) -> bool:
         computed = parent.num_computed_tokens
-        if (computed == 0 or computed >= child.num_tokens or child.cache_salt != parent.cache_salt
-                or child.all_token_ids[:computed] != parent.all_token_ids[:computed]):
+        if (
+            computed == 0
+            or computed >= child.num_tokens
+            or child.cache_salt != parent.cache_salt
+            or child.all_token_ids[:computed] != parent.all_token_ids[:computed]
+        ):
             return False
         self.kv.fork(parent, child)
-        child.block_hashes = parent.block_hashes[:computed // self.kv.block_size]  # same tokens, same salt
+        child.block_hashes = parent.block_hashes[: computed // self.kv.block_size]  # same tokens, same salt
         child.num_computed_tokens = computed
         child.status = RequestStatus.RUNNING
         child.first_scheduled_time = time.monotonic()
@@ -138,8 +158,12 @@ class Scheduler:
             else:
                 preempted = True  # `request` itself was preempted; nothing after it is left
         # Admitting new work in the step that had to preempt would only preempt again.
-        in_flight = {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
-                     for h in self.kv.uncached_prompt_hashes(r)}
+        in_flight = {
+            h
+            for r in self.running
+            if r.num_computed_tokens < r.num_prompt_tokens
+            for h in self.kv.uncached_prompt_hashes(r)
+        }
         deferred: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -230,7 +254,7 @@ class Scheduler:
         new = request.request_id not in self._worker_ids
         self._worker_ids.add(request.request_id)
         num_kept, new_block_ids = self.kv.take_new_block_ids(request.request_id, whole=new)
-        drafts = request.spec_token_ids[:max(start + num_new - request.num_tokens, 0)]  # the budget may cut them
+        drafts = request.spec_token_ids[: max(start + num_new - request.num_tokens, 0)]  # the budget may cut them
         request.spec_token_ids = []  # proposed again for the next step
         request.num_computed_tokens += num_new
         return ScheduledRequest(
@@ -240,9 +264,15 @@ class Scheduler:
             num_kept_blocks=num_kept,
             new_block_ids=new_block_ids,
             sample=start + num_new >= request.num_tokens,
-            new_request=NewRequestData(request.prompt_token_ids, list(request.output_token_ids),
-                                       request.sampling_params, request.eos_token_ids,
-                                       request.pooling_params) if new else None,
+            new_request=NewRequestData(
+                request.prompt_token_ids,
+                list(request.output_token_ids),
+                request.sampling_params,
+                request.eos_token_ids,
+                request.pooling_params,
+            )
+            if new
+            else None,
             spec_token_ids=drafts,
             other_group_blocks=self.kv.take_other_group_block_ids(request.request_id, whole=new),
         )

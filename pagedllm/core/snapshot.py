@@ -2,6 +2,7 @@
 request by request, and its last steps. Plain data (no torch), taken between steps and only when
 asked for, so that it can cross a process boundary and costs the step loop nothing otherwise.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -19,6 +20,7 @@ STEP_LOG_LENGTH = 256  # steps an engine core remembers for the dashboard
 @dataclass
 class StepRecord:
     """One engine step, as the dashboard plots it."""
+
     index: int  # the core's step count
     end: float  # wall clock (time.time()) when it ended
     seconds: float  # schedule, forward pass, sampling and update
@@ -77,13 +79,22 @@ def block_states(scheduler: Scheduler) -> str:
 def take_snapshot(scheduler: Scheduler, stats: SchedulerStats, log: StepLog, now: float) -> EngineSnapshot:
     tables = scheduler.kv.req_blocks
     views = [_view(r, "running", tables) for r in scheduler.running]
-    views += [_view(r, "preempted" if r.status == RequestStatus.PREEMPTED else "waiting", tables)
-              for r in scheduler.waiting]
+    views += [
+        _view(r, "preempted" if r.status == RequestStatus.PREEMPTED else "waiting", tables) for r in scheduler.waiting
+    ]
     views += [_view(r, "held", tables) for r in scheduler.held.values()]
     return EngineSnapshot(block_states(scheduler), scheduler.kv.block_size, views, stats, list(log.records), now)
 
 
 def _view(request: Request, status: str, tables: dict) -> RequestView:
     blocks = [block.block_id for block in tables.get(request.request_id, ()) if block is not FREED]
-    return RequestView(request.request_id, status, request.num_prompt_tokens, request.num_computed_tokens,
-                       request.num_output_tokens, request.max_tokens, request.num_preemptions, blocks)
+    return RequestView(
+        request.request_id,
+        status,
+        request.num_prompt_tokens,
+        request.num_computed_tokens,
+        request.num_output_tokens,
+        request.max_tokens,
+        request.num_preemptions,
+        blocks,
+    )

@@ -3,6 +3,7 @@
 The worker keeps its own copy of each request it runs (worker/input_batch.py), so a request's data
 (prompt, sampling parameters, block table) travels once and each later step carries only deltas.
 Plain data, no torch: the messages can cross a process boundary."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pagedllm.sampling_params import SamplingParams
 class NewRequestData:
     """What the worker keeps of a request, sent once: when the request is first scheduled, or when it
     resumes after preemption (the worker dropped it then). Later steps bring only what changed."""
+
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (before a preemption, or a fork's); the worker appends the rest
     sampling_params: SamplingParams
@@ -29,6 +31,7 @@ class ScheduledRequest:
     """One request's part of a step: the deltas to the worker's copy of it (the whole of it, with
     `new_request`, the first time) and what to compute. Applying it twice changes nothing more than
     applying it once: a failed step is rerun request by request with the same message."""
+
     request_id: str
     # Tokens in the KV cache before this step, as the scheduler counts them (after rolling rejected
     # drafts back); the step computes the next `num_new_tokens` positions: the request's next known
@@ -59,6 +62,7 @@ class TokenBitmask:
     t % 32 of word t // 32 set where token t is allowed (the layout grammar backends such as
     xgrammar fill). A request with k drafts has k + 1 rows, one a position (its row + j: after
     drafts[:j]). Requests without a row are not constrained."""
+
     rows: dict[str, int]  # request id -> its (first) row
     words: np.ndarray  # int32 [rows, ceil(vocab / 32)]
 
@@ -97,6 +101,7 @@ class SchedulerOutput:
 @dataclass
 class TokenLogprobs:
     """Log-probabilities at one position: the chosen token first, then the top-k."""
+
     token_ids: list[int]
     logprobs: list[float]
     ranks: list[int]

@@ -11,6 +11,7 @@ instead (kernels/shm_collectives.cpp: gloo's all-reduce of a decode's hidden sta
 over this machine's loopback, a shared-memory one a few microseconds), where the region and the
 C++ kernels are there.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -44,6 +45,7 @@ _group = TensorParallel()
 @dataclass
 class SharedRegion:
     """The ranks' shared-memory region (kernels/shm_collectives.cpp) as one rank holds it."""
+
     memory: shared_memory.SharedMemory
     rank: int
     size: int
@@ -68,8 +70,9 @@ class SharedRegion:
         except OSError as exc:
             memory.close()
             memory.unlink()
-            raise RuntimeError(f"tensor parallelism needs {SharedRegion.bytes_for(size) >> 20} MiB of shared "
-                               f"memory (/dev/shm): {exc}") from exc
+            raise RuntimeError(
+                f"tensor parallelism needs {SharedRegion.bytes_for(size) >> 20} MiB of shared memory (/dev/shm): {exc}"
+            ) from exc
         return memory
 
     def all_reduce(self, x: torch.Tensor) -> None:
@@ -77,15 +80,16 @@ class SharedRegion:
         step = SHM_SLOT_BYTES // x.element_size()
         for start in range(0, flat.numel(), step):
             self.generation += 1
-            self.ops.shm_all_reduce(flat[start:start + step], self.address, self.rank, self.size,
-                                    SHM_SLOT_BYTES, self.generation)
+            self.ops.shm_all_reduce(
+                flat[start : start + step], self.address, self.rank, self.size, SHM_SLOT_BYTES, self.generation
+            )
 
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x (at least 1-D), in pieces of whole rows along dim 0."""
         rows = max(1, SHM_SLOT_BYTES // max(1, x[:1].numel() * x.element_size()))
         pieces = []
         for start in range(0, x.shape[0], rows):
-            piece = x[start:start + rows].contiguous()
+            piece = x[start : start + rows].contiguous()
             out = piece.new_empty((self.size, *piece.shape))
             self.generation += 1
             self.ops.shm_all_gather(out, piece, self.address, self.rank, self.size, SHM_SLOT_BYTES, self.generation)
@@ -103,16 +107,23 @@ def tensor_parallel() -> TensorParallel:
     return _group
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: str = "cpu",
-                         timeout_s: float = 600.0, shared_region: str | None = None) -> None:
+def init_tensor_parallel(
+    rank: int,
+    size: int,
+    init_method: str,
+    device_type: str = "cpu",
+    timeout_s: float = 600.0,
+    shared_region: str | None = None,
+) -> None:
     """Join the group of `size` ranks at `init_method` (a tcp:// or file:// address) as `rank`;
     on the CPU, with `shared_region` (the name of a SharedMemory of SharedRegion.bytes_for(size),
     zeroed), the collectives go through it."""
     global _group, _shared
     if size > 1:
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     _group = TensorParallel(rank, size)
     from pagedllm.kernels import cpu_ops
 
@@ -174,12 +185,13 @@ def all_gather_shares(x: torch.Tensor, total: int) -> torch.Tensor:
     if total % size == 0:
         return gathered
     shares = [TensorParallel(rank, size).split(total)[1] for rank in range(size)]
-    return torch.cat([gathered[..., rank * width:rank * width + n] for rank, n in enumerate(shares)], dim=-1)
+    return torch.cat([gathered[..., rank * width : rank * width + n] for rank, n in enumerate(shares)], dim=-1)
 
 
 @dataclass(frozen=True)
 class HeadShare:
     """A rank's attention heads: its query heads and K/V heads, first and count of each."""
+
     q_start: int
     q_count: int
     kv_start: int
@@ -204,8 +216,10 @@ def head_share(num_heads: int, num_kv_heads: int, tp: TensorParallel | None = No
 def check_head_split(num_heads: int, num_kv_heads: int, size: int) -> None:
     """A ValueError where the heads cannot split over `size` ranks."""
     if num_kv_heads < size and (size % num_kv_heads or num_heads // num_kv_heads % (size // num_kv_heads)):
-        raise ValueError(f"--tensor-parallel-size {size}: the model's {num_kv_heads} K/V heads (of {num_heads} "
-                         f"query heads) neither split over the ranks nor replicate evenly")
+        raise ValueError(
+            f"--tensor-parallel-size {size}: the model's {num_kv_heads} K/V heads (of {num_heads} "
+            f"query heads) neither split over the ranks nor replicate evenly"
+        )
 
 
 def max_kv_heads_per_rank(num_kv_heads: int, size: int) -> int:

@@ -10,6 +10,7 @@ CPUs it lets workers spin only briefly before sleeping: had the model loaded in 
 that idle team would have sent the engine's workers to sleep between kernels (46k context
 switches in a 10 s run, a quarter of the throughput lost).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -155,8 +156,10 @@ class AsyncLLM:
             raise EngineUnavailableError("the server is shutting down")
         limit = self.max_waiting_requests
         if limit is not None and len(requests) > limit:
-            raise ValueError(f"{len(requests)} prompts in one request, more than the {limit} this server queues "
-                             f"at once (--max-waiting-requests): send them in smaller requests")
+            raise ValueError(
+                f"{len(requests)} prompts in one request, more than the {limit} this server queues "
+                f"at once (--max-waiting-requests): send them in smaller requests"
+            )
         with self._adds_lock:
             waiting = self.stats.num_waiting + self._unapplied_adds
         if limit is not None and waiting + len(requests) > limit:
@@ -172,16 +175,19 @@ class AsyncLLM:
         params = processed.params
         if isinstance(params, SamplingParams):
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        stream = _Stream(num_prompt_tokens=len(processed.prompt_token_ids),
-                         num_samples=params.n if isinstance(params, SamplingParams) else 1)
+        stream = _Stream(
+            num_prompt_tokens=len(processed.prompt_token_ids),
+            num_samples=params.n if isinstance(params, SamplingParams) else 1,
+        )
         self._streams[request_id] = stream
         with self._adds_lock:
             self._unapplied_adds += 1
         self._commands.put(("add", request_id, dataclasses.replace(processed, params=params)))
         return RequestStream(self, request_id, stream)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         async for output in self.add_request(request_id, self.process_inputs(prompt, params)):
             yield output
 

@@ -11,12 +11,12 @@ Selection follows Hugging Face's beam search: candidates ranked by cumulative lo
 candidate ranked within the top k ends a hypothesis; hypotheses are scored at the end by
 cum_logprob / generated_length ** length_penalty.
 """
+
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
-
-import dataclasses
 
 from pagedllm.core.messages import EngineCoreOutput
 from pagedllm.core.step import TokenLogprobs
@@ -46,8 +46,13 @@ class BeamSearch:
         self.params = params
         self._ids = (f"beam-{i}" for i in itertools.count())
         # Greedy with the top 2k logprobs; EOS is the driver's business, not the scheduler's.
-        self.sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens, logprobs=2 * params.beam_width,
-                                       ignore_eos=True, detokenize=False)
+        self.sampling = SamplingParams(
+            temperature=0,
+            max_tokens=params.max_tokens,
+            logprobs=2 * params.beam_width,
+            ignore_eos=True,
+            detokenize=False,
+        )
         self._live: dict[str, _Beam] = {}  # request id -> beam, while its step is to come
         self._error: str | None = None
 
@@ -74,11 +79,11 @@ class BeamSearch:
 
     def _submit(self, beam: _Beam, processed: ProcessedRequest, parent: str | None) -> None:
         """Ask for the beam's next position: one held token after the prompt and the beam's tokens."""
-        prompt = dataclasses.replace(processed, prompt_token_ids=processed.prompt_token_ids + beam.tokens,
-                                     max_tokens=1)
+        prompt = dataclasses.replace(processed, prompt_token_ids=processed.prompt_token_ids + beam.tokens, max_tokens=1)
         self._live[beam.request_id] = beam
-        self.engine.add_driven_request(self.engine.core_request(beam.request_id, prompt, self.sampling,
-                                                                hold=True, fork_of=parent), self._on_output)
+        self.engine.add_driven_request(
+            self.engine.core_request(beam.request_id, prompt, self.sampling, hold=True, fork_of=parent), self._on_output
+        )
 
     def _on_output(self, output: EngineCoreOutput) -> None:
         if output.error is not None:
@@ -134,6 +139,14 @@ class BeamSearch:
 
         ranked = sorted(group.done, key=lambda d: score(*d), reverse=True)[: self.params.beam_width]
         prompt_ids = group.processed.prompt_token_ids
-        sequences = [BeamSearchSequence(prompt_ids + tokens, tokenizer.decode(tokens, skip_special_tokens=True),
-                                        cum, score(tokens, cum, reason), reason) for tokens, cum, reason in ranked]
+        sequences = [
+            BeamSearchSequence(
+                prompt_ids + tokens,
+                tokenizer.decode(tokens, skip_special_tokens=True),
+                cum,
+                score(tokens, cum, reason),
+                reason,
+            )
+            for tokens, cum, reason in ranked
+        ]
         return BeamSearchOutput(group.processed.prompt, prompt_ids, sequences)

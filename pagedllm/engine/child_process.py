@@ -2,6 +2,7 @@
 socket of pickled messages: how the engine core's process and the tensor-parallel ranks start.
 Not a fork (a forked copy of a process with OpenMP, tokenizer and server threads is not safe), nor
 multiprocessing's spawn, which runs the user's main script again in the child."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ def start_child(module: str, env: dict[str, str] | None = None) -> tuple[subproc
     process = None
     try:
         with Listener(address, "AF_UNIX", authkey=authkey) as listener:
-            process = subprocess.Popen([sys.executable, "-m", module, address],
-                                       env={**os.environ, **(env or {}), _AUTHKEY_ENV: authkey.hex()})
+            process = subprocess.Popen(
+                [sys.executable, "-m", module, address], env={**os.environ, **(env or {}), _AUTHKEY_ENV: authkey.hex()}
+            )
             accepted = threading.Event()
             threading.Thread(target=_unblock_if_exits, args=(process, address, authkey, accepted), daemon=True).start()
             try:

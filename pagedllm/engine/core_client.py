@@ -6,6 +6,7 @@ stats, shutdown) with the same plain messages (core/messages.py). In a process, 
 its own while it has work and sends each step's outputs back, so the frontend's detokenizing runs
 beside the next forward pass; `docs/ARCHITECTURE.md` says which the server uses and why.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,9 +37,9 @@ from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
 from pagedllm.models.loader import ModelConfig, check_tensor_parallel, load_model_config, load_tokenizer
 from pagedllm.spec_decode import SpeculativeConfig, parse_speculative_config, speculative_proposer
-from pagedllm.worker.draft_runner import check_draft
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
+from pagedllm.worker.draft_runner import check_draft
 
 logger = logging.getLogger("pagedllm")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -66,17 +67,35 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig, tokenizer=None
         raise
     batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
     if not model_config.is_causal and batched < model_config.max_model_len:
-        raise ValueError(f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
-                         f"must be at least max_model_len ({model_config.max_model_len})")
+        raise ValueError(
+            f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
+            f"must be at least max_model_len ({model_config.max_model_len})"
+        )
     kv = _kv_cache_manager(args, model_config, num_blocks)
     lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
-    scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, model_config.max_model_len,
-                                          chunked_prefill=model_config.is_causal, num_lookahead_tokens=lookahead), kv)
-    backend = XgrammarBackend((lambda: tokenizer) if tokenizer is not None else
-                              (lambda: load_tokenizer(model_config, args.tokenizer)),
-                              model_config.vocab_size, sorted(model_config.eos_token_ids))
-    return EngineCore(scheduler, executor, FaultInjector.from_env(), StructuredOutputManager(backend),
-                      speculative_proposer(spec), draft_tokens=lookahead)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            args.max_num_seqs,
+            batched,
+            model_config.max_model_len,
+            chunked_prefill=model_config.is_causal,
+            num_lookahead_tokens=lookahead,
+        ),
+        kv,
+    )
+    backend = XgrammarBackend(
+        (lambda: tokenizer) if tokenizer is not None else (lambda: load_tokenizer(model_config, args.tokenizer)),
+        model_config.vocab_size,
+        sorted(model_config.eos_token_ids),
+    )
+    return EngineCore(
+        scheduler,
+        executor,
+        FaultInjector.from_env(),
+        StructuredOutputManager(backend),
+        speculative_proposer(spec),
+        draft_tokens=lookahead,
+    )
 
 
 def make_executor(args: EngineArgs, model_config: ModelConfig, draft_config: ModelConfig | None) -> Executor:
@@ -88,8 +107,10 @@ def make_executor(args: EngineArgs, model_config: ModelConfig, draft_config: Mod
     if backend == "uni":
         return UniprocExecutor(model_config, args.device, args.block_size, draft_config)
     if draft_config is not None:
-        raise ValueError("draft-model speculation runs only in the engine's process (--distributed-executor-backend "
-                         "uni, one rank) for now")
+        raise ValueError(
+            "draft-model speculation runs only in the engine's process (--distributed-executor-backend "
+            "uni, one rank) for now"
+        )
     if args.device != "cpu":
         raise ValueError(f"worker processes run on the CPU for now, not {args.device!r}")
     if backend == "ray":
@@ -107,16 +128,20 @@ def draft_model_config(spec: SpeculativeConfig | None, args: EngineArgs, target:
     return draft
 
 
-def _kv_cache_manager(args: EngineArgs, model_config: ModelConfig,
-                      num_blocks: int) -> KVCacheManager | HybridKVCacheManager:
+def _kv_cache_manager(
+    args: EngineArgs, model_config: ModelConfig, num_blocks: int
+) -> KVCacheManager | HybridKVCacheManager:
     """One manager where the layers are alike (with their shared window, if any), a hybrid one over
     a manager per group of layers where sliding and full layers mix (Gemma)."""
     debug = os.environ.get("PAGEDLLM_DEBUG") == "1"
     windows = kv_cache_groups(model_config.hf_config).windows if model_config.is_causal else (None,)
     if len(windows) == 1:
         return KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, debug, windows[0])
-    logger.info("KV cache: %d groups of layers with their own block tables (windows %s)", len(windows),
-                ", ".join(str(w or "none") for w in windows))
+    logger.info(
+        "KV cache: %d groups of layers with their own block tables (windows %s)",
+        len(windows),
+        ", ".join(str(w or "none") for w in windows),
+    )
     return HybridKVCacheManager(num_blocks, args.block_size, windows, args.enable_prefix_caching, debug)
 
 
@@ -130,9 +155,16 @@ def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) 
     if tokens < model_config.max_model_len:
         raise ValueError(
             f"the KV cache budget ({budget / 2**30:.3f} GiB) holds {tokens} tokens, fewer than "
-            f"max_model_len={model_config.max_model_len}: raise kv_cache_memory or lower max_model_len")
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB of %s", num_blocks,
-                args.block_size, tokens, num_blocks * per_block / 2**30, str(model_config.cache_dtype).split(".")[-1])
+            f"max_model_len={model_config.max_model_len}: raise kv_cache_memory or lower max_model_len"
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB of %s",
+        num_blocks,
+        args.block_size,
+        tokens,
+        num_blocks * per_block / 2**30,
+        str(model_config.cache_dtype).split(".")[-1],
+    )
     return num_blocks
 
 
@@ -153,8 +185,9 @@ class EngineCoreProcClient:
     """The engine core in a process of its own (`python -m pagedllm.engine.core_client`, through
     child_process.py), reached through a Unix socket of pickled messages."""
 
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, cores: list[list[int]] | None = None,
-                 wait: bool = True) -> None:
+    def __init__(
+        self, args: EngineArgs, model_config: ModelConfig, cores: list[list[int]] | None = None, wait: bool = True
+    ) -> None:
         """`cores`: each of its tensor-parallel ranks' cores (a data-parallel replica's share), else
         the core binds as one engine. `wait`: until the core has loaded (else wait_until_ready)."""
         self._process, self._conn = start_child("pagedllm.engine.core_client")

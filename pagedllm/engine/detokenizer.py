@@ -4,6 +4,7 @@ Each step decodes only a short window of ids (from `prefix_offset`), so a step c
 token 10 and token 10,000. A window whose text ends in U+FFFD is an unfinished multi-byte
 character: its text is held back until the next token completes it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,8 +17,14 @@ _CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 include_stop_str_in_output: bool, skip_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+    ) -> None:
         self._decode_ids = _decoder(tokenizer)
         self.ids = list(prompt_token_ids[-_CONTEXT:])
         self.prefix_offset = 0
@@ -32,11 +39,11 @@ class IncrementalDetokenizer:
     def update(self, token_id: int) -> str | None:
         """Add one token; returns the stop string it completed, if any (text then cut there)."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return self._check_stop(len(delta))

@@ -19,6 +19,7 @@ for at least one), so a fast replica never waits for a slow one. Each replica bi
 of the cores (executor/cpu_binding.py: its ranks' lists) and gets an equal share of the KV cache
 budget. A replica that dies fails the engine as a lone engine core's death does.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,9 @@ class PrefixRouter:
 
     def choose(self, prompt_token_ids: list[int], cache_salt: str | None, loads: list[int]) -> int:
         """The replica for a new prompt, given each replica's load; records the prompt's blocks there."""
-        hashes = extend_block_hashes([], prompt_token_ids, self.block_size, cache_salt,
-                                     (len(prompt_token_ids) - 1) // self.block_size)
+        hashes = extend_block_hashes(
+            [], prompt_token_ids, self.block_size, cache_salt, (len(prompt_token_ids) - 1) // self.block_size
+        )
         least = min(loads)
         eligible = [r for r, load in enumerate(loads) if load <= least + AFFINITY_SLACK]
         # The longest cached prefix first, then the lighter load, then the lower index.
@@ -84,13 +86,14 @@ class DPEngineCoreClient:
         size, tp = args.data_parallel_size, args.tensor_parallel_size
         binding = parse_cpu_binding(os.environ.get(BIND_ENV), size * tp, sorted(os.sched_getaffinity(0)))
         budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
-        replica_args = dataclasses.replace(args, data_parallel_size=1, engine_core_process=True,
-                                           kv_cache_memory=budget // size)
+        replica_args = dataclasses.replace(
+            args, data_parallel_size=1, engine_core_process=True, kv_cache_memory=budget // size
+        )
         logger.info("data parallelism: %d engine replicas, %.2f GiB of KV cache each", size, budget / size / 2**30)
         self.replicas: list[EngineCoreProcClient] = []
         try:  # all load at once, each on its own cores
             for r in range(size):
-                cores = binding[r * tp:(r + 1) * tp] if binding is not None else None
+                cores = binding[r * tp : (r + 1) * tp] if binding is not None else None
                 self.replicas.append(EngineCoreProcClient(replica_args, model_config, cores, wait=False))
             for replica in self.replicas:
                 replica.wait_until_ready()

@@ -11,6 +11,7 @@ is compiled, then joins the scheduler; each step the manager fills the mask of t
 requests that sample and advances their matchers over the tokens the step gave them. A grammar
 that is complete ends its request (finish reason "stop").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,15 @@ GRAMMAR_WAIT_S = 0.05
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor, faults: FaultInjector | None = None,
-                 structured_output: StructuredOutputManager | None = None,
-                 proposer: NgramProposer | None = None, draft_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        faults: FaultInjector | None = None,
+        structured_output: StructuredOutputManager | None = None,
+        proposer: NgramProposer | None = None,
+        draft_tokens: int = 0,
+    ) -> None:
         self.scheduler, self.executor = scheduler, executor
         self.proposer = proposer  # speculative decoding's drafts (n-gram), or None
         # Draft-model speculation: up to this many drafts a request, proposed by the worker after
@@ -56,10 +63,17 @@ class EngineCore:
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, message: EngineCoreRequest) -> None:
-        request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
-                          message.max_tokens, message.eos_token_ids, arrival_time=message.arrival_time,
-                          cache_salt=message.cache_salt, hold=message.hold,
-                          pooling_params=message.pooling_params)
+        request = Request(
+            message.request_id,
+            message.prompt_token_ids,
+            message.sampling_params,
+            message.max_tokens,
+            message.eos_token_ids,
+            arrival_time=message.arrival_time,
+            cache_salt=message.cache_salt,
+            hold=message.hold,
+            pooling_params=message.pooling_params,
+        )
         constraint = message.sampling_params.structured_outputs
         if constraint is None:
             self.scheduler.add_request(request, message.fork_of)
@@ -90,8 +104,11 @@ class EngineCore:
             self.scheduler.finish_request(request_id, status)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or bool(self._failed)
-                or (self.structured_output is not None and self.structured_output.num_pending > 0))
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._failed)
+            or (self.structured_output is not None and self.structured_output.num_pending > 0)
+        )
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
@@ -146,14 +163,27 @@ class EngineCore:
         updated = self.scheduler.update(scheduler_output, result)
         refused = self._advance_grammars(updated)
         self._log_step(scheduler_output, time.perf_counter() - begin, self.scheduler.num_preemptions - preemptions)
-        return [_output(r, result) for r in updated if r.request_id not in refused] + list(refused.values()) \
-            + failed + ended
+        return (
+            [_output(r, result) for r in updated if r.request_id not in refused]
+            + list(refused.values())
+            + failed
+            + ended
+        )
 
     def _log_step(self, scheduler_output: SchedulerOutput, seconds: float, preemptions: int) -> None:
-        decode = sum(r.num_new_tokens for r in scheduler_output.scheduled
-                     if r.sample and r.num_new_tokens == 1 + r.num_spec_tokens)
-        self.step_log.add(time.time(), seconds, scheduler_output.num_scheduled_tokens - decode, decode,
-                          len(scheduler_output.scheduled), preemptions)
+        decode = sum(
+            r.num_new_tokens
+            for r in scheduler_output.scheduled
+            if r.sample and r.num_new_tokens == 1 + r.num_spec_tokens
+        )
+        self.step_log.add(
+            time.time(),
+            seconds,
+            scheduler_output.num_scheduled_tokens - decode,
+            decode,
+            len(scheduler_output.scheduled),
+            preemptions,
+        )
 
     def _propose(self) -> None:
         """Draft tokens for each decoding request (the proposer's, up to what it may still
@@ -161,20 +191,32 @@ class EngineCore:
         that is scheduled gets a mask row of its own (StructuredOutputManager.bitmask)."""
         if self.proposer is None and not self.draft_tokens:
             return
-        decoding = [request for request in self.scheduler.running
-                    if request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None]
+        decoding = [
+            request
+            for request in self.scheduler.running
+            if request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None
+        ]
         # The draft model's proposals were cut to the controller's lengths when asked for (_draft_lengths).
-        lengths = None if self.controller is None or self.proposer is None else \
-            self.controller.draft_lengths([request.request_id for request in decoding])
+        lengths = (
+            None
+            if self.controller is None or self.proposer is None
+            else self.controller.draft_lengths([request.request_id for request in decoding])
+        )
         for request in decoding:
             limit = request.max_tokens - request.num_output_tokens - 1
             if lengths is not None:
                 limit = min(limit, lengths[request.request_id])
             if limit > 0:
-                drafts = (self.proposer.propose(request.all_token_ids, limit) if self.proposer is not None
-                          else self._worker_drafts.get(request.request_id, [])[:limit])
-                if drafts and self.structured_output is not None and \
-                        self.structured_output.is_constrained(request.request_id):
+                drafts = (
+                    self.proposer.propose(request.all_token_ids, limit)
+                    if self.proposer is not None
+                    else self._worker_drafts.get(request.request_id, [])[:limit]
+                )
+                if (
+                    drafts
+                    and self.structured_output is not None
+                    and self.structured_output.is_constrained(request.request_id)
+                ):
                     drafts = self.structured_output.valid_drafts(request.request_id, drafts)
                 request.spec_token_ids = drafts
 
@@ -182,11 +224,17 @@ class EngineCore:
         """How many drafts the worker's draft model proposes after this step for each request that
         samples in it: the controller's choice (seeded requests always up to k, so that their
         draws do not hang on the machine's timing), within what the request may still generate."""
-        sampling = [self.scheduler.requests[r.request_id] for r in scheduler_output.scheduled
-                    if r.sample and r.request_id in self.scheduler.requests]
+        sampling = [
+            self.scheduler.requests[r.request_id]
+            for r in scheduler_output.scheduled
+            if r.sample and r.request_id in self.scheduler.requests
+        ]
         sampling = [request for request in sampling if request.pooling_params is None]
-        lengths = None if self.controller is None else \
-            self.controller.draft_lengths([request.request_id for request in sampling])
+        lengths = (
+            None
+            if self.controller is None
+            else self.controller.draft_lengths([request.request_id for request in sampling])
+        )
         chosen = {}
         for request in sampling:
             length = self.draft_tokens
@@ -196,18 +244,23 @@ class EngineCore:
             chosen[request.request_id] = max(0, min(length, request.max_tokens - request.num_output_tokens - 2))
         return chosen
 
-    def _observe_speculation(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput,
-                             seconds: float) -> None:
+    def _observe_speculation(
+        self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput, seconds: float
+    ) -> None:
         """The controller learns each request's acceptance, and the step's time where every
         request in it was decoding (a prompt chunk's step says nothing about a draft's cost)."""
         assert self.controller is not None
         scheduled = scheduler_output.scheduled
-        drafted = {r.request_id: (r.num_spec_tokens, len(result.sampled_token_ids.get(r.request_id, [])) - 1)
-                   for r in scheduled if r.num_spec_tokens}
+        drafted = {
+            r.request_id: (r.num_spec_tokens, len(result.sampled_token_ids.get(r.request_id, [])) - 1)
+            for r in scheduled
+            if r.num_spec_tokens
+        }
         decoding = all(r.sample and r.num_new_tokens == 1 + r.num_spec_tokens for r in scheduled)
         self.controller.observe_draft(*result.draft_token_cost)
-        self.controller.observe(drafted, scheduler_output.num_scheduled_tokens if decoding else None,
-                                seconds - result.draft_seconds)
+        self.controller.observe(
+            drafted, scheduler_output.num_scheduled_tokens if decoding else None, seconds - result.draft_seconds
+        )
         self.controller.retain({request.request_id for request in self.scheduler.running})
 
     def _advance_grammars(self, updated: list[Request]) -> dict[str, EngineCoreOutput]:
@@ -222,12 +275,17 @@ class EngineCore:
             request_id = request.request_id
             if not manager.is_constrained(request_id):
                 continue
-            if not manager.accept(request_id, request.output_token_ids[request.num_reported_tokens:]):
-                refused[request_id] = self._fail(request_id, InvalidConstraintError(
-                    "no token of this model's vocabulary can continue the structured output constraint here "
-                    "(it needs a character the vocabulary cannot spell)" if manager.is_dead_end(request_id) else
-                    "the sampled token is outside the request's grammar (min_tokens can bar the only tokens "
-                    "a complete grammar allows: its end)"))
+            if not manager.accept(request_id, request.output_token_ids[request.num_reported_tokens :]):
+                refused[request_id] = self._fail(
+                    request_id,
+                    InvalidConstraintError(
+                        "no token of this model's vocabulary can continue the structured output constraint here "
+                        "(it needs a character the vocabulary cannot spell)"
+                        if manager.is_dead_end(request_id)
+                        else "the sampled token is outside the request's grammar (min_tokens can bar the only tokens "
+                        "a complete grammar allows: its end)"
+                    ),
+                )
                 continue
             if manager.is_terminated(request_id) and not request.status.finished:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
@@ -248,8 +306,9 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - pinned on requests below
             if len(scheduler_output.scheduled) == 1:
                 return ModelRunnerOutput(), {scheduler_output.scheduled[0].request_id: exc}
-            logger.warning("a step of %d requests failed (%r): running them one at a time",
-                           len(scheduler_output.scheduled), exc)
+            logger.warning(
+                "a step of %d requests failed (%r): running them one at a time", len(scheduler_output.scheduled), exc
+            )
         merged, failures = ModelRunnerOutput(), {}
         # Block copies and finished ids ride with the first run that succeeds (copies are idempotent
         # until a forward pass writes into their targets).
@@ -280,11 +339,18 @@ class EngineCore:
 def _output(request: Request, result: ModelRunnerOutput) -> EngineCoreOutput:
     """What the step brought a request: the output tokens not reported yet, their logprobs, and its
     finish reason if it has one."""
-    new = request.output_token_ids[request.num_reported_tokens:]
+    new = request.output_token_ids[request.num_reported_tokens :]
     request.num_reported_tokens = request.num_output_tokens
     queue_time = None
     if request.first_scheduled_time is not None:
         queue_time = request.first_scheduled_time - request.arrival_time
-    return EngineCoreOutput(request.request_id, new, result.logprobs.get(request.request_id) if new else None,
-                            result.prompt_logprobs.get(request.request_id), request.status.finish_reason,
-                            request.stop_reason, queue_time, pooled=result.pooler_output.get(request.request_id))
+    return EngineCoreOutput(
+        request.request_id,
+        new,
+        result.logprobs.get(request.request_id) if new else None,
+        result.prompt_logprobs.get(request.request_id),
+        request.status.finish_reason,
+        request.stop_reason,
+        queue_time,
+        pooled=result.pooler_output.get(request.request_id),
+    )

@@ -7,6 +7,7 @@ in the engine the server runs, not in a mock.
                               engine's own state is in doubt and it cannot go on
     PAGEDLLM_FAULT=slow:MS    every step takes MS milliseconds longer (requests that stay in flight)
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,9 @@ class FaultInjector:
         """`requests`: the scheduler's, where the step's tokens are (its message carries only drafts)."""
         if self.slow_ms:
             time.sleep(self.slow_ms / 1000)
-        if self.token is not None and any(self.token in _step_tokens(s, requests[s.request_id])
-                                          for s in scheduler_output.scheduled):
+        if self.token is not None and any(
+            self.token in _step_tokens(s, requests[s.request_id]) for s in scheduler_output.scheduled
+        ):
             raise InjectedFault(f"injected fault: token {self.token} in the batch")
 
     def after_execute(self) -> None:
@@ -55,4 +57,4 @@ class FaultInjector:
 
 def _step_tokens(scheduled: ScheduledRequest, request: Request) -> list[int]:
     start = scheduled.num_computed_tokens
-    return request.all_token_ids[start:start + scheduled.num_new_tokens] + scheduled.spec_token_ids
+    return request.all_token_ids[start : start + scheduled.num_new_tokens] + scheduled.spec_token_ids

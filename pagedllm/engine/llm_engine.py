@@ -12,6 +12,7 @@ An embedding request (PoolingParams in place of SamplingParams) is a core reques
 max_tokens 0 that carries its pooling parameters: the core computes its prompt, the worker pools
 it, and its one output is an EmbeddingRequestOutput.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
@@ -35,7 +37,9 @@ from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
-from pagedllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:  # the test hook's type: an annotation, not an import the frontend makes
+    from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 # What the core and worker hold as an embedding request's sampling parameters: nothing is sampled.
@@ -55,15 +59,25 @@ class ProcessedRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.model_config = load_model_config(args.model, args.dtype, args.max_model_len, args.device,
-                                              args.quantization, args.kv_cache_dtype, args.runner,
-                                              args.pooler_config)
+        self.model_config = load_model_config(
+            args.model,
+            args.dtype,
+            args.max_model_len,
+            args.device,
+            args.quantization,
+            args.kv_cache_dtype,
+            args.runner,
+            args.pooler_config,
+        )
         self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
         self.max_model_len = self.model_config.max_model_len
         self.engine_core: EngineCore | EngineCoreProcClient | DPEngineCoreClient = (
-            DPEngineCoreClient(args, self.model_config) if args.data_parallel_size > 1
-            else EngineCoreProcClient(args, self.model_config) if args.engine_core_process
-            else make_engine_core(args, self.model_config, self.tokenizer))
+            DPEngineCoreClient(args, self.model_config)
+            if args.data_parallel_size > 1
+            else EngineCoreProcClient(args, self.model_config)
+            if args.engine_core_process
+            else make_engine_core(args, self.model_config, self.tokenizer)
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Held prompts of parallel samples -> the samples to fork from them once computed.
@@ -90,13 +104,15 @@ class LLMEngine:
         self.engine_core.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | PoolingParams | None = None) -> str:
+    def add_request(
+        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None
+    ) -> str:
         """Validate and queue one request (n > 1 becomes n sequences); returns its id."""
         return self.add_processed(request_id, self.process_inputs(prompt, params))
 
-    def process_inputs(self, prompt: str | list[int],
-                       params: SamplingParams | PoolingParams | None = None) -> ProcessedRequest:
+    def process_inputs(
+        self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None
+    ) -> ProcessedRequest:
         """Tokenize and validate; raises ValueError. Touches no engine state, so any thread may call it."""
         if isinstance(params, PoolingParams):
             return self._process_pooling(prompt, params)
@@ -116,8 +132,7 @@ class LLMEngine:
         """Raises ValueError if this engine does not serve `task` ("generate" or "embed")."""
         if task not in self.model_config.supported_tasks:
             served = " and ".join(_TASK_NAMES[t] for t in self.model_config.supported_tasks)
-            hint = {"embed": " (start it with --runner pooling, or serve an embedding model)",
-                    "generate": ""}[task]
+            hint = {"embed": " (start it with --runner pooling, or serve an embedding model)", "generate": ""}[task]
             raise ValueError(f"this model does not serve {_TASK_NAMES[task]}: it serves {served}{hint}")
 
     def check_params(self, params: SamplingParams | PoolingParams) -> None:
@@ -140,8 +155,10 @@ class LLMEngine:
         if allowed is None:
             raise ValueError("this model does not support matryoshka representation: dimensions cannot be set")
         if dimensions not in allowed:
-            raise ValueError(f"dimensions {dimensions} is not one this model takes "
-                             f"({allowed[0]}..{allowed[-1]}" + (")" if len(allowed) == allowed[-1] else f": {allowed})"))
+            raise ValueError(
+                f"dimensions {dimensions} is not one this model takes "
+                f"({allowed[0]}..{allowed[-1]}" + (")" if len(allowed) == allowed[-1] else f": {allowed})")
+            )
 
     def add_processed(self, request_id: str | None, processed: ProcessedRequest) -> str:
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -150,18 +167,34 @@ class LLMEngine:
         params = processed.params
         if isinstance(params, PoolingParams):
             self.output_processor.add_pooling(request_id, processed.prompt_token_ids)
-            self.engine_core.add_request(EngineCoreRequest(
-                request_id, processed.prompt_token_ids, _POOLING_SAMPLING, 0, cache_salt=processed.cache_salt,
-                pooling_params=params))
+            self.engine_core.add_request(
+                EngineCoreRequest(
+                    request_id,
+                    processed.prompt_token_ids,
+                    _POOLING_SAMPLING,
+                    0,
+                    cache_salt=processed.cache_salt,
+                    pooling_params=params,
+                )
+            )
             return request_id
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add(request_id, processed.prompt, processed.prompt_token_ids, params, child_ids)
-        samples = [self.core_request(child_id, processed, params if params.seed is None else
-                                     dataclasses.replace(params, seed=params.seed + i))
-                   for i, child_id in enumerate(child_ids)]
+        samples = [
+            self.core_request(
+                child_id,
+                processed,
+                params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
+            )
+            for i, child_id in enumerate(child_ids)
+        ]
         # The prompt computed once (prompt logprobs are each sample's own: computed whole, as asked).
-        if params.n > 1 and processed.max_tokens > 0 and len(processed.prompt_token_ids) > 1 \
-                and params.prompt_logprobs is None:
+        if (
+            params.n > 1
+            and processed.max_tokens > 0
+            and len(processed.prompt_token_ids) > 1
+            and params.prompt_logprobs is None
+        ):
             prompt = dataclasses.replace(processed, prompt_token_ids=processed.prompt_token_ids[:-1], max_tokens=0)
             # With the samples' constraint, so that its grammar compiles while the prompt does: the
             # samples then join at once and find this request still holding the prompt's blocks.
@@ -173,10 +206,24 @@ class LLMEngine:
             self.engine_core.add_request(sample)
         return request_id
 
-    def core_request(self, request_id: str, processed: ProcessedRequest, params: SamplingParams,
-                     hold: bool = False, fork_of: str | None = None) -> EngineCoreRequest:
-        return EngineCoreRequest(request_id, processed.prompt_token_ids, params, processed.max_tokens,
-                                 self.model_config.eos_token_ids, processed.cache_salt, hold, fork_of)
+    def core_request(
+        self,
+        request_id: str,
+        processed: ProcessedRequest,
+        params: SamplingParams,
+        hold: bool = False,
+        fork_of: str | None = None,
+    ) -> EngineCoreRequest:
+        return EngineCoreRequest(
+            request_id,
+            processed.prompt_token_ids,
+            params,
+            processed.max_tokens,
+            self.model_config.eos_token_ids,
+            processed.cache_salt,
+            hold,
+            fork_of,
+        )
 
     def add_driven_request(self, message: EngineCoreRequest, on_output: Callable[[EngineCoreOutput], None]) -> None:
         """A core request whose outputs go to `on_output` (a driver such as beam search), not to users."""
@@ -207,17 +254,21 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if pooling is None:
             if len(token_ids) >= self.max_model_len:
-                raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
-                                 "which leaves no room to generate")
+                raise ValueError(
+                    f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                    "which leaves no room to generate"
+                )
             return text, token_ids
         truncate = pooling.truncate_prompt_tokens
         if truncate is not None:
             if truncate > self.max_model_len:
                 raise ValueError(f"truncate_prompt_tokens {truncate} exceeds max_model_len ({self.max_model_len})")
-            token_ids = token_ids[-(self.max_model_len if truncate == -1 else truncate):]
+            token_ids = token_ids[-(self.max_model_len if truncate == -1 else truncate) :]
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"the input has {len(token_ids)} tokens; this model takes at most {self.max_model_len} "
-                             "(truncate_prompt_tokens cuts it)")
+            raise ValueError(
+                f"the input has {len(token_ids)} tokens; this model takes at most {self.max_model_len} "
+                "(truncate_prompt_tokens cuts it)"
+            )
         return text, token_ids
 
     def abort_request(self, request_id: str) -> None:
@@ -232,8 +283,14 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults, as vLLM applies them."""
         gen = self.model_config.generation_defaults
-        fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        fields = {
+            "temperature": "temperature",
+            "top_p": "top_p",
+            "top_k": "top_k",
+            "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty",
+            "max_new_tokens": "max_tokens",
+        }
         return SamplingParams(**{ours: gen[theirs] for theirs, ours in fields.items() if gen.get(theirs) is not None})
 
     # -- one step ------------------------------------------------------------------------------
@@ -299,4 +356,3 @@ class LLMEngine:
         """Each engine replica's (one without data parallelism)."""
         core = self.engine_core
         return core.replica_stats() if isinstance(core, DPEngineCoreClient) else [core.stats()]
-

@@ -4,6 +4,7 @@ It owns each request's detokenizer; a stop string found here ends the request, w
 then tells the scheduler. Parallel samples (n > 1) are n scheduler requests gathered back into
 one RequestOutput. An embedding request's one output carries its vector.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -62,12 +63,23 @@ class OutputProcessor:
     def add_pooling(self, request_id: str, prompt_token_ids: list[int]) -> None:
         self.embeddings[request_id] = prompt_token_ids
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: SamplingParams, child_ids: list[str]) -> None:
-        samples = {cid: _Sample(i, self._detokenizer(prompt_token_ids, params),
-                                logprobs=[] if params.logprobs is not None else None,
-                                cumulative_logprob=0.0 if params.logprobs is not None else None)
-                   for i, cid in enumerate(child_ids)}
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+    ) -> None:
+        samples = {
+            cid: _Sample(
+                i,
+                self._detokenizer(prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            for i, cid in enumerate(child_ids)
+        }
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] * len(prompt_token_ids)
@@ -78,8 +90,9 @@ class OutputProcessor:
     def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if not params.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                      params.include_stop_str_in_output, params.skip_special_tokens)
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -106,8 +119,9 @@ class OutputProcessor:
             output.error = error
         return output
 
-    def process(self, core_outputs: list[EngineCoreOutput]
-                ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
+    def process(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Returns the outputs to hand out and the core's request ids that a stop string finished."""
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
@@ -138,8 +152,12 @@ class OutputProcessor:
     def _embedding(self, core: EngineCoreOutput) -> EmbeddingRequestOutput:
         prompt_token_ids = self.embeddings.pop(core.request_id)
         if core.pooled is None:  # ended without being computed (aborted in the core)
-            return EmbeddingRequestOutput(core.request_id, None, prompt_token_ids,
-                                          error=f"the request ended ({core.finish_reason}) before its prompt was pooled")
+            return EmbeddingRequestOutput(
+                core.request_id,
+                None,
+                prompt_token_ids,
+                error=f"the request ended ({core.finish_reason}) before its prompt was pooled",
+            )
         return EmbeddingRequestOutput(core.request_id, EmbeddingOutput(core.pooled.tolist()), prompt_token_ids)
 
     def _record_tokens(self, sample: _Sample, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
@@ -188,13 +206,23 @@ class OutputProcessor:
         if delta and parent.sent_prompt_logprobs:
             prompt_logprobs = None
         parent.sent_prompt_logprobs = True
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             prompt_logprobs, outputs, finished, {"queue_time": parent.queue_time})
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            prompt_logprobs,
+            outputs,
+            finished,
+            {"queue_time": parent.queue_time},
+        )
 
 
 def _has_news(sample: _Sample) -> bool:
-    return (len(sample.token_ids) > sample.sent_tokens or len(sample.text()) > sample.sent_text
-            or (sample.finish_reason is not None and not sample.sent_finish))
+    return (
+        len(sample.token_ids) > sample.sent_tokens
+        or len(sample.text()) > sample.sent_text
+        or (sample.finish_reason is not None and not sample.sent_finish)
+    )
 
 
 def _completion(sample: _Sample, delta: bool) -> CompletionOutput:

@@ -1,4 +1,5 @@
 """The `pagedllm` command: `serve`, `generate PROMPT...` and `bench serve|throughput|latency`."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,41 +26,86 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=defaults.enable_prefix_caching, help="share KV blocks of common prompt prefixes")
-    parser.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
-                        default=defaults.engine_core_process,
-                        help="run the scheduler and the model in a process of their own (default: a thread)")
-    parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
-                        help="weights' format: auto (a GGUF file's own quantized types, computed on as they are), "
-                             "gguf (the same, asked for), none (dequantized at load to --dtype); for a Hugging Face "
-                             "checkpoint, int8 (per channel), int4 (groups of 128) or int4_g32 (groups of 32)")
-    parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=list(KV_CACHE_DTYPE_CHOICES),
-                        help="what the KV cache holds: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3, scale 1), "
-                             "fp8_e5m2: one byte a value, twice the tokens in the same memory, half the bytes "
-                             "decode attention reads")
-    parser.add_argument("--runner", default=defaults.runner, choices=list(RUNNER_CHOICES),
-                        help="which requests to serve: generate (completions, chat), pooling (embeddings), or auto "
-                             "(an encoder or a sentence-transformers folder: embeddings; other decoders: both)")
-    parser.add_argument("--pooler-config", type=_json_object, default=None,
-                        help='how embeddings pool, as JSON: {"pooling_type": "MEAN"|"CLS"|"LAST", "normalize": '
-                             "true|false} (default: the model folder's sentence-transformers modules, else the family's)")
-    parser.add_argument("--speculative-config", type=_json_object, default=None,
-                        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (drafts from the request\'s own tokens)')
-    parser.add_argument("--tensor-parallel-size", "-tp", type=positive(int), default=defaults.tensor_parallel_size,
-                        help="split the model's layers over this many worker processes (ranks), each on its own "
-                             "cores (PAGEDLLM_CPU_OMP_THREADS_BIND: auto, or core lists like 0-7|8-15)")
-    parser.add_argument("--data-parallel-size", "-dp", type=positive(int), default=defaults.data_parallel_size,
-                        help="serve with this many engine replicas (a process each, with its own copy of the "
-                             "weights, its share of the cores and of the KV cache budget); a request goes to the "
-                             "replica holding its prompt's prefix, else to the least loaded")
-    parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"],
-                        help="how the ranks run: mp (a process each on this machine, the default with -tp > 1), "
-                             "ray (a Ray actor each, on the Ray cluster this machine reaches, else a local Ray: "
-                             "pip install 'pagedllm[ray]') or uni (one, in the engine's process)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.enable_prefix_caching,
+        help="share KV blocks of common prompt prefixes",
+    )
+    parser.add_argument(
+        "--engine-core-process",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.engine_core_process,
+        help="run the scheduler and the model in a process of their own (default: a thread)",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=list(QUANTIZATION_CHOICES),
+        help="weights' format: auto (a GGUF file's own quantized types, computed on as they are), "
+        "gguf (the same, asked for), none (dequantized at load to --dtype); for a Hugging Face "
+        "checkpoint, int8 (per channel), int4 (groups of 128) or int4_g32 (groups of 32)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=defaults.kv_cache_dtype,
+        choices=list(KV_CACHE_DTYPE_CHOICES),
+        help="what the KV cache holds: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3, scale 1), "
+        "fp8_e5m2: one byte a value, twice the tokens in the same memory, half the bytes "
+        "decode attention reads",
+    )
+    parser.add_argument(
+        "--runner",
+        default=defaults.runner,
+        choices=list(RUNNER_CHOICES),
+        help="which requests to serve: generate (completions, chat), pooling (embeddings), or auto "
+        "(an encoder or a sentence-transformers folder: embeddings; other decoders: both)",
+    )
+    parser.add_argument(
+        "--pooler-config",
+        type=_json_object,
+        default=None,
+        help='how embeddings pool, as JSON: {"pooling_type": "MEAN"|"CLS"|"LAST", "normalize": '
+        "true|false} (default: the model folder's sentence-transformers modules, else the family's)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (drafts from the request\'s own tokens)',
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive(int),
+        default=defaults.tensor_parallel_size,
+        help="split the model's layers over this many worker processes (ranks), each on its own "
+        "cores (PAGEDLLM_CPU_OMP_THREADS_BIND: auto, or core lists like 0-7|8-15)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=positive(int),
+        default=defaults.data_parallel_size,
+        help="serve with this many engine replicas (a process each, with its own copy of the "
+        "weights, its share of the cores and of the KV cache budget); a request goes to the "
+        "replica holding its prompt's prefix, else to the least loaded",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=["mp", "ray", "uni"],
+        help="how the ranks run: mp (a process each on this machine, the default with -tp > 1), "
+        "ray (a Ray actor each, on the Ray cluster this machine reaches, else a local Ray: "
+        "pip install 'pagedllm[ray]') or uni (one, in the engine's process)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)",
+    )
 
 
 def _json_object(value: str) -> dict:
@@ -81,11 +127,13 @@ def _port(value: str) -> int:
 
 def positive(kind: type):
     """An argparse type: a number above 0 (the bench commands' too)."""
+
     def parse(value: str):
         number = kind(value)
         if not number > 0:
             raise argparse.ArgumentTypeError(f"{value} must be > 0")
         return number
+
     return parse
 
 
@@ -98,16 +146,36 @@ def _origins(value: str) -> list[str]:
 
 def add_server_limits(parser: argparse.ArgumentParser) -> None:
     """What one client may ask of the server, and how it stops."""
-    parser.add_argument("--max-request-body-bytes", type=positive(int), default=MAX_BODY_BYTES,
-                        help="larger bodies get 413, counted as they arrive")
-    parser.add_argument("--max-waiting-requests", type=positive(int), default=1024,
-                        help="past this many requests waiting to start, new ones get 503 with Retry-After")
-    parser.add_argument("--request-timeout", type=positive(float), default=None,
-                        help="seconds a request may take from admission to its last token (default: no limit)")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="on SIGTERM, seconds in-flight requests get to finish before they are ended")
-    parser.add_argument("--allowed-origins", type=_origins, default=[],
-                        help="CORS origins allowed (comma-separated or a JSON list); CORS is off without it")
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=positive(int),
+        default=MAX_BODY_BYTES,
+        help="larger bodies get 413, counted as they arrive",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=positive(int),
+        default=1024,
+        help="past this many requests waiting to start, new ones get 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=positive(float),
+        default=None,
+        help="seconds a request may take from admission to its last token (default: no limit)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are ended",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=[],
+        help="CORS origins allowed (comma-separated or a JSON list); CORS is off without it",
+    )
 
 
 def engine_args(ns: argparse.Namespace) -> dict:
@@ -117,8 +185,15 @@ def engine_args(ns: argparse.Namespace) -> dict:
 def _generate(ns: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            top_k=ns.top_k, seed=ns.sampling_seed, stop=ns.stop or None, n=ns.n)
+    params = SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.sampling_seed,
+        stop=ns.stop or None,
+        n=ns.n,
+    )
     llm = LLM(**engine_args(ns))
     if ns.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], params, use_tqdm=False)
@@ -136,12 +211,15 @@ def _serve(ns: argparse.Namespace) -> int:
 
     args = engine_args(ns)
     args["model"] = ns.model_path or ns.model
-    limits = ServerLimits(max_body_bytes=ns.max_request_body_bytes, request_timeout=ns.request_timeout,
-                          allowed_origins=ns.allowed_origins)
-    chat = ChatOptions(_read_template(ns.chat_template), ns.enable_auto_tool_choice, ns.tool_call_parser,
-                       ns.reasoning_parser)
-    return run_server(EngineArgs(**args), ns.host, ns.port, ns.api_key, chat, limits,
-                      ns.max_waiting_requests, ns.shutdown_timeout)
+    limits = ServerLimits(
+        max_body_bytes=ns.max_request_body_bytes, request_timeout=ns.request_timeout, allowed_origins=ns.allowed_origins
+    )
+    chat = ChatOptions(
+        _read_template(ns.chat_template), ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser
+    )
+    return run_server(
+        EngineArgs(**args), ns.host, ns.port, ns.api_key, chat, limits, ns.max_waiting_requests, ns.shutdown_timeout
+    )
 
 
 def _read_template(path: str | None) -> str | None:
@@ -159,10 +237,13 @@ def _add_bench(commands) -> None:
 
     bench = commands.add_parser("bench", help="benchmarks, with vLLM's `vllm bench` options")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    serve.add_cli_args(kinds.add_parser(
-        "serve", help="streaming requests against a running OpenAI-compatible server (any engine)"))
-    for name, module, text in (("throughput", throughput, "offline: every request at once, tokens a second"),
-                               ("latency", latency, "offline: seconds a batch takes, its percentiles")):
+    serve.add_cli_args(
+        kinds.add_parser("serve", help="streaming requests against a running OpenAI-compatible server (any engine)")
+    )
+    for name, module, text in (
+        ("throughput", throughput, "offline: every request at once, tokens a second"),
+        ("latency", latency, "offline: seconds a batch takes, its percentiles"),
+    ):
         sub = kinds.add_parser(name, help=text)
         add_engine_args(sub)
         module.add_cli_args(sub)
@@ -189,19 +270,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model_path", nargs="?", default=None, help="HF folder or .gguf file (default model if left out)")
+    serve.add_argument(
+        "model_path", nargs="?", default=None, help="HF folder or .gguf file (default model if left out)"
+    )
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGEDLLM_API_KEY)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template file")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let the model decide when to call tools (tool_choice "auto"; needs --tool-call-parser)')
-    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, Hermes; "
-                            "llama3_json: Llama 3.1/3.2)")
-    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="split the model's thinking (<think>...</think>) into reasoning_content")
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"; needs --tool-call-parser)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, Hermes; llama3_json: Llama 3.1/3.2)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking (<think>...</think>) into reasoning_content",
+    )
     add_server_limits(serve)
     gen = commands.add_parser("generate", help="complete prompts offline and print the text")
     gen.add_argument("prompts", nargs="+")

@@ -1,4 +1,5 @@
 """LLM: the offline API, shaped like vLLM's (`LLM(model).generate(prompts, SamplingParams(...))`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,9 +8,9 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.beam_search import BeamSearch
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
 from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -30,9 +31,12 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
@@ -43,9 +47,14 @@ class LLM:
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         return self._run(normalized, params, use_tqdm)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True,
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (`output.outputs.embedding`), in the order of the prompts. The
         model's pooling (sentence-transformers' modules, else its family's default) applies;
         `pooling_params` may ask for fewer dimensions (Matryoshka models) or no normalization."""
@@ -65,17 +74,26 @@ class LLM:
             raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
         return outputs
 
-    def chat(self, messages: list[Message] | list[list[Message]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Conversations through the chat template (with `tools`, OpenAI's tool definitions, where
         the template takes them), then generate. The output is the model's text: reading tool calls
         out of it is the server's job (--tool-call-parser)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt, tools,
-                                       chat_template_kwargs) for c in conversations]
+        prompts = [
+            apply_chat_template(
+                self.engine.tokenizer, c, chat_template, add_generation_prompt, tools, chat_template_kwargs
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -83,8 +101,9 @@ class LLM:
         prompts = [_prompt_input(p) for p in _as_prompt_list(prompts)]
         return BeamSearch(self.engine, params).run(prompts)
 
-    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams] | list[PoolingParams],
-             use_tqdm: bool) -> list:
+    def _run(
+        self, prompts: list[str | list[int]], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool
+    ) -> list:
         engine = self.engine
         ids: list[str] = []
         try:

@@ -5,6 +5,7 @@ workers load the model, allocate that many blocks, and execute each step. The un
 (uniproc.py) runs one worker in the engine's thread; a multiprocess or Ray executor (tensor
 parallelism) will start one worker per rank and gather rank 0's output.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -23,16 +24,13 @@ class Executor(ABC):
         """Bytes one KV block takes on all the workers together (all layers, K and V)."""
 
     @abstractmethod
-    def load_model(self) -> None:
-        ...
+    def load_model(self) -> None: ...
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None:
-        ...
+    def initialize_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None:
         """Stop the workers this executor started (none for the uniprocess one)."""

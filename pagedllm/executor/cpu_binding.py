@@ -2,6 +2,7 @@
 VLLM_CPU_OMP_THREADS_BIND. "auto" (the default) splits this process's physical cores evenly in rank
 order, a core's hyper-threads together; "0-7|8-15" names each rank's, as many for each; "all"
 leaves them unbound. With data parallelism the ranks are every replica's, replica by replica."""
+
 from __future__ import annotations
 
 import math
@@ -18,10 +19,12 @@ def parse_cpu_binding(spec: str | None, ranks: int, available: list[int]) -> lis
     if spec == "auto":
         cores = physical_cores_of(available)
         if len(cores) < ranks:
-            raise ValueError(f"{ranks} ranks (tensor-parallel size x data-parallel size) need a core each; this process may use "
-                             f"{len(cores)} ({BIND_ENV}=all runs them unbound)")
+            raise ValueError(
+                f"{ranks} ranks (tensor-parallel size x data-parallel size) need a core each; this process may use "
+                f"{len(cores)} ({BIND_ENV}=all runs them unbound)"
+            )
         share = len(cores) // ranks
-        return [sorted(cpu for core in cores[r * share:(r + 1) * share] for cpu in core) for r in range(ranks)]
+        return [sorted(cpu for core in cores[r * share : (r + 1) * share] for cpu in core) for r in range(ranks)]
     parts = spec.split("|")
     if len(parts) != ranks:
         raise ValueError(f"{BIND_ENV}={spec!r} names {len(parts)} core lists for {ranks} ranks")
@@ -95,8 +98,14 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/sel
         v2 = controllers == ""
         if not v2 and "cpu" not in controllers.split(","):
             continue
-        base = root if v2 else next((f"{root}/{name}" for name in ("cpu", "cpu,cpuacct", controllers)
-                                     if os.path.isdir(f"{root}/{name}")), None)
+        base = (
+            root
+            if v2
+            else next(
+                (f"{root}/{name}" for name in ("cpu", "cpu,cpuacct", controllers) if os.path.isdir(f"{root}/{name}")),
+                None,
+            )
+        )
         if base is None:
             continue
         # The process's own group and each one above it, to the mount's root (a container sees its

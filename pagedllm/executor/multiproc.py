@@ -14,6 +14,7 @@ away reads the end of its socket and exits (on Linux the kernel also kills it, s
 waiting in a collective); shutdown(), the executor's garbage collection and the interpreter's
 exit end the others, so that no process is left behind.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,8 +39,14 @@ logger = logging.getLogger(__name__)
 
 
 class MultiprocExecutor(RanksExecutor):
-    def __init__(self, model_config: ModelConfig, device: str, block_size: int, tensor_parallel_size: int,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        device: str,
+        block_size: int,
+        tensor_parallel_size: int,
+        seed: int | None = None,
+    ) -> None:
         self.model_config, self.block_size, self.size = model_config, block_size, tensor_parallel_size
         binding = parse_cpu_binding(os.environ.get(BIND_ENV), tensor_parallel_size, sorted(os.sched_getaffinity(0)))
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -55,11 +62,25 @@ class MultiprocExecutor(RanksExecutor):
                 process, pipe = start_child("pagedllm.executor.multiproc")
                 self.processes.append(process)
                 self.pipes.append(pipe)
-                pipe.send((rank, tensor_parallel_size, init_method, self.region.name, model_config, device,
-                           block_size, binding[rank] if binding is not None else None, seed,
-                           threading.current_thread() is threading.main_thread()))
-            logger.info("tensor parallelism: %d worker processes (cores %s)", tensor_parallel_size,
-                        "unbound" if binding is None else " | ".join(",".join(map(str, c)) for c in binding))
+                pipe.send(
+                    (
+                        rank,
+                        tensor_parallel_size,
+                        init_method,
+                        self.region.name,
+                        model_config,
+                        device,
+                        block_size,
+                        binding[rank] if binding is not None else None,
+                        seed,
+                        threading.current_thread() is threading.main_thread(),
+                    )
+                )
+            logger.info(
+                "tensor parallelism: %d worker processes (cores %s)",
+                tensor_parallel_size,
+                "unbound" if binding is None else " | ".join(",".join(map(str, c)) for c in binding),
+            )
             self._collect({pipe: rank for rank, pipe in enumerate(self.pipes)}, STARTUP_TIMEOUT_S)  # each "ready"
         except BaseException:
             self._stop()
@@ -93,8 +114,9 @@ class MultiprocExecutor(RanksExecutor):
         return "still running" if code is None else f"exit code {code}" if code >= 0 else f"signal {-code}"
 
 
-def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection],
-                  region: shared_memory.SharedMemory) -> None:
+def _stop_workers(
+    processes: list[subprocess.Popen], pipes: list[Connection], region: shared_memory.SharedMemory
+) -> None:
     for pipe in pipes:
         try:
             pipe.send(("shutdown", ()))
@@ -121,9 +143,19 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, size: int, init_method: str, region: str, model_config: ModelConfig, device: str,
-                 block_size: int,
-                 cores: list[int] | None, seed: int | None, die_with_parent: bool, pipe: Connection) -> None:
+def _worker_main(
+    rank: int,
+    size: int,
+    init_method: str,
+    region: str,
+    model_config: ModelConfig,
+    device: str,
+    block_size: int,
+    cores: list[int] | None,
+    seed: int | None,
+    die_with_parent: bool,
+    pipe: Connection,
+) -> None:
     """A rank's process: join the group, then answer calls until shutdown or the pipe's end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it shuts the ranks down
     if die_with_parent:

@@ -9,6 +9,7 @@ without being told. An answer is ("ok", value) or ("error", (type name, text)). 
 executor would; one that only some raised, a rank that dies, or ranks that stop answering (left
 waiting in a collective) are the executor's failure, which the engine core takes as fatal.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_rank(rank: int, size: int, init_method: str, region: str | None, model_config: ModelConfig,
-               device: str, block_size: int, cores: list[int] | None, threads: int | None, seed: int | None):
+def start_rank(
+    rank: int,
+    size: int,
+    init_method: str,
+    region: str | None,
+    model_config: ModelConfig,
+    device: str,
+    block_size: int,
+    cores: list[int] | None,
+    threads: int | None,
+    seed: int | None,
+):
     """On the rank: its cores and threads, the group joined, its worker built (not loaded yet)."""
     import torch
 
@@ -126,8 +137,10 @@ class RanksExecutor(Executor):
             ready = self._wait(list(pending), wait_s)
             if not ready:
                 late = sorted(pending.values())
-                raise ExecutorFailure(f"tensor-parallel ranks {late} did not answer in time" +
-                                      (f" after rank {min(errors)} failed: {errors[min(errors)][1]}" if errors else ""))
+                raise ExecutorFailure(
+                    f"tensor-parallel ranks {late} did not answer in time"
+                    + (f" after rank {min(errors)} failed: {errors[min(errors)][1]}" if errors else "")
+                )
             for handle in ready:
                 rank = pending.pop(handle)
                 status, value = self._receive(handle, rank)

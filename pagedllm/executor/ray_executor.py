@@ -12,6 +12,7 @@ A rank whose actor dies (killed, out of memory, its machine gone) makes its call
 at once, which the executor raises as ExecutorFailure (ranks.py). Shutdown kills the actors and
 removes the placement group, whatever state the ranks are in.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,12 +51,23 @@ class RankActor:
         address = ray.util.get_node_ip_address()
         return ray.get_runtime_context().get_node_id(), address, free_port(address), os.getpid()
 
-    def start(self, rank: int, size: int, init_method: str, region: str | None, model_config: ModelConfig,
-              device: str, block_size: int, threads: int, seed: int | None) -> tuple[str, Any]:
+    def start(
+        self,
+        rank: int,
+        size: int,
+        init_method: str,
+        region: str | None,
+        model_config: ModelConfig,
+        device: str,
+        block_size: int,
+        threads: int,
+        seed: int | None,
+    ) -> tuple[str, Any]:
         self.rank = rank
         try:
-            self.worker = start_rank(rank, size, init_method, region, model_config, device, block_size, None,
-                                     threads, seed)
+            self.worker = start_rank(
+                rank, size, init_method, region, model_config, device, block_size, None, threads, seed
+            )
         except BaseException:  # noqa: BLE001 - reported to the engine, which stops
             return start_failure()
         return "ok", None
@@ -68,8 +80,14 @@ class RankActor:
 
 
 class RayExecutor(RanksExecutor):
-    def __init__(self, model_config: ModelConfig, device: str, block_size: int, tensor_parallel_size: int,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        device: str,
+        block_size: int,
+        tensor_parallel_size: int,
+        seed: int | None = None,
+    ) -> None:
         self.ray = ray = import_ray()
         self.model_config, self.block_size, self.size = model_config, block_size, tensor_parallel_size
         # What the ranks hold, freed by the finalizer: at shutdown, when the engine is dropped
@@ -94,8 +112,10 @@ class RayExecutor(RanksExecutor):
         self.state.placement = placement_group([{"CPU": per_rank}] * size, strategy="PACK")
         ready, _ = ray.wait([self.state.placement.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
-            raise ValueError(f"Ray could not place {size} ranks of {per_rank} CPUs each in "
-                             f"{PLACEMENT_TIMEOUT_S:.0f} s (cluster: {ray.cluster_resources()})")
+            raise ValueError(
+                f"Ray could not place {size} ranks of {per_rank} CPUs each in "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s (cluster: {ray.cluster_resources()})"
+            )
         actor_class = ray.remote(RankActor)
         for rank in range(size):
             strategy = PlacementGroupSchedulingStrategy(self.state.placement, placement_group_bundle_index=rank)
@@ -107,11 +127,19 @@ class RayExecutor(RanksExecutor):
             self.state.region = SharedRegion.create(size)
         region = self.state.region.name if self.state.region is not None else None
         _, address, port, _ = where[0]
-        logger.info("tensor parallelism: %d Ray actors of %d CPUs on %d machine(s), collectives through %s",
-                    size, per_rank, len(nodes), "shared memory" if region else f"gloo at {address}:{port}")
-        refs = [actor.start.remote(rank, size, f"tcp://{address}:{port}", region, model_config, device,
-                                   block_size, per_rank, seed)
-                for rank, actor in enumerate(self.state.actors)]
+        logger.info(
+            "tensor parallelism: %d Ray actors of %d CPUs on %d machine(s), collectives through %s",
+            size,
+            per_rank,
+            len(nodes),
+            "shared memory" if region else f"gloo at {address}:{port}",
+        )
+        refs = [
+            actor.start.remote(
+                rank, size, f"tcp://{address}:{port}", region, model_config, device, block_size, per_rank, seed
+            )
+            for rank, actor in enumerate(self.state.actors)
+        ]
         self._collect({ref: rank for rank, ref in enumerate(refs)}, STARTUP_TIMEOUT_S)
 
     def shutdown(self) -> None:
@@ -180,8 +208,10 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except (OSError, ValueError) as exc:
-        raise ValueError(f"no Ray cluster is reachable at RAY_ADDRESS={address} ({exc}): start one with "
-                         "`ray start --head` there, or unset RAY_ADDRESS to start a local one") from None
+        raise ValueError(
+            f"no Ray cluster is reachable at RAY_ADDRESS={address} ({exc}): start one with "
+            "`ray start --head` there, or unset RAY_ADDRESS to start a local one"
+        ) from None
 
 
 def _stop_ranks(ray, state: _Ranks, started: bool) -> None:

@@ -12,6 +12,7 @@ if the wait stays low, and otherwise goes back and waits twice as long before th
 to `MAX_PROBE_S`). The thread count never changes a result: every kernel computes a row the same
 way whatever the count (tests/test_thread_governor.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,13 @@ def schedstat_available() -> bool:
 class ThreadGovernor:
     """Call `stepped()` after each engine step; it sets the thread count through `set_threads`."""
 
-    def __init__(self, max_threads: int, set_threads: Callable[[int], None],
-                 read: Callable[[], tuple[int, int]], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_threads: int,
+        set_threads: Callable[[int], None],
+        read: Callable[[], tuple[int, int]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_threads = self.threads = max_threads
         self._set, self._read, self._clock = set_threads, read, clock
         self._probing_from: int | None = None  # the count a probe of one more thread came from
@@ -76,8 +82,9 @@ class ThreadGovernor:
                 self._change(came_from, now, waiting, logging.DEBUG)
             else:
                 self._probe_wait_s = FIRST_PROBE_S
-                logger.info("CPU threads: back to %d (waiting for a core %.0f%% of the time)", self.threads,
-                            100 * waiting)
+                logger.info(
+                    "CPU threads: back to %d (waiting for a core %.0f%% of the time)", self.threads, 100 * waiting
+                )
             return
         if waiting > HIGH and self.threads > 1:
             self._change(self.threads - 1, now, waiting, logging.INFO)
@@ -86,10 +93,17 @@ class ThreadGovernor:
             self._change(self.threads + 1, now, waiting, logging.DEBUG)
 
     def _change(self, threads: int, now: float, waiting: float, level: int) -> None:
-        logger.log(level, "CPU threads: %d -> %d (the engine's thread waited for a core %.0f%% of the last %.2f s: "
-                   "other processes are using the cores)" if threads < self.threads else
-                   "CPU threads: %d -> %d (trying one more; waiting %.0f%% of the last %.2f s)",
-                   self.threads, threads, 100 * waiting, WINDOW_S)
+        logger.log(
+            level,
+            "CPU threads: %d -> %d (the engine's thread waited for a core %.0f%% of the last %.2f s: "
+            "other processes are using the cores)"
+            if threads < self.threads
+            else "CPU threads: %d -> %d (trying one more; waiting %.0f%% of the last %.2f s)",
+            self.threads,
+            threads,
+            100 * waiting,
+            WINDOW_S,
+        )
         self.threads, self._last_change = threads, now
         self._set(threads)
 

@@ -1,4 +1,5 @@
 """The uniprocess executor: one worker, called directly in the engine's thread."""
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,9 @@ from pagedllm.worker.worker import Worker
 
 
 class UniprocExecutor(Executor):
-    def __init__(self, model_config: ModelConfig, device: str, block_size: int,
-                 draft_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self, model_config: ModelConfig, device: str, block_size: int, draft_config: ModelConfig | None = None
+    ) -> None:
         self.driver_worker = Worker(model_config, device, block_size, draft_config)
         # Built in the thread that steps (torch's thread count is the calling thread's own).
         self.governor = make_governor(torch.get_num_threads(), torch.set_num_threads) if device == "cpu" else None

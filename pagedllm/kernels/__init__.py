@@ -4,6 +4,7 @@ The build goes into a folder keyed by the sources and the whole toolchain (compi
 ninja, CPU), so checkouts and venvs that share a home folder never rebuild each other's kernels, and it runs
 with the ninja of this interpreter's environment (the `ninja` pip package) ahead of any other on PATH.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,14 @@ import torch
 logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(__file__)
 _NAME = "pagedllm_cpu_ops"
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "packed_linear.cpp", "decoder_stack.cpp", "quant_linear.cpp",
-            "shm_collectives.cpp")
+_SOURCES = (
+    "paged_attention.cpp",
+    "fused_ops.cpp",
+    "packed_linear.cpp",
+    "decoder_stack.cpp",
+    "quant_linear.cpp",
+    "shm_collectives.cpp",
+)
 _CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _KEY_CHARS = 16  # 64 bits of the hash: collisions between toolchains are not a concern
@@ -131,8 +138,14 @@ def _load() -> ModuleType:
     start = time.perf_counter()
     with _build_environment(path, cxx):
         # load() takes a file lock in the folder, so a second process starting at once waits for this build.
-        module = load(name=_NAME, sources=[os.path.join(_DIR, f) for f in _SOURCES], extra_cflags=_cflags(),
-                      extra_ldflags=list(_LDFLAGS), build_directory=directory, verbose=False)
+        module = load(
+            name=_NAME,
+            sources=[os.path.join(_DIR, f) for f in _SOURCES],
+            extra_cflags=_cflags(),
+            extra_ldflags=list(_LDFLAGS),
+            build_directory=directory,
+            verbose=False,
+        )
     if not cached:
         logger.info("C++ kernels built in %.1f s", time.perf_counter() - start)
     return module
@@ -189,8 +202,9 @@ def _compiler(path: str) -> str | None:
 def _version_output(command: list[str], path: str) -> str:
     """The command's --version output, or '' where it cannot run (the key then still differs from a working one)."""
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=30, check=False,
-                              env={**os.environ, "PATH": path}).stdout.strip()
+        return subprocess.run(
+            command, capture_output=True, text=True, timeout=30, check=False, env={**os.environ, "PATH": path}
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 

@@ -1,5 +1,6 @@
 """The gated MLP's activations: SiLU-and-mul (fused where the C++ kernels are at hand) and
 GELU(tanh)-and-mul (Gemma's)."""
+
 from __future__ import annotations
 
 import torch

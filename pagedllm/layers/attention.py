@@ -1,6 +1,7 @@
 """Paged attention: rotate this step's q and k, write its K/V into their slots, then attend
 through the block tables. The cache holds the model's dtype, or fp8 (--kv-cache-dtype): bytes
 of value / scale, with a K and a V scale per layer."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from pagedllm.layers.rotary import RopeTables, apply_rotary
 @dataclass
 class AttentionMetadata:
     """Where each of the step's tokens lives; built once per step by the model runner."""
+
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
@@ -47,13 +49,20 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 @dataclass(frozen=True)
 class KVScales:
     """A layer's fp8 cache scales: a cached K value is its fp8 value x k (V: x v)."""
+
     k: float = 1.0
     v: float = 1.0
 
 
-def rotary_and_write_kv(qkv: torch.Tensor, rope: RopeTables, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor, num_heads: int,
-                        scales: KVScales = KVScales()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rotary_and_write_kv(
+    qkv: torch.Tensor,
+    rope: RopeTables,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    scales: KVScales = KVScales(),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv: [num_tokens, (num_heads + 2 kv_heads) * head_dim], q then k then v. Applies rotary to
     q and k, writes k and v into their cache slots; returns q, k, v as [num_tokens, heads, head_dim]
     (views into qkv where the C++ kernel rotated them in place)."""
@@ -70,8 +79,14 @@ def rotary_and_write_kv(qkv: torch.Tensor, rope: RopeTables, k_cache: torch.Tens
     return q, k, v
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, scales: KVScales = KVScales()) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scales: KVScales = KVScales(),
+) -> None:
     for cache, x, scale in ((k_cache, k, scales.k), (v_cache, v, scales.v)):
         rows = cache.view(-1, *cache.shape[2:])
         if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernels: copy the bytes
@@ -92,10 +107,18 @@ def from_cache(cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.T
     return (cache.float() * scale).to(dtype) if cache.dtype in FP8_DTYPES else cache
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None, scales: KVScales = KVScales(),
-                    softcap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    scales: KVScales = KVScales(),
+    softcap: float | None = None,
+) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> same shape; k, v: this step's keys and values.
 
     The kernel reads the paged cache for every token. Where it has no query-tile variant (only
@@ -109,9 +132,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     # An fp8 cache is read for every token, fresh prompts too: all paths attend to the same values.
     skip_fresh = not sliding_window and k_cache.dtype not in FP8_DTYPES
-    left_fresh = ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, scale, sliding_window or 0, skip_fresh, meta.walk_max_q,
-                                     scales.k, scales.v)
+    left_fresh = ops.paged_attention(
+        out,
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        sliding_window or 0,
+        skip_fresh,
+        meta.walk_max_q,
+        scales.k,
+        scales.v,
+    )
     if left_fresh:
         start = 0
         for seq_len, q_len in zip(meta.seq_lens_list, meta.query_lens_list):
@@ -129,15 +164,22 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
-                                         is_causal=True, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), is_causal=True, scale=scale
+    )
     return out[0].transpose(0, 1)
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float,
-                              sliding_window: int | None, scales: KVScales = KVScales(),
-                              softcap: float | None = None) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    scales: KVScales = KVScales(),
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Pure-torch attention, one sequence at a time: the oracle for the kernel and its fallback."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
@@ -152,7 +194,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mask = k_pos <= q_pos
         if sliding_window:
             mask &= k_pos > q_pos - sliding_window
-        qs = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+        qs = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
         ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
         vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
         if softcap:

@@ -9,6 +9,7 @@ guards take longer than the few ops they replace (docs/benchmarks-history.md); s
 
 It swaps module functions, so it holds for the whole process once any engine asks for it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,12 @@ from pagedllm.layers import activation, attention, norm
 logger = logging.getLogger(__name__)
 
 # (module, name): where each torch path is looked up when it is called.
-TORCH_PATHS = ((norm, "rms_norm_reference"), (norm, "add_rms_norm_reference"),
-               (activation, "silu_and_mul_reference"), (attention, "apply_rotary"))
+TORCH_PATHS = (
+    (norm, "rms_norm_reference"),
+    (norm, "add_rms_norm_reference"),
+    (activation, "silu_and_mul_reference"),
+    (attention, "apply_rotary"),
+)
 
 
 def compile_torch_paths() -> None:

@@ -17,6 +17,7 @@ UnquantizedLinearMethod keeps plain [out, in] weights and calls F.linear: fp32, 
 Where oneDNN can take them (bf16 on the CPU), it hands the layer to PackedBF16LinearMethod once
 they are loaded. A quantized format is one more LinearMethodBase, given to the layers as `method`.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -192,8 +193,14 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
         SiluAndMulLinear) the halves are interleaved, as the stack applies SiLU-and-mul."""
         rows = layer._rows
         silu_mul = isinstance(layer, SiluAndMulLinear)
-        if (rows is None or not ROWS_KERNEL_CHUNKS or rows[3] != layer.in_features
-                or rows[0] is not layer._buffers.get("weight") or silu_mul and not layer._interleaved):
+        if (
+            rows is None
+            or not ROWS_KERNEL_CHUNKS
+            or rows[3] != layer.in_features
+            or rows[0] is not layer._buffers.get("weight")
+            or silu_mul
+            and not layer._interleaved
+        ):
             return None
         return cpu_ops().PackedLinear(*rows, layer.out_features, layer._parameters["bias"], silu_mul, ROWS_KERNEL_MAX)
 
@@ -203,13 +210,21 @@ class Linear(nn.Module):
     `parts`: the checkpoint shards it fuses, with their rows (None: one, loaded whole). Column
     parallelism: `shares`, the (first row, rows) of each part this rank holds (default: an even
     split); row parallelism: `input_share`, the input columns it holds (default: an even split)."""
+
     # Shard id -> this rank's output rows that checkpoint shard fills; {None: all} for a layer of one shard.
     shards: dict[str | int | None, ShardRows] = {}
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 method: LinearMethodBase | None = None, parallel: str | None = None,
-                 parts: dict[str | int | None, int] | None = None,
-                 shares: dict[str | int | None, ShardRows] | None = None, input_share: ShardRows | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        method: LinearMethodBase | None = None,
+        parallel: str | None = None,
+        parts: dict[str | int | None, int] | None = None,
+        shares: dict[str | int | None, ShardRows] | None = None,
+        input_share: ShardRows | None = None,
+    ) -> None:
         super().__init__()
         tp = tensor_parallel() if parallel is not None else TensorParallel()
         parts = parts or {None: out_features}
@@ -252,8 +267,9 @@ class Linear(nn.Module):
             elif loaded.dim() == 2 and loaded.shape[1] == self.input_whole:
                 loaded = loaded.narrow(1, *self.input_part)
             elif loaded.dim() == 2:
-                raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, model expects {self.input_whole} "
-                                 "input columns")
+                raise ValueError(
+                    f"checkpoint shape {tuple(loaded.shape)}, model expects {self.input_whole} input columns"
+                )
         whole = self.whole_rows(shard_id)
         if loaded.shape[0] != whole:
             columns = () if param.dim() == 1 else (self.input_whole,)
@@ -286,24 +302,41 @@ class QKVLinear(Linear):
     """Attention's q, k and v projections as one layer, [.., in] -> [.., q_size + 2 kv_size];
     the checkpoint's q_proj, k_proj and v_proj are its shards "q", "k" and "v"."""
 
-    def __init__(self, in_features: int, q_size: int, kv_size: int, bias: bool,
-                 method: LinearMethodBase | None = None, parallel: str | None = None,
-                 shares: dict[str, ShardRows] | None = None) -> None:
-        super().__init__(in_features, q_size + 2 * kv_size, bias, method, parallel,
-                         {"q": q_size, "k": kv_size, "v": kv_size}, shares)
+    def __init__(
+        self,
+        in_features: int,
+        q_size: int,
+        kv_size: int,
+        bias: bool,
+        method: LinearMethodBase | None = None,
+        parallel: str | None = None,
+        shares: dict[str, ShardRows] | None = None,
+    ) -> None:
+        super().__init__(
+            in_features, q_size + 2 * kv_size, bias, method, parallel, {"q": q_size, "k": kv_size, "v": kv_size}, shares
+        )
 
 
 class GateUpLinear(Linear):
     """A gated MLP's gate and up projections as one layer, [.., in] -> [.., out_features]: gate's
     outputs, then up's; the checkpoint's gate_proj and up_proj are its shards 0 and 1."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 method: LinearMethodBase | None = None, parallel: str | None = None) -> None:
-        super().__init__(in_features, out_features, bias, method, parallel, {0: out_features // 2, 1: out_features // 2})
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        method: LinearMethodBase | None = None,
+        parallel: str | None = None,
+    ) -> None:
+        super().__init__(
+            in_features, out_features, bias, method, parallel, {0: out_features // 2, 1: out_features // 2}
+        )
 
 
 class SiluAndMulLinear(GateUpLinear):
     """GateUpLinear with SiLU-and-mul applied: [.., in] -> silu(x Wg^T) * (x Wu^T), [.., out_features / 2]."""
+
     _interleaved = False  # PackedBF16LinearMethod: gate and up interleaved in the packed weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -320,8 +353,12 @@ def process_linear_weights(model: nn.Module) -> None:
 def _can_interleave(layer: SiluAndMulLinear) -> bool:
     """Whether the rows kernel can apply SiLU-and-mul: halves of whole column blocks, no bias."""
     ops = cpu_ops()
-    return (layer.out_features // 2 % _BLOCK_N == 0 and layer.bias is None and ops is not None
-            and ops.packed_linear_available())
+    return (
+        layer.out_features // 2 % _BLOCK_N == 0
+        and layer.bias is None
+        and ops is not None
+        and ops.packed_linear_available()
+    )
 
 
 def _interleave_halves(weight: torch.Tensor, group: int) -> torch.Tensor:
@@ -352,8 +389,12 @@ def _rows_kernel_view(packed: torch.Tensor, plain: torch.Tensor) -> tuple[torch.
 def _rows_kernel_takes(layer: Linear, x: torch.Tensor) -> bool:
     rows = layer._rows
     # The kernel reads the packed buffer by address: only while that buffer is the weight.
-    return (rows is not None and x.dim() == 2 and (x.shape[0] <= ROWS_KERNEL_MAX or ROWS_KERNEL_CHUNKS)
-            and rows[0] is layer._buffers.get("weight"))
+    return (
+        rows is not None
+        and x.dim() == 2
+        and (x.shape[0] <= ROWS_KERNEL_MAX or ROWS_KERNEL_CHUNKS)
+        and rows[0] is layer._buffers.get("weight")
+    )
 
 
 def _library_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:

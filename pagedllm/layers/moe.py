@@ -3,6 +3,7 @@ on the tokens routed to it (grouped, never every expert on every token) and thei
 by the router, are summed per token. Each expert is a gated MLP of the shared linear layers, so
 whatever method a linear layer has (bf16 packed, GGUF quantized, int8/int4) its experts have too.
 Optionally a shared expert every token goes through, scaled by a sigmoid gate (Qwen2-MoE)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,9 @@ class Expert(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.gate_up_proj = SiluAndMulLinear(hidden, 2 * intermediate, False, _method(quant, prefix, "gate_proj", "up_proj"))
+        self.gate_up_proj = SiluAndMulLinear(
+            hidden, 2 * intermediate, False, _method(quant, prefix, "gate_proj", "up_proj")
+        )
         self.down_proj = Linear(intermediate, hidden, False, _method(quant, prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,15 +36,26 @@ class SparseMoE(nn.Module):
     """`renormalize`: the top-k probabilities rescaled to sum to 1 (Qwen3-MoE's norm_topk_prob,
     Mixtral); else the full softmax's values are kept (Qwen2-MoE's default)."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
-                 quant: QuantizationConfig | None, prefix: str, shared_intermediate: int = 0) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        quant: QuantizationConfig | None,
+        prefix: str,
+        shared_intermediate: int = 0,
+    ) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = Linear(hidden, num_experts, bias=False)  # the router, unquantized as llama.cpp keeps it
-        self.experts = nn.ModuleList(Expert(hidden, intermediate, quant, f"{prefix}.experts.{e}")
-                                     for e in range(num_experts))
-        self.shared_expert = Expert(hidden, shared_intermediate, quant, f"{prefix}.shared_expert") \
-            if shared_intermediate else None
+        self.experts = nn.ModuleList(
+            Expert(hidden, intermediate, quant, f"{prefix}.experts.{e}") for e in range(num_experts)
+        )
+        self.shared_expert = (
+            Expert(hidden, shared_intermediate, quant, f"{prefix}.shared_expert") if shared_intermediate else None
+        )
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,8 +69,8 @@ class SparseMoE(nn.Module):
         start = 0
         for expert, count in zip(self.experts, counts):
             if count:
-                rows = order[start:start + count]
-                picked = tokens[start:start + count]
+                rows = order[start : start + count]
+                picked = tokens[start : start + count]
                 y = expert(x[picked]) * weights.flatten()[rows, None]
                 out.index_add_(0, picked, y)
                 start += count

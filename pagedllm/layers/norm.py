@@ -1,5 +1,6 @@
 """RMSNorm with Hugging Face's numerics (normalize in fp32, scale in the model dtype), fused with
 the residual add before it where the C++ kernels are at hand."""
+
 from __future__ import annotations
 
 import torch
@@ -51,8 +52,9 @@ def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) 
     return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
-def add_rms_norm_reference(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual + delta
     return residual, rms_norm_reference(residual, weight, eps)
 

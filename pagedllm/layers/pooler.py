@@ -2,6 +2,7 @@
 ([CLS]) or its last one, then optionally cut to fewer dimensions (Matryoshka) and scaled to unit
 length. A prompt may be computed in chunks over several steps: each chunk's rows are folded into a
 small running state, so no step keeps another's hidden states."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ POOLING_TYPES = ("MEAN", "CLS", "LAST")
 @dataclass(frozen=True)
 class PoolerConfig:
     """The model's pooling: `pooling_type` one of POOLING_TYPES, `normalize` its default."""
+
     pooling_type: str = "LAST"
     normalize: bool = True
 
@@ -29,6 +31,7 @@ class PoolerConfig:
 class PoolingState:
     """What one request's chunks so far leave for its embedding: an fp32 sum and count (MEAN), the
     first row (CLS) or the latest row (LAST); `seen`: the prompt positions folded in."""
+
     total: torch.Tensor | None = None
     count: int = 0
     seen: int = 0
@@ -63,7 +66,7 @@ class Pooler:
             raise RuntimeError("pooling a prompt none of whose hidden states were seen")
         vector = state.total / state.count
         if params.dimensions is not None:
-            vector = vector[:params.dimensions]
+            vector = vector[: params.dimensions]
         normalize = self.config.normalize if params.normalize is None else params.normalize
         if normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)

@@ -1,11 +1,11 @@
 """Rotary position embedding (neox / rotate-half layout, as Hugging Face Llama applies it)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-
 
 
 def _rope_params(config, layer_type: str | None) -> dict:
@@ -15,8 +15,9 @@ def _rope_params(config, layer_type: str | None) -> dict:
 
 def rotary_dim(config, head_dim: int, layer_type: str | None = None) -> int:
     """How many of a head's dims rotate (Phi-4-mini's partial_rotary_factor: the first 3/4)."""
-    factor = _rope_params(config, layer_type).get("partial_rotary_factor",
-                                                  getattr(config, "partial_rotary_factor", None) or 1.0)
+    factor = _rope_params(config, layer_type).get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0
+    )
     return int(head_dim * factor)
 
 
@@ -28,12 +29,17 @@ def partial_rotary_order(head_dim: int, rotated: int) -> list[int]:
     leave every q.k, so attention, unchanged."""
     half, rotated_half = head_dim // 2, rotated // 2
     passing = list(range(rotated, head_dim))
-    return (list(range(rotated_half)) + passing[:half - rotated_half]
-            + list(range(rotated_half, rotated)) + passing[half - rotated_half:])
+    return (
+        list(range(rotated_half))
+        + passing[: half - rotated_half]
+        + list(range(rotated_half, rotated))
+        + passing[half - rotated_half :]
+    )
 
 
-def rope_inv_freq(config, head_dim: int, layer_type: str | None = None,
-                  max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    config, head_dim: int, layer_type: str | None = None, max_positions: int | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (one per pair of rotated dims) and the cos/sin scale for the config's
     rope type (llama3, linear, yarn, longrope...). `layer_type`: for configs with rope parameters per
     kind of layer (Gemma 3's "sliding_attention" and "full_attention", each with its own base).
@@ -85,6 +91,7 @@ class RotaryEmbedding(nn.Module):
 @dataclass
 class RopeTables:
     """cos and sin (fp32, [num_tokens, head_dim]) at this step's positions."""
+
     cos: torch.Tensor
     sin: torch.Tensor
 

@@ -2,6 +2,7 @@
 absolute positions and token type 0, then post-norm layers of bidirectional attention and a GELU
 MLP. An encoder only embeds: each prompt attends to all of itself, so it is computed in one step,
 with no KV cache (the scheduler still counts its blocks, which the runner never allocates)."""
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,12 @@ from pagedllm.models.interface import KVCache, Model
 
 logger = logging.getLogger(__name__)
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
 # Checkpoint tensors an encoder that embeds has no use for: BERT's own pooler (a dense layer over
 # [CLS], sentence-transformers pools without it), masked-LM heads, and a buffer of position ids.
 _UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
@@ -46,8 +51,13 @@ class BertSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
-        self.qkv = QKVLinear(config.hidden_size, config.hidden_size, config.hidden_size, True,
-                             linear_method(quant, prefix, "query", "key", "value"))
+        self.qkv = QKVLinear(
+            config.hidden_size,
+            config.hidden_size,
+            config.hidden_size,
+            True,
+            linear_method(quant, prefix, "query", "key", "value"),
+        )
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Each sequence of the step attends to all of itself (no mask inside it, nothing across)."""
@@ -109,12 +119,15 @@ class BertLayer(nn.Module):
 class BertEncoder(nn.Module):
     def __init__(self, config, quant: QuantizationConfig | None) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(config, quant, f"encoder.layer.{i}") for i in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList(
+            BertLayer(config, quant, f"encoder.layer.{i}") for i in range(config.num_hidden_layers)
+        )
 
 
 class BertModel(Model):
     """The encoder; its output is the last layer's hidden states, which the pooler reduces (mean for
     sentence-transformers' MiniLM models, as their folder says; [CLS] where none does)."""
+
     is_causal = False
     default_pooler = PoolerConfig("CLS", normalize=True)
     # The checkpoint's q, k and v -> our fused layer's shards.
@@ -125,13 +138,20 @@ class BertModel(Model):
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"BERT with {config.position_embedding_type!r} positions is not supported (absolute only)")
         if config.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"BERT activation {config.hidden_act!r} is not supported; known: {', '.join(_ACTIVATIONS)}")
+            raise ValueError(
+                f"BERT activation {config.hidden_act!r} is not supported; known: {', '.join(_ACTIVATIONS)}"
+            )
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config, quant_config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         x = self.embeddings(input_ids, positions)
         for layer in self.encoder.layer:
             x = layer(x, attn_metadata)
@@ -145,8 +165,7 @@ class BertModel(Model):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        missing = {(name, shard) for name in params
-                   for shard in (("q", "k", "v") if ".qkv." in name else (None,))}
+        missing = {(name, shard) for name in params for shard in (("q", "k", "v") if ".qkv." in name else (None,))}
         for name, tensor in weights:
             name = name.removeprefix("bert.")
             if name.startswith(_UNUSED):

@@ -1,6 +1,7 @@
 """The decoder the Llama-like families share, on a flat token batch: attention (optional qkv bias,
 optional per-head q/k RMSNorm, optional sliding window), the gated MLP, the decoder layer, the
 model body, and DecoderForCausalLM, which each family's file subclasses with its options."""
+
 from __future__ import annotations
 
 import logging
@@ -36,6 +37,7 @@ MLP_ROWS = 1024
 @dataclass(frozen=True)
 class DecoderConfig:
     """What the layers take from a Hugging Face config and the family's options, worked out once."""
+
     hidden_size: int
     intermediate_size: int
     vocab_size: int
@@ -64,12 +66,21 @@ class DecoderConfig:
     def of(cls, config, always_qkv_bias: bool, qk_norm: bool, fused_checkpoint: bool = False) -> DecoderConfig:
         attention_bias = bool(getattr(config, "attention_bias", False))
         fused = {"qkv_parts": ("qkv_proj",), "gate_up_parts": ("gate_up_proj",)} if fused_checkpoint else {}
-        return cls(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                   vocab_size=config.vocab_size, num_heads=config.num_attention_heads,
-                   num_kv_heads=config.num_key_value_heads, head_dim=head_dim(config),
-                   rms_norm_eps=config.rms_norm_eps, qkv_bias=always_qkv_bias or attention_bias,
-                   o_bias=attention_bias, qk_norm=qk_norm, sliding_windows=sliding_windows(config),
-                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), **fused)
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim(config),
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=always_qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            qk_norm=qk_norm,
+            sliding_windows=sliding_windows(config),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            **fused,
+        )
 
 
 def linear_method(quant: QuantizationConfig | None, prefix: str, *parts: str) -> LinearMethodBase | None:
@@ -81,24 +92,32 @@ class Attention(nn.Module):
     """Under tensor parallelism, this rank's heads (parallel_state.head_share); o_proj sums the
     ranks' outputs."""
 
-    def __init__(self, cfg: DecoderConfig, sliding_window: int | None, quant: QuantizationConfig | None,
-                 prefix: str) -> None:
+    def __init__(
+        self, cfg: DecoderConfig, sliding_window: int | None, quant: QuantizationConfig | None, prefix: str
+    ) -> None:
         super().__init__()
         share, d = head_share(cfg.num_heads, cfg.num_kv_heads), cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = share.q_count, share.kv_count, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         q_rows, kv_rows = (share.q_start * d, self.q_size), (share.kv_start * d, self.kv_size)
-        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.qkv_bias,
-                                  linear_method(quant, prefix, *cfg.qkv_parts), "column",
-                                  {"q": q_rows, "k": kv_rows, "v": kv_rows})
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, linear_method(quant, prefix, "o_proj"), "row",
-                             input_share=q_rows)
+        self.qkv_proj = QKVLinear(
+            cfg.hidden_size,
+            cfg.q_size,
+            cfg.kv_size,
+            cfg.qkv_bias,
+            linear_method(quant, prefix, *cfg.qkv_parts),
+            "column",
+            {"q": q_rows, "k": kv_rows, "v": kv_rows},
+        )
+        self.o_proj = Linear(
+            cfg.q_size, cfg.hidden_size, cfg.o_bias, linear_method(quant, prefix, "o_proj"), "row", input_share=q_rows
+        )
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.logit_softcap: float | None = None  # Gemma 2's attention scores: tanh(s / cap) * cap
         self.kv_group = 0  # the group of layers whose block tables it reads (config.KVCacheGroups)
         # Of an fp8 KV cache: 1.0, as vLLM takes them where the checkpoint gives none.
@@ -109,16 +128,18 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.qk_norm:
             self._norm_qk(qkv)
-        q, k, v = rotary_and_write_kv(qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
-                                      self.kv_scales)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                              self.kv_scales, self.logit_softcap)
+        q, k, v = rotary_and_write_kv(
+            qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads, self.kv_scales
+        )
+        out = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.kv_scales, self.logit_softcap
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
         """Per-head RMSNorm of q and k (Qwen3), written back into qkv."""
         for norm, start, size in ((self.q_norm, 0, self.q_size), (self.k_norm, self.q_size, self.kv_size)):
-            heads = qkv[:, start:start + size]
+            heads = qkv[:, start : start + size]
             heads.copy_(norm(heads.reshape(-1, self.head_dim)).view(heads.shape))
 
 
@@ -126,15 +147,21 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)). `activation`: None for SiLU, fused into the gate/up layer (and
     the C++ kernels); else a function of gate/up's [.., 2n] output (Gemma's GELU-tanh-and-mul)."""
 
-    def __init__(self, cfg: DecoderConfig, quant: QuantizationConfig | None, prefix: str,
-                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        quant: QuantizationConfig | None,
+        prefix: str,
+        activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         method = linear_method(quant, prefix, *cfg.gate_up_parts)
         layer = SiluAndMulLinear if activation is None else GateUpLinear
         self.gate_up_proj = layer(cfg.hidden_size, 2 * cfg.intermediate_size, False, method, "column")
         self.activation = activation
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"),
-                                "row")
+        self.down_proj = Linear(
+            cfg.intermediate_size, cfg.hidden_size, False, linear_method(quant, prefix, "down_proj"), "row"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MLP_ROWS or x.device.type != "cpu":
@@ -156,16 +183,28 @@ MakeMLP = Callable[[int, str], nn.Module]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, sliding_window: int | None, quant: QuantizationConfig | None,
-                 prefix: str, mlp: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        sliding_window: int | None,
+        quant: QuantizationConfig | None,
+        prefix: str,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, sliding_window, quant, f"{prefix}.self_attn")
         self.mlp = mlp if mlp is not None else GatedMLP(cfg, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeTables,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output; residual: the running sum (None before layer 0)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -179,8 +218,14 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The body: embeddings, rotary tables, decoder layers, final norm."""
 
-    def __init__(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None,
-                 make_mlp: MakeMLP | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        cfg: DecoderConfig,
+        max_positions: int,
+        quant: QuantizationConfig | None,
+        make_mlp: MakeMLP | None = None,
+    ) -> None:
         super().__init__()
         quantized = quant is not None and quant.quantized_embedding("model.embed_tokens")
         if tensor_parallel().size > 1:
@@ -189,8 +234,11 @@ class DecoderModel(nn.Module):
             self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(config, cfg.head_dim, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, window, quant, f"model.layers.{i}", make_mlp(i, f"model.layers.{i}.mlp") if make_mlp else None)
-            for i, window in enumerate(cfg.sliding_windows))
+            DecoderLayer(
+                cfg, window, quant, f"model.layers.{i}", make_mlp(i, f"model.layers.{i}.mlp") if make_mlp else None
+            )
+            for i, window in enumerate(cfg.sliding_windows)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -210,8 +258,11 @@ class VocabParallelEmbedding(nn.Embedding):
         if shape != whole:
             raise ValueError(f"checkpoint shape {shape}, model expects {whole}")
         if isinstance(loaded, GGUFTensor):  # a GGUF file's quantized table: this rank's rows, dequantized
-            param.data.copy_(dequantized(GGUFTensor(loaded.type_name, loaded.raw.narrow(0, self.vocab_start,
-                                                                                         param.shape[0]), loaded.cols)))
+            param.data.copy_(
+                dequantized(
+                    GGUFTensor(loaded.type_name, loaded.raw.narrow(0, self.vocab_start, param.shape[0]), loaded.cols)
+                )
+            )
             return
         param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
 
@@ -226,6 +277,7 @@ class DecoderForCausalLM(CausalLM):
     """The shared causal LM; a family's subclass sets its options below. `quant_config` gives each
     linear layer its method (None: all unquantized), and says whether the embedding stays
     quantized; a tied head is the embedding matrix itself, quantized or not."""
+
     # q, k and v carry biases whatever the config says (Qwen2).
     always_qkv_bias: ClassVar[bool] = False
     # RMSNorm of each q and k head before rotary (Qwen3).
@@ -234,8 +286,12 @@ class DecoderForCausalLM(CausalLM):
     fused_checkpoint: ClassVar[bool] = False
     # (our fused parameter, the checkpoint's name for one shard of it, that shard's id).
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
-        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
 
     # The decoder layers as one C++ call (kernels/decoder_stack.cpp), where bind_kernels found a
     # kernel for every op of theirs; else None, and forward runs them op by op.
@@ -260,27 +316,52 @@ class DecoderForCausalLM(CausalLM):
         embedding = self.model.embed_tokens
         # Under tensor parallelism a quantized tied table is two: the embedding's rows dequantized
         # (VocabParallelEmbedding) and the head's rows kept quantized, as one rank's head computes.
-        self._head_from_embedding = cfg.tie_word_embeddings and isinstance(embedding, VocabParallelEmbedding) and \
-            quant_config is not None and quant_config.quantized_embedding("model.embed_tokens")
+        self._head_from_embedding = (
+            cfg.tie_word_embeddings
+            and isinstance(embedding, VocabParallelEmbedding)
+            and quant_config is not None
+            and quant_config.quantized_embedding("model.embed_tokens")
+        )
         if cfg.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
             self.lm_head = TiedHead(embedding)
         else:
-            head_method = (linear_method(quant_config, "", "model.embed_tokens") if self._head_from_embedding else
-                           None if cfg.tie_word_embeddings else linear_method(quant_config, "", "lm_head"))
+            head_method = (
+                linear_method(quant_config, "", "model.embed_tokens")
+                if self._head_from_embedding
+                else None
+                if cfg.tie_word_embeddings
+                else linear_method(quant_config, "", "lm_head")
+            )
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=head_method, parallel="column")
 
-    def build_model(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
+    def build_model(
+        self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None
+    ) -> nn.Module:
         """The body (embeddings, layers, final norm); a family with other layers builds its own."""
         return DecoderModel(config, cfg, max_positions, quant)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary.tables(positions)  # once per step, shared by every layer
         if self._stack is not None and (self._stack_takes_fresh or not attn_metadata.has_fresh_prompt()):
             meta = attn_metadata
-            return self._stack.forward(x, rope.cos, rope.sin, kv_caches, meta.slot_mapping, meta.block_tables,
-                                       meta.query_start_loc, meta.seq_lens, meta.walk_max_q)
+            return self._stack.forward(
+                x,
+                rope.cos,
+                rope.sin,
+                kv_caches,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.walk_max_q,
+            )
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
         return self.model.norm.add_and_norm(residual, x)[1]
@@ -304,17 +385,23 @@ class DecoderForCausalLM(CausalLM):
             logger.info("%s runs its decoder layers op by op: %s", type(self).__name__, reason)
             return
         cfg, norm = self.decoder_config, self.model.norm
-        stack = ops.DecoderStack(cfg.num_heads, cfg.head_dim, norm.eps, self.model.layers[0].self_attn.scale,
-                                 norm.weight.detach(), MLP_ROWS)
+        stack = ops.DecoderStack(
+            cfg.num_heads, cfg.head_dim, norm.eps, self.model.layers[0].self_attn.scale, norm.weight.detach(), MLP_ROWS
+        )
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                            *(linear.kernel_spec() for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                  mlp.down_proj)),
-                            attn.sliding_window or 0, attn.kv_scales.k, attn.kv_scales.v)
+            stack.add_layer(
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                *(linear.kernel_spec() for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                attn.sliding_window or 0,
+                attn.kv_scales.k,
+                attn.kv_scales.v,
+            )
         self._stack = stack
-        self._stack_takes_fresh = (norm.weight.dtype == torch.bfloat16
-                                   and ops.attention_has_query_tiles(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads))
+        self._stack_takes_fresh = norm.weight.dtype == torch.bfloat16 and ops.attention_has_query_tiles(
+            cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+        )
 
     def _stack_blocker(self, ops: ModuleType | None) -> str | None:
         """Why the C++ stack cannot take the decoder layers; None where it can."""
@@ -333,20 +420,24 @@ class DecoderForCausalLM(CausalLM):
             return "the C++ decoder stack runs only SiLU-gated MLPs (not mixtures of experts, not GELU)"
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, Linear) and module.kernel_spec() is None:
-                return (f"{name} ({type(module).__name__} with {type(module.method).__name__}) has no kernel "
-                        "in the C++ decoder stack")
+                return (
+                    f"{name} ({type(module).__name__} with {type(module.method).__name__}) has no kernel "
+                    "in the C++ decoder stack"
+                )
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.decoder_config.tie_word_embeddings and isinstance(self.lm_head, Linear) \
-                and not self._head_from_embedding:
+        if (
+            self.decoder_config.tie_word_embeddings
+            and isinstance(self.lm_head, Linear)
+            and not self._head_from_embedding
+        ):
             # tied here, once materialized (packing copies it)
             self.lm_head.weight = self.model.embed_tokens.weight
         params = dict(self.named_parameters())
         missing = {(name, shard) for name in params for shard in self._shards_of(name)}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.decoder_config.tie_word_embeddings
-                                                 and name == "lm_head.weight"):
+            if "rotary_emb.inv_freq" in name or (self.decoder_config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             if self._head_from_embedding and name == "model.embed_tokens.weight":
                 load_weight(params["lm_head.weight"], tensor, None, name)
@@ -369,5 +460,5 @@ class DecoderForCausalLM(CausalLM):
         for fused, part, shard in self.stacked_params:
             if part in parts:
                 i = parts.index(part)
-                return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+                return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
         return name, None

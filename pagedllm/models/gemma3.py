@@ -6,6 +6,7 @@ residual added after them; a GELU(tanh)-gated MLP; embeddings scaled by sqrt(hid
 q/k norms; attention scaled by query_pre_attn_scalar ** -0.5; sliding-window layers interleaved
 with full ones (config.layer_types), each kind with its own rotary base; optional tanh soft-capping
 of the final logits. Its layers run op by op (the C++ decoder stack knows none of this)."""
+
 from __future__ import annotations
 
 import torch
@@ -23,33 +24,36 @@ from pagedllm.models.interface import KVCache
 # Gemma's turn format, for files that carry no template (the GGUF of Gemma 3 270M): a system
 # message goes at the head of the first user turn; the assistant's role is "model".
 CHAT_TEMPLATE = (
-    '{{- bos_token -}}'
+    "{{- bos_token -}}"
     '{%- set first_is_system = messages and messages[0].role in ("system", "developer") -%}'
     '{%- set ns = namespace(prefix=(messages[0].content ~ "\\n\\n") if first_is_system else "") -%}'
-    '{%- for message in messages -%}'
-    '{%- if not (loop.first and first_is_system) -%}'
+    "{%- for message in messages -%}"
+    "{%- if not (loop.first and first_is_system) -%}"
     '{{- "<start_of_turn>" ~ ("model" if message.role == "assistant" else "user") ~ "\\n" ~ ns.prefix'
     ' ~ (message.content | trim) ~ "<end_of_turn>\\n" -}}'
     '{%- set ns.prefix = "" -%}'
-    '{%- endif -%}'
-    '{%- endfor -%}'
-    '{%- if add_generation_prompt -%}{{- "<start_of_turn>model\\n" -}}{%- endif -%}')
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    '{%- if add_generation_prompt -%}{{- "<start_of_turn>model\\n" -}}{%- endif -%}'
+)
 
 
 class Gemma3Attention(Attention):
-    def __init__(self, config, cfg: DecoderConfig, window: int | None, quant: QuantizationConfig | None,
-                 prefix: str) -> None:
+    def __init__(
+        self, config, cfg: DecoderConfig, window: int | None, quant: QuantizationConfig | None, prefix: str
+    ) -> None:
         super().__init__(cfg, window, quant, prefix)
         if cfg.qk_norm:
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = config.query_pre_attn_scalar ** -0.5
+        self.scale = config.query_pre_attn_scalar**-0.5
         self.logit_softcap = getattr(config, "attn_logit_softcapping", None)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, cfg: DecoderConfig, window: int | None, quant: QuantizationConfig | None,
-                 prefix: str) -> None:
+    def __init__(
+        self, config, cfg: DecoderConfig, window: int | None, quant: QuantizationConfig | None, prefix: str
+    ) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(config, cfg, window, quant, f"{prefix}.self_attn")
         self.mlp = GatedMLP(cfg, quant, f"{prefix}.mlp", gelu_tanh_and_mul)
@@ -69,15 +73,21 @@ class Gemma3Model(nn.Module):
         super().__init__()
         quantized = quant is not None and quant.quantized_embedding("model.embed_tokens")
         self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
-        self.embed_scale = cfg.hidden_size ** 0.5
+        self.embed_scale = cfg.hidden_size**0.5
         self.layer_types = list(config.layer_types)
         # Each kind of layer rotates with its own base (Gemma 3: 10k local, 1M global); Gemma 2's
         # config has one set of rope parameters for all.
         per_kind = all(kind in (config.rope_parameters or {}) for kind in self.layer_types)
-        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(config, cfg.head_dim, max_positions, kind if per_kind else None)
-                                     for kind in sorted(set(self.layer_types))})
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, cfg, window, quant, f"model.layers.{i}")
-                                    for i, window in enumerate(cfg.sliding_windows))
+        self.rotary = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(config, cfg.head_dim, max_positions, kind if per_kind else None)
+                for kind in sorted(set(self.layer_types))
+            }
+        )
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, cfg, window, quant, f"model.layers.{i}")
+            for i, window in enumerate(cfg.sliding_windows)
+        )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -90,11 +100,18 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         super().__init__(config, max_positions, quant_config)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
-    def build_model(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
+    def build_model(
+        self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None
+    ) -> nn.Module:
         return Gemma3Model(config, cfg, max_positions, quant)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.model.embed_scale).to(x.dtype)  # an fp32 scalar in the model's dtype, as HF rounds it
         ropes = {kind: rotary.tables(positions) for kind, rotary in self.model.rotary.items()}
@@ -116,4 +133,5 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
     """Gemma 2: Gemma 3's layer without q/k norms, one rotary base for all layers, attention scores
     soft-capped (tanh(s / cap) * cap, computed by the torch attention: the kernels have no cap)."""
+
     qk_norm = False

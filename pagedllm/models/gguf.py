@@ -1,4 +1,5 @@
 """GGUF files: metadata to a Hugging Face config, tensors dequantized and renamed to HF names."""
+
 from __future__ import annotations
 
 import functools
@@ -16,13 +17,22 @@ if TYPE_CHECKING:
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
     # Mixtures of experts: the router, a shared expert and its gate (Qwen2-MoE)...
-    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # ... and the routed experts, stacked in one [experts, rows, columns] tensor a projection: each
@@ -30,11 +40,18 @@ _LAYER_NAMES = {
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Matrices that load unquantized whatever their type in the file: routers (llama.cpp keeps them F32).
 _ALWAYS_DEQUANTIZED = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 # Gemma 3 names its four norms otherwise: its "ffn_norm" is the norm before the MLP.
-_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
-                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Phi-3's checkpoint fuses q/k/v and gate/up, and llama.cpp keeps them so (gate/up as "ffn_up").
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _ARCH_LAYER_NAMES = {"gemma2": _GEMMA3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
@@ -46,8 +63,12 @@ _PERMUTED_ARCHS = {"llama", "mistral"}
 _NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
 SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe"}
 # Config fields every family needs, and the metadata key (after "<arch>.") each comes from.
-_REQUIRED_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
-                  "num_attention_heads": "attention.head_count", "intermediate_size": "feed_forward_length"}
+_REQUIRED_KEYS = {
+    "hidden_size": "embedding_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "intermediate_size": "feed_forward_length",
+}
 # The model_type transformers keys a GGUF architecture's config by, where it is not the name itself.
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
@@ -134,12 +155,17 @@ def _moe_values(reader, arch: str, values: dict) -> dict:
     count = _field(reader, f"{arch}.expert_count")
     if not count:
         return {}
-    extra = {"moe_intermediate_size": _field(reader, f"{arch}.expert_feed_forward_length"),
-             "shared_expert_intermediate_size": _field(reader, f"{arch}.expert_shared_feed_forward_length")}
+    extra = {
+        "moe_intermediate_size": _field(reader, f"{arch}.expert_feed_forward_length"),
+        "shared_expert_intermediate_size": _field(reader, f"{arch}.expert_shared_feed_forward_length"),
+    }
     extra = {key: int(value) for key, value in extra.items() if value is not None}
     if arch == "llama":
-        extra.update(model_type="mixtral", num_local_experts=int(count),
-                     num_experts_per_tok=int(_field(reader, "llama.expert_used_count")))
+        extra.update(
+            model_type="mixtral",
+            num_local_experts=int(count),
+            num_experts_per_tok=int(_field(reader, "llama.expert_used_count")),
+        )
     return extra
 
 
@@ -151,10 +177,16 @@ def _phi3_config(reader, values: dict):
 
     values = {k: v for k, v in values.items() if k != "model_type"}
     head_dim = values["hidden_size"] // values["num_attention_heads"]
-    rope = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta", 10000.0)),
-            "partial_rotary_factor": (_field(reader, "phi3.rope.dimension_count") or head_dim) / head_dim}
-    factors = {_ROPE_FACTORS[t.name]: [float(x) for x in np.asarray(t.data, dtype=np.float32)]
-               for t in reader.tensors if t.name in _ROPE_FACTORS}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": float(values.pop("rope_theta", 10000.0)),
+        "partial_rotary_factor": (_field(reader, "phi3.rope.dimension_count") or head_dim) / head_dim,
+    }
+    factors = {
+        _ROPE_FACTORS[t.name]: [float(x) for x in np.asarray(t.data, dtype=np.float32)]
+        for t in reader.tensors
+        if t.name in _ROPE_FACTORS
+    }
     if factors:
         original = _field(reader, "phi3.rope.scaling.original_context_length")
         rope.update(rope_type="longrope", original_max_position_embeddings=int(original), **factors)
@@ -191,8 +223,11 @@ def _gemma2_config(reader, values: dict):
     from transformers import Gemma2Config
 
     values = {k: v for k, v in values.items() if k != "model_type"}
-    caps = {name: float(_field(reader, f"gemma2.{name}")) for name in ("attn_logit_softcapping", "final_logit_softcapping")
-            if _field(reader, f"gemma2.{name}") is not None}
+    caps = {
+        name: float(_field(reader, f"gemma2.{name}"))
+        for name in ("attn_logit_softcapping", "final_logit_softcapping")
+        if _field(reader, f"gemma2.{name}") is not None
+    }
     per_head = values["hidden_size"] // values["num_attention_heads"]
     scalar = per_head if values["num_hidden_layers"] == 46 else values.get("head_dim", per_head)
     return Gemma2Config(**values, **caps, query_pre_attn_scalar=scalar, architectures=["Gemma2ForCausalLM"])
@@ -229,8 +264,12 @@ def _field(reader, key: str):
 
 
 # Tokenizer init arguments naming a special token, and the GGUF key of its id.
-_SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-                      "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+_SPECIAL_TOKEN_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def load_gguf_tokenizer(path: str, config: object | None = None) -> PreTrainedTokenizerBase:
@@ -240,8 +279,11 @@ def load_gguf_tokenizer(path: str, config: object | None = None) -> PreTrainedTo
     except (ImportError, AttributeError):  # transformers before 5 builds it from a whole-checkpoint dict
         import transformers
 
-        logger.info("transformers %s has no GGUF tokenizer converter taking metadata: reading %s again",
-                    transformers.__version__, path)
+        logger.info(
+            "transformers %s has no GGUF tokenizer converter taking metadata: reading %s again",
+            transformers.__version__,
+            path,
+        )
         return _tokenizer_from_file(path)
     reader = _reader(path)
     tokenizer_dict, init_kwargs = _tokenizer_values(reader, GGUF_TOKENIZER_MAPPING)
@@ -252,9 +294,14 @@ def load_gguf_tokenizer(path: str, config: object | None = None) -> PreTrainedTo
 
 def _tokenizer_values(reader, mapping: dict) -> tuple[dict, dict]:
     """(tokenizer_dict, init kwargs) as transformers' get_gguf_tokenizer reads them from a file."""
-    groups = {group: {name: _field(reader, f"tokenizer.{key}") for key, name in renames.items()
-                      if f"tokenizer.{key}" in reader.fields}
-              for group, renames in mapping.items()}
+    groups = {
+        group: {
+            name: _field(reader, f"tokenizer.{key}")
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in reader.fields
+        }
+        for group, renames in mapping.items()
+    }
     tokenizer_dict, init_kwargs = groups["tokenizer"], groups["tokenizer_config"]
     if tokenizer_dict.get("tokenizer_type") == "llama":
         # Older sentencepiece files carry no flag, and llama.cpp then adds BOS.
@@ -308,8 +355,14 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
             quantized = keep_quantized and type_name in FORMATS
             data = tensor.data if quantized else gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             for e, name in enumerate(expert_names):
-                yield name, (gguf_tensor(data[e], type_name, shape[2]) if quantized else
-                             torch.from_numpy(np.array(data[e], dtype=np.float32)).reshape(shape[1:]))
+                yield (
+                    name,
+                    (
+                        gguf_tensor(data[e], type_name, shape[2])
+                        if quantized
+                        else torch.from_numpy(np.array(data[e], dtype=np.float32)).reshape(shape[1:])
+                    ),
+                )
             continue
         name = hf_name(tensor.name, arch)
         if keep_quantized and type_name in FORMATS and len(shape) == 2 and not name.endswith(_ALWAYS_DEQUANTIZED):
@@ -378,5 +431,4 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's row interleave: per head, rows (2, half) were stored as (half, 2)."""
     rows = weight.shape[0]
-    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)

@@ -5,6 +5,7 @@ Not transformers' LlamaConfig, Qwen2Config...: in transformers 5 importing any o
 model-loading code and torch.distributed.tensor (and sympy with it), 56 MiB of resident memory and a
 second of start-up for a served GGUF model, whose allowance beside its weights and KV cache is 400 MB.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

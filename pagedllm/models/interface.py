@@ -1,6 +1,7 @@
 """What the engine asks of a model: models/loader.py builds, loads and binds it, the model runner
 (worker/model_runner.py) runs it. Each family's class (models/llama.py, ...) is one of these,
 found by its Hugging Face architecture name in models/registry.py."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -19,6 +20,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class Model(nn.Module, ABC):
     """A model on a flat token batch. Its class is called as cls(hf_config, max_positions,
     quant_config) on the meta device, then materialized and loaded."""
+
     # False for an encoder (BERT): each prompt attends to all of itself, in one step, with no KV
     # cache; it embeds and does not generate.
     is_causal: ClassVar[bool] = True
@@ -35,8 +37,13 @@ class Model(nn.Module, ABC):
         to fused kernels where they take it, saying in the log why not where they do not."""
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """[tokens] ids and positions -> [tokens, hidden], the final norm's output; writes each
         token's K/V into its layer's cache at attn_metadata.slot_mapping."""
 

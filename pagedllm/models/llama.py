@@ -1,4 +1,5 @@
 """Llama (Llama-3's rope scaling included; tied embeddings where the config ties them)."""
+
 from __future__ import annotations
 
 from pagedllm.models.decoder import DecoderForCausalLM

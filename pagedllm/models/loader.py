@@ -1,4 +1,5 @@
 """Find a model (HF folder, GGUF file, or the default), read its config, tokenizer and weights."""
+
 from __future__ import annotations
 
 import glob
@@ -21,8 +22,8 @@ from pagedllm.distributed.parallel_state import TensorParallel, check_head_split
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.pooler import PoolerConfig
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
 from pagedllm.layers.quantization.formats import BLOCK
+from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
 from pagedllm.layers.quantization.online import SCHEMES, OnlineQuantConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models import gguf as gguf_file
@@ -105,8 +106,13 @@ def resolve_dtype(spec: str | torch.dtype, config, device: str) -> torch.dtype:
     """'auto' picks bf16 where the hardware computes it natively, fp32 otherwise (never fp16 on CPU)."""
     if isinstance(spec, torch.dtype):
         return spec
-    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+    }
     if spec in names:
         return names[spec]
     if spec != "auto":
@@ -139,8 +145,10 @@ def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | 
     if spec == "gguf" and not is_gguf:
         raise ValueError("quantization 'gguf' needs a .gguf model file")
     if spec in SCHEMES and is_gguf:
-        raise ValueError(f"quantization {spec!r} quantizes a Hugging Face checkpoint; a GGUF file keeps its own "
-                         "types (or --quantization none to dequantize it)")
+        raise ValueError(
+            f"quantization {spec!r} quantizes a Hugging Face checkpoint; a GGUF file keeps its own "
+            "types (or --quantization none to dequantize it)"
+        )
     if spec == "none":
         return None
     from pagedllm.kernels import cpu_ops
@@ -153,9 +161,16 @@ def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | 
     return spec
 
 
-def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len: int | None,
-                      device: str, quantization: str | None = None, kv_cache_dtype: str | None = None,
-                      runner: str = "auto", pooler_config: dict | None = None) -> ModelConfig:
+def load_model_config(
+    model: str | None,
+    dtype: str | torch.dtype,
+    max_model_len: int | None,
+    device: str,
+    quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
+    runner: str = "auto",
+    pooler_config: dict | None = None,
+) -> ModelConfig:
     path = resolve_model_path(model)
     is_gguf = os.path.isfile(path)
     if is_gguf:
@@ -175,10 +190,20 @@ def load_model_config(model: str | None, dtype: str | torch.dtype, max_model_len
     generation = _generation_config(path, is_gguf)
     eos = _as_set(generation.pop("eos_token_id", None)) | _as_set(getattr(hf_config, "eos_token_id", None))
     pooler = PoolerConfig(**{**vars(st_pooler or cls.default_pooler), **_pooler_overrides(pooler_config)})
-    return ModelConfig(path, hf_config, resolve_dtype(dtype, hf_config, device), max_model_len or limit,
-                       is_gguf, frozenset(eos), generation, resolve_quantization(quantization, is_gguf, device),
-                       resolve_kv_cache_dtype(kv_cache_dtype), resolve_tasks(runner, cls.is_causal, st_pooler is not None),
-                       pooler, cls.is_causal)
+    return ModelConfig(
+        path,
+        hf_config,
+        resolve_dtype(dtype, hf_config, device),
+        max_model_len or limit,
+        is_gguf,
+        frozenset(eos),
+        generation,
+        resolve_quantization(quantization, is_gguf, device),
+        resolve_kv_cache_dtype(kv_cache_dtype),
+        resolve_tasks(runner, cls.is_causal, st_pooler is not None),
+        pooler,
+        cls.is_causal,
+    )
 
 
 def resolve_tasks(runner: str, is_causal: bool, is_sentence_transformers: bool) -> tuple[str, ...]:
@@ -188,8 +213,10 @@ def resolve_tasks(runner: str, is_causal: bool, is_sentence_transformers: bool) 
         raise ValueError(f"unknown runner {runner!r}; choose from {', '.join(RUNNER_CHOICES)}")
     if runner == "generate":
         if not is_causal:
-            raise ValueError("runner 'generate' needs a causal language model; this model is an encoder "
-                             "(it embeds: --runner pooling)")
+            raise ValueError(
+                "runner 'generate' needs a causal language model; this model is an encoder "
+                "(it embeds: --runner pooling)"
+            )
         return ("generate",)
     if runner == "pooling" or not is_causal or is_sentence_transformers:
         return ("embed",)
@@ -227,8 +254,10 @@ def sentence_transformers_config(path: str) -> tuple[PoolerConfig | None, int | 
     chosen = [kind for key, kind in modes.items() if pooling.get(key)]
     if pooling and len(chosen) != 1:
         raise ValueError(f"{path}: unsupported sentence-transformers pooling {pooling} (one of mean, CLS, last token)")
-    return (PoolerConfig(chosen[0] if chosen else "CLS", normalize="Normalize" in types),
-            settings.get("max_seq_length"))
+    return (
+        PoolerConfig(chosen[0] if chosen else "CLS", normalize="Normalize" in types),
+        settings.get("max_seq_length"),
+    )
 
 
 def _read_json(file: str) -> dict:
@@ -265,7 +294,9 @@ def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
         loaded = AutoTokenizer.from_pretrained(model_config.path)
     fallback = getattr(model_class(model_config.hf_config), "default_chat_template", None)
     if not getattr(loaded, "chat_template", None) and fallback:
-        logger.info("The tokenizer has no chat template: using %s's default", model_class(model_config.hf_config).__name__)
+        logger.info(
+            "The tokenizer has no chat template: using %s's default", model_class(model_config.hf_config).__name__
+        )
         loaded.chat_template = fallback
     return loaded
 
@@ -292,21 +323,30 @@ def _check_quantized_shares(config: ModelConfig, size: int, block: int) -> None:
     for rank in range(size):
         tp = TensorParallel(rank, size)
         heads = head_share(hf.num_attention_heads, hf.num_key_value_heads, tp)
-        shares = {"o_proj": (heads.q_start * head_dim(hf), heads.q_count * head_dim(hf)),
-                  "down_proj": tp.split(hf.intermediate_size)}
+        shares = {
+            "o_proj": (heads.q_start * head_dim(hf), heads.q_count * head_dim(hf)),
+            "down_proj": tp.split(hf.intermediate_size),
+        }
         for name, (start, count) in shares.items():
             if start % block or count % block:
-                raise ValueError(f"--quantization {config.quantization} quantizes groups of {block} input values; "
-                                 f"rank {rank}'s {name} columns {start}..{start + count} are not whole groups at "
-                                 f"--tensor-parallel-size {size}")
+                raise ValueError(
+                    f"--quantization {config.quantization} quantizes groups of {block} input values; "
+                    f"rank {rank}'s {name} columns {start}..{start + count} are not whole groups at "
+                    f"--tensor-parallel-size {size}"
+                )
 
 
 def load_model(model_config: ModelConfig, device: str) -> Model:
     heap.map_large_blocks()
     cls = model_class(model_config.hf_config)
     quant_config = _quant_config(model_config)
-    logger.info("Model: %s (%s), %s, quantization %s", cls.__name__, model_config.hf_config.model_type,
-                "GGUF file" if model_config.is_gguf else "Hugging Face folder", model_config.quantization or "none")
+    logger.info(
+        "Model: %s (%s), %s, quantization %s",
+        cls.__name__,
+        model_config.hf_config.model_type,
+        "GGUF file" if model_config.is_gguf else "Hugging Face folder",
+        model_config.quantization or "none",
+    )
     with torch.device("meta"):
         model = cls(model_config.hf_config, model_config.max_model_len, quant_config)
     _materialize(model, device, model_config.dtype)
@@ -345,8 +385,11 @@ def describe_weights(model: torch.nn.Module) -> str:
             kinds.setdefault(name.rsplit(".", 1)[-1], Counter())["tied to embed_tokens"] += 1
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     size = sum(_nbytes(t) for t in tensors.values())
-    parts = [f"{kind} {runs_as}{f' x {count}' if count > 1 else ''}"
-             for kind, counter in kinds.items() for runs_as, count in counter.items()]
+    parts = [
+        f"{kind} {runs_as}{f' x {count}' if count > 1 else ''}"
+        for kind, counter in kinds.items()
+        for runs_as, count in counter.items()
+    ]
     return f"{', '.join(parts)}; {size / 2**20:.1f} MiB"
 
 
@@ -376,8 +419,9 @@ def _materialize(model: Model, device: str, dtype: torch.dtype) -> None:
 
 def _weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if model_config.is_gguf:
-        yield from gguf_file.iter_gguf_weights(model_config.path, model_config.hf_config,
-                                               keep_quantized=model_config.quantization == "gguf")
+        yield from gguf_file.iter_gguf_weights(
+            model_config.path, model_config.hf_config, keep_quantized=model_config.quantization == "gguf"
+        )
         return
     files = sorted(glob.glob(os.path.join(model_config.path, "*.safetensors")))
     if not files:

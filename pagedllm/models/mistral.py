@@ -1,4 +1,5 @@
 """Mistral: Llama's layers; attention within the config's sliding window (every layer's)."""
+
 from __future__ import annotations
 
 from pagedllm.models.decoder import DecoderForCausalLM

@@ -1,5 +1,6 @@
 """Mixtral: every layer's MLP a mixture of experts (top-2 of 8), their weights renormalized; the
 checkpoint names its block `block_sparse_moe` and each expert's projections w1 (gate), w3 (up), w2 (down)."""
+
 from __future__ import annotations
 
 from pagedllm.models.moe import SparseMoEForCausalLM

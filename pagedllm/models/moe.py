@@ -1,6 +1,7 @@
 """What the mixture-of-experts families share: the Llama-like decoder whose MLP, on the layers the
 config says, is a SparseMoE (layers/moe.py); the families (qwen2_moe.py, qwen3_moe.py, mixtral.py)
 set its options and their checkpoint's names."""
+
 from __future__ import annotations
 
 from typing import ClassVar
@@ -19,15 +20,23 @@ class SparseMoEForCausalLM(DecoderForCausalLM):
     # Top-k probabilities rescaled to sum to 1 whatever the config says (Mixtral).
     always_renormalize: ClassVar[bool] = False
 
-    def build_model(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> nn.Module:
+    def build_model(
+        self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None
+    ) -> nn.Module:
         def make_mlp(index: int, prefix: str) -> nn.Module:
             if not self.is_sparse(config, index):
                 return GatedMLP(cfg, quant, prefix)
             shared = getattr(config, "shared_expert_intermediate_size", 0) if self.shared_expert else 0
-            return SparseMoE(cfg.hidden_size, self.expert_size(config), self.num_experts(config),
-                             config.num_experts_per_tok,
-                             self.always_renormalize or bool(getattr(config, "norm_topk_prob", False)),
-                             quant, prefix, shared)
+            return SparseMoE(
+                cfg.hidden_size,
+                self.expert_size(config),
+                self.num_experts(config),
+                config.num_experts_per_tok,
+                self.always_renormalize or bool(getattr(config, "norm_topk_prob", False)),
+                quant,
+                prefix,
+                shared,
+            )
 
         return DecoderModel(config, cfg, max_positions, quant, make_mlp)
 

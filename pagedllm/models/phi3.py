@@ -2,6 +2,7 @@
 (loaded whole into our fused layers), LongRoPE scaling (layers/rotary.py), and a partial rotary
 (Phi-4-mini rotates 3/4 of each head: q and k rows are put in partial_rotary_order as they load,
 so the full-width rotary kernels compute it)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -38,5 +39,5 @@ class Phi3ForCausalLM(DecoderForCausalLM):
 
 def _reorder_rows(rows: torch.Tensor, heads: int, head_dim: int, index: torch.Tensor) -> torch.Tensor:
     """The q and k rows of a fused q/k/v weight, each head's in `index` order; v's as they are."""
-    qk = rows[:heads * head_dim].reshape(heads, head_dim, *rows.shape[1:])[:, index]
-    return torch.cat([qk.reshape(-1, *rows.shape[1:]), rows[heads * head_dim:]])
+    qk = rows[: heads * head_dim].reshape(heads, head_dim, *rows.shape[1:])[:, index]
+    return torch.cat([qk.reshape(-1, *rows.shape[1:]), rows[heads * head_dim :]])

@@ -1,4 +1,5 @@
 """Qwen2: biases on q, k and v (none on o); sliding windows on the layers the config names."""
+
 from __future__ import annotations
 
 from pagedllm.models.decoder import DecoderForCausalLM

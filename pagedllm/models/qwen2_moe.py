@@ -1,4 +1,5 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): qkv biases, and a shared expert beside the routed ones."""
+
 from __future__ import annotations
 
 from pagedllm.models.moe import SparseMoEForCausalLM

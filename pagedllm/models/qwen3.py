@@ -1,4 +1,5 @@
 """Qwen3: RMSNorm of each q and k head before rotary; its own head_dim; no qkv bias by default."""
+
 from __future__ import annotations
 
 from pagedllm.models.decoder import DecoderForCausalLM

@@ -1,4 +1,5 @@
 """Qwen3-MoE (Qwen3-30B-A3B): Qwen3's attention (per-head q/k norm) over sparse MoE MLPs."""
+
 from __future__ import annotations
 
 from pagedllm.models.moe import SparseMoEForCausalLM

@@ -1,5 +1,6 @@
 """Which model class serves which Hugging Face architecture name. A family's module is imported
 only when a config asks for it; a new family is one file under models/ and one line here."""
+
 from __future__ import annotations
 
 import importlib
@@ -23,10 +24,18 @@ _MODELS = {
     "BertModel": "bert",
 }
 # For configs that name no architecture (a GGUF file's: models/gguf.py sets its model_type).
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "mixtral": "MixtralForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 def model_class(config) -> type[Model]:
@@ -36,5 +45,6 @@ def model_class(config) -> type[Model]:
     for name in names:
         if name in _MODELS:
             return getattr(importlib.import_module(f"pagedllm.models.{_MODELS[name]}"), name)
-    raise ValueError(f"unsupported model architecture {names or config.model_type!r}; "
-                     f"supported: {', '.join(sorted(_MODELS))}")
+    raise ValueError(
+        f"unsupported model architecture {names or config.model_type!r}; supported: {', '.join(sorted(_MODELS))}"
+    )

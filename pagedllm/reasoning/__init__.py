@@ -1,8 +1,8 @@
 """Reasoning parsers, chosen by name as vLLM's `--reasoning-parser NAME` chooses them."""
+
 from __future__ import annotations
 
-from pagedllm.reasoning.parsers import (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ReasoningParser,
-                                        ReasoningStream)
+from pagedllm.reasoning.parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ReasoningParser, ReasoningStream
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
@@ -19,5 +19,11 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
         raise ValueError(f"unknown reasoning parser {name!r}; known parsers: {known}") from None
 
 
-__all__ = ["REASONING_PARSERS", "get_reasoning_parser", "ReasoningParser", "ReasoningStream",
-           "DeepSeekR1ReasoningParser", "Qwen3ReasoningParser"]
+__all__ = [
+    "REASONING_PARSERS",
+    "get_reasoning_parser",
+    "ReasoningParser",
+    "ReasoningStream",
+    "DeepSeekR1ReasoningParser",
+    "Qwen3ReasoningParser",
+]

@@ -17,6 +17,7 @@ from an output with no thinking at all (qwen3) is returned unchanged. An empty p
 Streams return the same parts in pieces: joined, each equals `parse()`'s (with "" for None).
 Tags cut across deltas ("</thi" + "nk>") are held back until the next delta tells.
 """
+
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.tool_parsers.base import partial_tag_len
@@ -55,7 +56,7 @@ def _split_thinking(body: str) -> tuple[str | None, str | None]:
     end = body.find(CLOSE)
     if end < 0:
         return body.strip("\n") or None, None
-    return body[:end].strip("\n") or None, body[end + len(CLOSE):].lstrip("\n") or None
+    return body[:end].strip("\n") or None, body[end + len(CLOSE) :].lstrip("\n") or None
 
 
 class _NewlineStrip:
@@ -72,7 +73,7 @@ class _NewlineStrip:
             self._started = bool(text)
         text = self._held + text
         out = text.rstrip("\n")
-        self._held = text[len(out):]
+        self._held = text[len(out) :]
         return out
 
 
@@ -95,7 +96,7 @@ class _ThinkStream(ReasoningStream):
             if len(head) < len(OPEN) and OPEN.startswith(head):
                 return "", ""  # may still be <think>
             if head.startswith(OPEN):
-                self._phase, delta = "reasoning", head[len(OPEN):]
+                self._phase, delta = "reasoning", head[len(OPEN) :]
             else:
                 self._phase = "content" if self._open_required else "reasoning"
                 delta = self._buf
@@ -105,11 +106,11 @@ class _ThinkStream(ReasoningStream):
             end = text.find(CLOSE)
             if end < 0:
                 keep = partial_tag_len(text, CLOSE)
-                self._buf = text[len(text) - keep:]
-                return self._reasoning.feed(text[:len(text) - keep]), ""
+                self._buf = text[len(text) - keep :]
+                return self._reasoning.feed(text[: len(text) - keep]), ""
             reasoning = self._reasoning.feed(text[:end])  # its held trailing newlines are dropped
             self._phase, self._buf, self._strip_content = "content", "", True
-            delta = text[end + len(CLOSE):]
+            delta = text[end + len(CLOSE) :]
         if self._strip_content:
             delta = delta.lstrip("\n")
             self._strip_content = not delta
@@ -130,7 +131,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
-        return _split_thinking(text[len(OPEN):] if text.startswith(OPEN) else text)
+        return _split_thinking(text[len(OPEN) :] if text.startswith(OPEN) else text)
 
     def stream(self) -> ReasoningStream:
         return _ThinkStream(space_before_open=False, open_required=False)
@@ -143,7 +144,7 @@ class Qwen3ReasoningParser(ReasoningParser):
         head = text.lstrip()
         if not head.startswith(OPEN):
             return None, text or None
-        return _split_thinking(head[len(OPEN):])
+        return _split_thinking(head[len(OPEN) :])
 
     def stream(self) -> ReasoningStream:
         return _ThinkStream(space_before_open=True, open_required=True)

@@ -3,6 +3,7 @@
 Two methods, as vLLM's speculative_config names them: "ngram" (prompt lookup, in the engine core:
 ngram.py) and "draft_model" (a smaller model with the same vocabulary, in the worker beside the
 target: worker/draft_runner.py)."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,11 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         """One start-up line's worth: the method, its draft and how many tokens a step may verify."""
-        source = (f"n-gram lookup in the context ({self.prompt_lookup_min}-{self.prompt_lookup_max} tokens)"
-                  if self.method == "ngram" else f"draft model {self.model}")
+        source = (
+            f"n-gram lookup in the context ({self.prompt_lookup_min}-{self.prompt_lookup_max} tokens)"
+            if self.method == "ngram"
+            else f"draft model {self.model}"
+        )
         return f"{self.method}, up to {self.num_speculative_tokens} draft tokens a step from {source}"
 
 

@@ -22,6 +22,7 @@ fraction of it, drafts go far; at a batch where rows cost about what a step cost
 (tau near 1), nothing is proposed, and a request whose drafts keep failing (alpha small) is
 skipped. Pure Python, beside the scheduler; the engine core times the steps.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,6 +34,7 @@ class StepCostModel:
     """Step seconds = a + b x rows, by least squares over decode steps, each observation's weight
     decaying by `decay` a step. Until the steps seen vary enough in rows to tell b (drafts make
     them vary), b is 0: speculation is tried, and measured."""
+
     decay: float = 0.98
     min_spread: float = 0.25  # weighted variance of rows below which b stays as last measured
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy
@@ -59,6 +61,7 @@ class StepCostModel:
 class Acceptance:
     """A request's recent acceptance: accepted drafts (successes) against runs broken before their
     end (failures), both decaying, from a prior of one each (alpha 0.5)."""
+
     successes: float = 1.0
     failures: float = 1.0
 
@@ -84,6 +87,7 @@ class Acceptance:
 @dataclass
 class SpeculationController:
     """Draft lengths per request (at most `max_k`), from the step cost model and each request's acceptance."""
+
     max_k: int
     decay: float = 0.7  # of a request's acceptance counts per verification: its last few drafts weigh most
     relax_rate: float = 0.05  # per step without drafts
@@ -119,8 +123,11 @@ class SpeculationController:
         """A step's draft-model passes: `seconds` for `proposed` draft tokens."""
         if proposed:
             per_token = seconds / proposed
-            self.draft_cost = per_token if self.draft_cost == 0 else \
-                self.draft_cost * self.draft_decay + per_token * (1 - self.draft_decay)
+            self.draft_cost = (
+                per_token
+                if self.draft_cost == 0
+                else self.draft_cost * self.draft_decay + per_token * (1 - self.draft_decay)
+            )
 
     def observe(self, drafted: dict[str, tuple[int, int]], decode_rows: int | None, seconds: float) -> None:
         """After a step: (drafts, accepted) of each request that had drafts; decode_rows, the step's

@@ -2,6 +2,7 @@
 tokens that followed them there. No second model: outputs that copy from their input (editing code,
 summarizing, answering from a document) accept many of them. Pure numpy, no torch: it runs in the
 engine core beside the scheduler."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import numpy as np
 @dataclass(frozen=True)
 class NgramProposer:
     """`k` tokens a proposal, from a match of the last `max_n` tokens, else of fewer, down to `min_n`."""
+
     k: int
     min_n: int = 2
     max_n: int = 4
@@ -43,4 +45,4 @@ class NgramProposer:
         if n < self.min_n or not ends.size:
             return []
         start = int(ends[-1]) + 1  # the latest occurrence, where its continuation starts
-        return tokens[start:start + k].tolist()
+        return tokens[start : start + k].tolist()

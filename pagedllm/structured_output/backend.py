@@ -1,6 +1,7 @@
 """What the engine asks of a structured-output library: check a constraint (frontend), compile it
 for the model's vocabulary (slow: off the engine loop), and per request a matcher that fills the
 step's token mask and advances with each accepted token."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -4,6 +4,7 @@ steps), then joins the scheduler with a matcher; each step the manager fills the
 constrained requests that sample, and advances their matchers over the tokens they were given.
 
 Compiled grammars are cached by their text (the same schema sent again compiles once)."""
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,12 @@ from typing import Any
 
 from pagedllm.core.step import ScheduledRequest, TokenBitmask
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import (GrammarKey, GrammarMatcher, InvalidConstraintError,
-                                                StructuredOutputBackend)
+from pagedllm.structured_output.backend import (
+    GrammarKey,
+    GrammarMatcher,
+    InvalidConstraintError,
+    StructuredOutputBackend,
+)
 
 logger = logging.getLogger(__name__)
 CACHE_SIZE = 256  # compiled grammars kept
@@ -83,11 +88,17 @@ class StructuredOutputManager:
             try:
                 matcher = self.backend.matcher(future.result())
             except Exception as exc:  # noqa: BLE001 - this request's grammar; the others go on
-                failed[request_id] = (payload, f"{InvalidConstraintError.__name__}: the grammar failed to compile: {exc}")
+                failed[request_id] = (
+                    payload,
+                    f"{InvalidConstraintError.__name__}: the grammar failed to compile: {exc}",
+                )
                 continue
             if self._is_dead_end(matcher):
-                failed[request_id] = (payload, f"{InvalidConstraintError.__name__}: the structured output constraint "
-                                               "allows no token of this model's vocabulary at its start")
+                failed[request_id] = (
+                    payload,
+                    f"{InvalidConstraintError.__name__}: the structured output constraint "
+                    "allows no token of this model's vocabulary at its start",
+                )
                 continue
             self._matchers[request_id] = matcher
             ready.append(payload)

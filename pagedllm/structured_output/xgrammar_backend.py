@@ -2,6 +2,7 @@
 
 JSON schemas, regular expressions and EBNF grammars compile into a grammar over the tokenizer's
 vocabulary; a choice among strings compiles as an EBNF alternation of its literal strings."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,13 @@ import numpy as np
 import xgrammar as xgr
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import (GrammarKey, GrammarMatcher, InvalidConstraintError,
-                                                StructuredOutputBackend)
+from pagedllm.structured_output.backend import (
+    GrammarKey,
+    GrammarMatcher,
+    InvalidConstraintError,
+    StructuredOutputBackend,
+)
+
 
 class XgrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
@@ -65,8 +71,9 @@ class XgrammarBackend(StructuredOutputBackend):
     def _get_compiler(self) -> xgr.GrammarCompiler:
         # Built on first use, in the compiling thread: the tokenizer's vocabulary takes ~0.1 s to index.
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._get_tokenizer(), vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._get_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
             # Few threads: compiling shares the CPU with the engine's forward passes.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler

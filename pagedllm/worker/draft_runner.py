@@ -11,6 +11,7 @@ draft never trusts K/V it did not write for that request.
 Greedy requests take the draft's argmax; others draw from the draft's distribution (temperature,
 top-k, top-p and min-p applied) and keep it, for the rejection sampling that verifies them.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import head_dim, kv_cache_groups
-from pagedllm.layers.rejection_sampler import draw
-from pagedllm.layers.sampler import processed_probs, seeded_uniform
 from pagedllm.models.loader import ModelConfig
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.input_batch import InputBatch, RequestState
+from pagedllm.worker.rejection_sampler import draw
+from pagedllm.worker.sampler import processed_probs, seeded_uniform
 
 
 @dataclass
@@ -42,30 +43,48 @@ def draft_kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
 def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
     """Raise ValueError where this draft cannot serve this target (at start-up, never mid-serving)."""
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens, {draft.path}) "
-                         f"is not the target's ({target.vocab_size} tokens): they must share one tokenizer")
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens, {draft.path}) "
+            f"is not the target's ({target.vocab_size} tokens): they must share one tokenizer"
+        )
     if not draft.is_causal or "generate" not in draft.supported_tasks:
         raise ValueError(f"speculative_config: the draft model {draft.path} does not generate text")
     if len(kv_cache_groups(target.hf_config).windows) > 1 or kv_cache_groups(target.hf_config).windows[0]:
-        raise ValueError("speculative_config: a draft model needs a target whose layers keep all their K/V "
-                         "(no sliding window): the draft reads the target's block tables")
+        raise ValueError(
+            "speculative_config: a draft model needs a target whose layers keep all their K/V "
+            "(no sliding window): the draft reads the target's block tables"
+        )
     if len(kv_cache_groups(draft.hf_config).windows) > 1:
-        raise ValueError("speculative_config: the draft model mixes sliding and full attention layers; "
-                         "a draft's layers must be alike")
+        raise ValueError(
+            "speculative_config: the draft model mixes sliding and full attention layers; "
+            "a draft's layers must be alike"
+        )
     if draft.max_model_len < target.max_model_len:
-        raise ValueError(f"speculative_config: the draft model's context ({draft.max_model_len} tokens) is shorter "
-                         f"than max_model_len ({target.max_model_len}); lower --max-model-len")
+        raise ValueError(
+            f"speculative_config: the draft model's context ({draft.max_model_len} tokens) is shorter "
+            f"than max_model_len ({target.max_model_len}); lower --max-model-len"
+        )
 
 
 class DraftRunner:
-    def __init__(self, config: ModelConfig, model: torch.nn.Module, num_blocks: int, input_batch: InputBatch,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: torch.nn.Module,
+        num_blocks: int,
+        input_batch: InputBatch,
+        device: torch.device,
+    ) -> None:
         self.model, self.device, self.input_batch = model, device, input_batch  # the target's requests and tables
         hf = config.hf_config
         shape = (num_blocks, input_batch.block_size, hf.num_key_value_heads, head_dim(hf))
-        self.kv_caches = [(torch.zeros(shape, dtype=config.cache_dtype, device=device),
-                           torch.zeros(shape, dtype=config.cache_dtype, device=device))
-                          for _ in range(hf.num_hidden_layers)]
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=config.cache_dtype, device=device),
+                torch.zeros(shape, dtype=config.cache_dtype, device=device),
+            )
+            for _ in range(hf.num_hidden_layers)
+        ]
         self.states: dict[str, DraftState] = {}
         # The last propose's passes that fed one token a request: their seconds and tokens (what a
         # draft token costs; a catch-up over a prompt is paid once a request, drafting or not).
@@ -91,11 +110,11 @@ class DraftRunner:
             draft = self.states.setdefault(state.request_id, DraftState())
             tokens = state.all_token_ids
             # Its drafts that came true are K/V it holds; from the first that did not, it computes again.
-            held = draft.start + _common_prefix(draft.tokens, tokens[draft.start:])
+            held = draft.start + _common_prefix(draft.tokens, tokens[draft.start :])
             draft.computed = min(draft.computed, held) if draft.tokens else draft.computed
             draft.computed = min(draft.computed, len(tokens) - 1)
             draft.start, draft.tokens, draft.probs = len(tokens), [], []
-            feed.append((state, draft.computed, tokens[draft.computed:]))
+            feed.append((state, draft.computed, tokens[draft.computed :]))
             drafts[state.request_id] = draft.tokens
         lengths = {state.request_id: length for state, length in requests}
         self.pass_seconds, self.pass_tokens = 0.0, 0
@@ -112,8 +131,11 @@ class DraftRunner:
                 draft.tokens.append(token)
                 if probs is not None:
                     draft.probs.append(probs)
-            feed = [(state, start + len(tokens), [self.states[state.request_id].tokens[-1]])
-                    for state, start, tokens in feed if lengths[state.request_id] > step + 1]
+            feed = [
+                (state, start + len(tokens), [self.states[state.request_id].tokens[-1]])
+                for state, start, tokens in feed
+                if lengths[state.request_id] > step + 1
+            ]
         return drafts
 
     def _pick(self, logits: torch.Tensor, state: RequestState, j: int) -> tuple[int, torch.Tensor | None]:

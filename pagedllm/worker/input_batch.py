@@ -7,6 +7,7 @@ the worker samples it appends itself. A step's inputs are built from that copy: 
 new tokens sliced from its own list, positions and slots from its own table; the block tables of
 a large batch are one copy out of an int32 array that keeps every table in a row.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,10 +21,13 @@ from pagedllm.layers.pooler import PoolingState
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
+_CPU = torch.device("cpu")
+
 
 @dataclass(eq=False)
 class RequestState:
     """The worker's copy of one request: what the sampler and the step's inputs read."""
+
     request_id: str
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
@@ -48,8 +52,14 @@ class InputBatch:
     """The requests the worker holds, by id; `rows` x `width` is the block-table array's first size.
     Steps whose block tables have at most `max_list_table_entries` entries build them from lists."""
 
-    def __init__(self, block_size: int, device: torch.device = torch.device("cpu"), rows: int = 8,
-                 width: int = 16, max_list_table_entries: int = 512) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device = _CPU,
+        rows: int = 8,
+        width: int = 16,
+        max_list_table_entries: int = 512,
+    ) -> None:
         self.block_size = block_size
         self.device = device
         self.max_list_table_entries = max_list_table_entries
@@ -81,9 +91,15 @@ class InputBatch:
 
     def _add(self, request_id: str, data: NewRequestData) -> RequestState:
         self._remove(request_id)  # sent again: a rerun of the step
-        state = RequestState(request_id, data.sampling_params, data.eos_token_ids, len(data.prompt_token_ids),
-                             data.prompt_token_ids + data.output_token_ids, row=self._take_row(),
-                             pooling_params=data.pooling_params)
+        state = RequestState(
+            request_id,
+            data.sampling_params,
+            data.eos_token_ids,
+            len(data.prompt_token_ids),
+            data.prompt_token_ids + data.output_token_ids,
+            row=self._take_row(),
+            pooling_params=data.pooling_params,
+        )
         self.requests[request_id] = state
         return state
 
@@ -109,7 +125,7 @@ class InputBatch:
     def _resize(self, rows: int, width: int) -> None:
         old = self.block_table
         self.block_table = np.zeros((rows, width), dtype=np.int32)
-        self.block_table[:old.shape[0], :old.shape[1]] = old
+        self.block_table[: old.shape[0], : old.shape[1]] = old
 
     def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
         """After a step that ran: each request's new tokens (accepted drafts, then the runner's own),
@@ -121,21 +137,23 @@ class InputBatch:
                 state.all_token_ids += tokens
 
     # -- the step's tensors ------------------------------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledRequest],
-                states: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(
+        self, scheduled: list[ScheduledRequest], states: list[RequestState]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of a step, from the states `update` returned."""
         runs = []
         for s, state in zip(scheduled, states):
             start = state.num_computed_tokens
             # The known tokens, then the drafts.
-            runs.append((state, start, state.all_token_ids[start:start + s.num_new_tokens] + s.spec_token_ids))
+            runs.append((state, start, state.all_token_ids[start : start + s.num_new_tokens] + s.spec_token_ids))
         input_ids, positions, meta = self.prepare_runs(runs)
         meta.group_tables = self._other_group_tables(scheduled, states)
         meta.walk_max_q = 1 + max((len(s.spec_token_ids) for s in scheduled), default=0)
         return input_ids, positions, meta
 
-    def prepare_runs(self, runs: list[tuple[RequestState, int, list[int]]]
-                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_runs(
+        self, runs: list[tuple[RequestState, int, list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata for runs of tokens, each (state, its first
         position, the tokens) under the state's block table (a draft model's passes use it too)."""
         bs = self.block_size
@@ -153,13 +171,18 @@ class InputBatch:
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + len(tokens))
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.long), block_tables=self._block_tables([run[0] for run in runs]),
-            query_start_loc=self._tensor(query_start_loc, torch.int32), seq_lens=self._tensor(seq_lens, torch.int32),
-            seq_lens_list=seq_lens, query_lens_list=[len(run[2]) for run in runs])
+            slot_mapping=self._tensor(slots, torch.long),
+            block_tables=self._block_tables([run[0] for run in runs]),
+            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            seq_lens_list=seq_lens,
+            query_lens_list=[len(run[2]) for run in runs],
+        )
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta
 
-    def _other_group_tables(self, scheduled: list[ScheduledRequest],
-                            states: list[RequestState]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _other_group_tables(
+        self, scheduled: list[ScheduledRequest], states: list[RequestState]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(slot mapping, block tables) of each group past the first, from lists (the models with
         several groups, Gemma's, run op by op: a few lists a step are not what they wait on)."""
         bs = self.block_size
@@ -168,8 +191,10 @@ class InputBatch:
             slots: list[int] = []
             for s, state in zip(scheduled, states):
                 blocks = state.other_block_ids[g]
-                slots += [blocks[p // bs] * bs + p % bs
-                          for p in range(state.num_computed_tokens, state.num_computed_tokens + s.num_new_tokens)]
+                slots += [
+                    blocks[p // bs] * bs + p % bs
+                    for p in range(state.num_computed_tokens, state.num_computed_tokens + s.num_new_tokens)
+                ]
             width = max(len(state.other_block_ids[g]) for state in states)
             rows = [state.other_block_ids[g] + [0] * (width - len(state.other_block_ids[g])) for state in states]
             tables.append((self._tensor(slots, torch.long), self._tensor(rows, torch.int32)))
@@ -182,8 +207,9 @@ class InputBatch:
         at 256 requests of 130 blocks, the copy 15 us."""
         width = max(len(state.block_ids) for state in states)
         if len(states) * width <= self.max_list_table_entries:
-            return self._tensor([state.block_ids + [0] * (width - len(state.block_ids)) for state in states],
-                                torch.int32)
+            return self._tensor(
+                [state.block_ids + [0] * (width - len(state.block_ids)) for state in states], torch.int32
+            )
         rows = [state.row for state in states]
         return torch.as_tensor(self.block_table[:, :width].take(rows, axis=0), device=self.device)
 

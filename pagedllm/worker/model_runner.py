@@ -1,5 +1,6 @@
 """ModelRunner: a SchedulerOutput -> the persistent batch's update -> batch tensors -> forward ->
 sampled tokens and logprobs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,12 +15,12 @@ from pagedllm.distributed.parallel_state import head_share, max_kv_heads_per_ran
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.pooler import Pooler
-from pagedllm.layers.rejection_sampler import rejection_sample
-from pagedllm.layers.sampler import Sampler, seeded_uniform, token_logprobs
 from pagedllm.models.loader import ModelConfig
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
+from pagedllm.worker.rejection_sampler import rejection_sample
+from pagedllm.worker.sampler import Sampler, seeded_uniform, token_logprobs
 
 # Steps of at least this many tokens hand their temporaries' heap pages back afterwards (heap.trim:
 # about 1 ms, against a few hundred for such a step on the CPU).
@@ -40,8 +41,15 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, tensor_parall
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, model: torch.nn.Module, num_blocks: int,
-                 block_size: int, device: str, draft: tuple[ModelConfig, torch.nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        device: str,
+        draft: tuple[ModelConfig, torch.nn.Module] | None = None,
+    ) -> None:
         self.model = model
         self.device = torch.device(device)
         hf = model_config.hf_config
@@ -51,9 +59,13 @@ class ModelRunner:
         slots = kv_cache_groups(hf).layer_slot if model_config.is_causal else ()
         kv_heads = head_share(hf.num_attention_heads, hf.num_key_value_heads).kv_count if slots else 0
         shape = (num_blocks, block_size, kv_heads, head_dim(hf)) if slots else ()
-        self.kv_slots = [(torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
-                          torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device))
-                         for _ in range(max(slots, default=-1) + 1)]
+        self.kv_slots = [
+            (
+                torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
+            )
+            for _ in range(max(slots, default=-1) + 1)
+        ]
         self.kv_caches = [self.kv_slots[slot] for slot in slots]
         self.sampler = Sampler()
         self.pooler = Pooler(model_config.pooler_config)
@@ -82,8 +94,11 @@ class ModelRunner:
         # Last, once nothing can raise: a failed step appends nothing, so its rerun does not append twice.
         self.input_batch.append_sampled(result.sampled_token_ids)
         if self.draft is not None and output.num_draft_tokens:
-            proposing = [(state, output.num_draft_tokens.get(r.request_id, 0))
-                         for r, state in zip(output.scheduled, states) if r.request_id in result.sampled_token_ids]
+            proposing = [
+                (state, output.num_draft_tokens.get(r.request_id, 0))
+                for r, state in zip(output.scheduled, states)
+                if r.request_id in result.sampled_token_ids
+            ]
             start = time.perf_counter()
             result.spec_token_ids = self.draft.propose([(state, n) for state, n in proposing if n > 0])
             result.draft_seconds = time.perf_counter() - start
@@ -102,8 +117,14 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def _sample(self, hidden: torch.Tensor, output: SchedulerOutput, states: list[RequestState],
-                meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        output: SchedulerOutput,
+        states: list[RequestState],
+        meta: AttentionMetadata,
+        result: ModelRunnerOutput,
+    ) -> None:
         """A token for each request that samples. A request with k draft tokens is sampled at its
         last k + 1 positions, each as if the drafts before it were its output (penalties, min_tokens
         and a seeded draw's index see them). Drafts that came as single tokens (n-gram lookup, or a
@@ -137,7 +158,7 @@ class ModelRunner:
                     break
             result.sampled_token_ids[r.request_id] = tokens
             if sampled.logprobs[first] is not None:
-                result.logprobs[r.request_id] = sampled.logprobs[first:first + len(tokens)]
+                result.logprobs[r.request_id] = sampled.logprobs[first : first + len(tokens)]
             first += r.num_spec_tokens + 1
 
     def _positions(self, hidden: torch.Tensor, requests: list[tuple]) -> tuple[torch.Tensor, list[RequestState]]:
@@ -149,8 +170,11 @@ class ModelRunner:
             drafts = r.spec_token_ids
             for j in range(len(drafts) + 1):
                 rows.append(end - len(drafts) + j)
-                samplers.append(state if j == 0 else dataclasses.replace(
-                    state, all_token_ids=state.all_token_ids + drafts[:j], spec_position=j))
+                samplers.append(
+                    state
+                    if j == 0
+                    else dataclasses.replace(state, all_token_ids=state.all_token_ids + drafts[:j], spec_position=j)
+                )
         return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]), samplers
 
     def _draft_probs(self, r: ScheduledRequest, state: RequestState) -> torch.Tensor | None:
@@ -160,9 +184,13 @@ class ModelRunner:
             return None
         return self.draft.take_probs(r.request_id, r.num_spec_tokens)
 
-    def _rejection_sample(self, hidden: torch.Tensor,
-                          weighed: list[tuple[ScheduledRequest, RequestState, int, torch.Tensor]],
-                          output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    def _rejection_sample(
+        self,
+        hidden: torch.Tensor,
+        weighed: list[tuple[ScheduledRequest, RequestState, int, torch.Tensor]],
+        output: SchedulerOutput,
+        result: ModelRunnerOutput,
+    ) -> None:
         """Requests whose drafts came with the draft's distributions: each draft accepted with
         probability min(1, p / q), the first rejected one replaced from the residual (layers/
         rejection_sampler.py). Seeded requests draw every number from their seed and the token's index."""
@@ -178,28 +206,43 @@ class ModelRunner:
                     return float(torch.rand(()))
                 return seeded_uniform(seed, index + j, "" if purpose == "sample" else purpose)
 
-            tokens = rejection_sample(probs[at:at + k + 1], q, r.spec_token_ids, uniform)
+            tokens = rejection_sample(probs[at : at + k + 1], q, r.spec_token_ids, uniform)
             result.sampled_token_ids[r.request_id] = tokens
             wanted = state.sampling_params.logprobs
             if raw is not None and wanted is not None:
-                result.logprobs[r.request_id] = token_logprobs(raw[at:at + len(tokens)], tokens, [wanted] * len(tokens))
+                result.logprobs[r.request_id] = token_logprobs(
+                    raw[at : at + len(tokens)], tokens, [wanted] * len(tokens)
+                )
             at += k + 1
 
-    def _pool(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], states: list[RequestState],
-              meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
+    def _pool(
+        self,
+        hidden: torch.Tensor,
+        scheduled: list[ScheduledRequest],
+        states: list[RequestState],
+        meta: AttentionMetadata,
+        result: ModelRunnerOutput,
+    ) -> None:
         """Embedding requests: fold the step's rows into each one's pooling state; the one whose
         prompt this step finished gets its embedding."""
         first_row = 0
         for r, state, num_rows in zip(scheduled, states, meta.query_lens_list):
             if state.pooling_params is not None:
-                self.pooler.accumulate(state.pooling, hidden[first_row:first_row + r.num_new_tokens],
-                                       r.num_computed_tokens)
+                self.pooler.accumulate(
+                    state.pooling, hidden[first_row : first_row + r.num_new_tokens], r.num_computed_tokens
+                )
                 if r.sample:
                     result.pooler_output[r.request_id] = self.pooler.finish(state.pooling, state.pooling_params)
             first_row += num_rows
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], states: list[RequestState],
-                         meta: AttentionMetadata, result: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        scheduled: list[ScheduledRequest],
+        states: list[RequestState],
+        meta: AttentionMetadata,
+        result: ModelRunnerOutput,
+    ) -> None:
         """Hidden state at prompt position p scores prompt token p + 1."""
         for i, (r, state) in enumerate(zip(scheduled, states)):
             k = state.sampling_params.prompt_logprobs
@@ -208,8 +251,8 @@ class ModelRunner:
             if k is None or start >= end:
                 continue
             first_row = meta.query_start_loc[i].item()
-            rows = hidden[first_row:first_row + end - start]
+            rows = hidden[first_row : first_row + end - start]
             logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            targets = state.all_token_ids[start + 1:end + 1]
+            targets = state.all_token_ids[start + 1 : end + 1]
             entries: list[TokenLogprobs] = token_logprobs(logprobs, targets, [k] * len(targets))
             result.prompt_logprobs[r.request_id] = (start + 1, entries)

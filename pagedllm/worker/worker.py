@@ -1,6 +1,7 @@
 """Worker: one device's share of the work. It loads its model (shard), allocates its KV cache and
 runs each step through its model runner. It knows of requests only what the step messages tell
 it, and keeps that (the model runner's InputBatch), so that each step need bring only what changed."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,9 @@ from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 
 class Worker:
-    def __init__(self, model_config: ModelConfig, device: str, block_size: int,
-                 draft_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self, model_config: ModelConfig, device: str, block_size: int, draft_config: ModelConfig | None = None
+    ) -> None:
         self.model_config, self.device, self.block_size = model_config, device, block_size
         self.draft_config = draft_config  # draft-model speculation's draft, loaded beside the target
         self.model: torch.nn.Module | None = None

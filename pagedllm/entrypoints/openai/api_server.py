@@ -1,4 +1,5 @@
 """The OpenAI-compatible HTTP server: routes, auth, error shapes, and `pagedllm serve`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +22,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.config import MAX_BODY_BYTES, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
-                                                  error_response)
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
-from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
+from pagedllm.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    error_response,
+)
 from pagedllm.entrypoints.openai.serving import api_error, off_loop
+from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
@@ -36,13 +43,19 @@ logger = logging.getLogger("pagedllm")
 @dataclass
 class ServerLimits:
     """What one client may ask of the server (flags of `pagedllm serve`)."""
+
     max_body_bytes: int = MAX_BODY_BYTES
     request_timeout: float | None = None  # seconds from admission to the last token
     allowed_origins: list[str] = field(default_factory=list)  # CORS: none unless asked
 
 
-def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
-              chat_options: ChatOptions | None = None, limits: ServerLimits | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    chat_options: ChatOptions | None = None,
+    limits: ServerLimits | None = None,
+) -> FastAPI:
     limits = limits or ServerLimits()
 
     @asynccontextmanager
@@ -74,9 +87,19 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "pagedllm", "root": engine.model_config.path,
-                                            "max_model_len": engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pagedllm",
+                    "root": engine.model_config.path,
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -98,11 +121,13 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         if body.messages is not None:
             tokens = await chat.prompt_ids(body)
         else:
-            tokens = await off_loop(partial(engine.tokenizer.encode, add_special_tokens=body.add_special_tokens),
-                                    body.prompt)
+            tokens = await off_loop(
+                partial(engine.tokenizer.encode, add_special_tokens=body.add_special_tokens), body.prompt
+            )
         # Encoded off the loop too: FastAPI's encoder walks a long prompt's ids for a good part of a second.
-        body = await off_loop(json.dumps, {"count": len(tokens), "max_model_len": engine.max_model_len,
-                                           "tokens": tokens})
+        body = await off_loop(
+            json.dumps, {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        )
         return Response(body, media_type="application/json")
 
     @app.post("/detokenize")
@@ -125,8 +150,9 @@ def _install_guards(app: FastAPI, api_key: str | None, limits: ServerLimits) -> 
 
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
     if limits.allowed_origins:  # added last, so it runs first: preflights need no API key
-        app.add_middleware(CORSMiddleware, allow_origins=limits.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=limits.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
 
     @app.exception_handler(APIError)
     async def api_error_(_: Request, exc: APIError):
@@ -152,11 +178,13 @@ def _validation_error(errors: list[dict]) -> APIError:
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":  # its loc holds a byte offset, not a field
         position = first.get("loc", ("body", "?"))[-1]
-        return APIError(f"the body is not valid JSON (at byte {position}: {first.get('ctx', {}).get('error')})",
-                        code="invalid_json")
+        return APIError(
+            f"the body is not valid JSON (at byte {position}: {first.get('ctx', {}).get('error')})", code="invalid_json"
+        )
     where = ".".join(str(part) for part in first.get("loc", ())[1:])
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-                        for e in errors[:3])
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errors[:3]
+    )
     return APIError(message or "invalid request", param=where or None)
 
 
@@ -282,9 +310,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(args: EngineArgs, host: str, port: int, api_key: str | None, chat_options: ChatOptions,
-               limits: ServerLimits | None = None, max_waiting_requests: int | None = None,
-               shutdown_timeout: float = 10.0) -> int:
+def run_server(
+    args: EngineArgs,
+    host: str,
+    port: int,
+    api_key: str | None,
+    chat_options: ChatOptions,
+    limits: ServerLimits | None = None,
+    max_waiting_requests: int | None = None,
+    shutdown_timeout: float = 10.0,
+) -> int:
     """Serve until stopped; returns the process's exit code (non-zero if the engine died)."""
     chat_options.check()  # before the model loads
     api_key = api_key or os.environ.get("PAGEDLLM_API_KEY") or None

@@ -6,6 +6,7 @@ taken between steps when the page asks, and the frontend's counters over the las
 every second from the same registry `/metrics` renders, so the two agree. The page holds no data:
 it is served without the API key; the state needs the key when one is set (the page asks for it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,9 +49,14 @@ class CounterHistory:
         registry, labels = self.engine.metrics.registry, {"model_name": self.engine.metrics.model_name}
         row = {name: registry.get_sample_value(sample, labels) or 0.0 for name, sample in _SERIES.items()}
         stats = self.engine.stats
-        row.update(time=time.time(), prefix_cache_queries=stats.prefix_cache_queries,
-                   prefix_cache_hits=stats.prefix_cache_hits, spec_num_draft_tokens=stats.spec_num_draft_tokens,
-                   spec_num_accepted_tokens=stats.spec_num_accepted_tokens, num_preemptions=stats.num_preemptions)
+        row.update(
+            time=time.time(),
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            spec_num_draft_tokens=stats.spec_num_draft_tokens,
+            spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
+            num_preemptions=stats.num_preemptions,
+        )
         return row
 
     async def run(self) -> None:
@@ -74,8 +80,13 @@ def install_dashboard(app: FastAPI, engine: AsyncLLM, model_name: str) -> Counte
             snapshots = await engine.snapshots()
         except (EngineDeadError, asyncio.TimeoutError) as exc:
             raise APIError(f"no snapshot from the engine: {exc!r}", 503, "service_unavailable") from exc
-        state = {"model": model_name, "time": time.time(), "replicas": [dataclasses.asdict(s) for s in snapshots],
-                 "counters": history.read(), "history": list(history.samples)}
+        state = {
+            "model": model_name,
+            "time": time.time(),
+            "replicas": [dataclasses.asdict(s) for s in snapshots],
+            "counters": history.read(),
+            "history": list(history.samples),
+        }
         return Response(await off_loop(json.dumps, state), media_type="application/json")
 
     return history

@@ -1,4 +1,5 @@
 """OpenAI API request models (pydantic) and the error shape."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,15 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 class APIError(Exception):
     """Raised anywhere in a handler; becomes an OpenAI-shaped error response."""
 
-    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
         self.headers = headers
@@ -29,7 +37,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 # Integers as the engine stores them (vLLM bounds seeds the same way): past these a request is
 # refused at the edge instead of overflowing inside a step.
-Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
@@ -52,8 +60,10 @@ def _check_unicode(value: Any, name: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"{name} holds a lone UTF-16 surrogate ({value[exc.start]!r} at character "
-                             f"{exc.start}), which is not valid Unicode") from None
+            raise ValueError(
+                f"{name} holds a lone UTF-16 surrogate ({value[exc.start]!r} at character "
+                f"{exc.start}), which is not valid Unicode"
+            ) from None
     elif isinstance(value, (list, tuple)):
         for item in value:
             _check_unicode(item, name)
@@ -76,6 +86,7 @@ class JsonSchemaFormat(_Request):
 
 class ResponseFormat(_Request):
     """OpenAI's response_format: text, any JSON object, or JSON under a schema."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -93,6 +104,7 @@ class ResponseFormat(_Request):
 
 class StructuredOutputsFields(_Request):
     """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -101,13 +113,19 @@ class StructuredOutputsFields(_Request):
     disable_any_whitespace: bool = False
 
     def constraint(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
-                                       json_object=self.json_object,
-                                       disable_any_whitespace=self.disable_any_whitespace)
+        return StructuredOutputsParams(
+            json=self.json_,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=self.json_object,
+            disable_any_whitespace=self.disable_any_whitespace,
+        )
 
 
 class SamplingFields(_Request):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
+
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -143,8 +161,9 @@ class SamplingFields(_Request):
         if self.response_format is not None and self.response_format.type == "text":
             given.remove("response_format")
         if len(given) > 1:
-            raise APIError(f"give one structured output constraint, not {len(given)}: {', '.join(given)}",
-                           param=given[1])
+            raise APIError(
+                f"give one structured output constraint, not {len(given)}: {', '.join(given)}", param=given[1]
+            )
         if not given:
             return None, None
         name = given[0]
@@ -156,9 +175,14 @@ class SamplingFields(_Request):
         except ValueError as exc:
             raise APIError(str(exc), param=name) from exc
 
-    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        defaults: SamplingParams,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """SamplingParams from this request; fields it leaves out take the model's defaults."""
         self.refuse_unsupported()
 
@@ -171,16 +195,27 @@ class SamplingFields(_Request):
             raise APIError("logit_bias keys must be token ids", param="logit_bias") from exc
         try:
             return SamplingParams(
-                n=self.n, temperature=pick(self.temperature, defaults.temperature),
-                top_p=pick(self.top_p, defaults.top_p), top_k=pick(self.top_k, defaults.top_k),
+                n=self.n,
+                temperature=pick(self.temperature, defaults.temperature),
+                top_p=pick(self.top_p, defaults.top_p),
+                top_k=pick(self.top_k, defaults.top_k),
                 min_p=pick(self.min_p, defaults.min_p),
                 repetition_penalty=pick(self.repetition_penalty, defaults.repetition_penalty),
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed, max_tokens=max_tokens,
-                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, logit_bias=bias or None,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=bias or None,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                structured_outputs=structured_outputs,
+            )
         except ValueError as exc:
             raise APIError(str(exc)) from exc
 
@@ -190,16 +225,25 @@ class SamplingFields(_Request):
             value = getattr(self, name, None)
             if value is None or value == [] or value == "none":
                 continue
-            raise APIError(f"{name} is not supported by this server (use tools and tool_choice)", param=name,
-                           code="unsupported_parameter")
+            raise APIError(
+                f"{name} is not supported by this server (use tools and tool_choice)",
+                param=name,
+                code="unsupported_parameter",
+            )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar")
+_CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 _NOT_IMPLEMENTED = ("functions", "function_call")  # OpenAI's deprecated forms of tools
 
 
@@ -254,10 +298,14 @@ class ChatMessage(_Request):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             # Templates write the arguments out themselves (Qwen's with `tojson`): they get the object.
-            message["tool_calls"] = [{"id": call.id, "type": "function",
-                                      "function": {"name": call.function.name,
-                                                   "arguments": _arguments(call.function.arguments)}}
-                                     for call in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+                }
+                for call in self.tool_calls
+            ]
         return message
 
 
@@ -306,6 +354,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class EmbeddingRequest(_Request):
     """OpenAI's embeddings request; `truncate_prompt_tokens` and `normalize` are vLLM's extras."""
+
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -317,6 +366,7 @@ class EmbeddingRequest(_Request):
 
 class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt, or a conversation rendered by the chat template (with its tools)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

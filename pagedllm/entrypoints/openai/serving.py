@@ -1,4 +1,5 @@
 """What the completion and chat endpoints share: model check, prompt admission, SSE, logprobs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,14 @@ from typing import TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, EngineUnavailableError, RequestFailedError,
-                                       RequestRefusedError, RequestStream)
+from pagedllm.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+    RequestRefusedError,
+    RequestStream,
+)
 from pagedllm.engine.llm_engine import ProcessedRequest
 from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.outputs import Logprob, RequestOutput
@@ -70,6 +77,7 @@ async def off_loop(fn: Callable[..., T], *args) -> T:
 @dataclass
 class Choice:
     """One choice's output, accumulated from deltas."""
+
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -95,8 +103,14 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(str(exc), param="model") from exc
 
-    async def admit(self, prompts: list[str | list[int]], params: SamplingParams, requested_max_tokens: int | None,
-                    cache_salt: str | None = None, constraint_field: str | None = None) -> list[ProcessedRequest]:
+    async def admit(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        requested_max_tokens: int | None,
+        cache_salt: str | None = None,
+        constraint_field: str | None = None,
+    ) -> list[ProcessedRequest]:
         """Tokenize (off the event loop) and validate every prompt before any is queued.
         `constraint_field`: the request field a structured output constraint came from (named by
         the error if it does not compile)."""
@@ -115,7 +129,9 @@ class OpenAIServing:
                     f"This model's maximum context length is {limit} tokens. However, you requested "
                     f"{len(item.prompt_token_ids) + requested_max_tokens} tokens "
                     f"({len(item.prompt_token_ids)} in the prompt, {requested_max_tokens} for the completion).",
-                    param="max_tokens", code="context_length_exceeded")
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
             processed.append(item)
         return processed
 
@@ -213,6 +229,7 @@ async def _interleave(streams: list[RequestStream]) -> AsyncIterator[tuple[int, 
 
 class Run:
     """One request's outputs turned into OpenAI's chunks: the framing both endpoints share."""
+
     object_name = ""  # of a chunk
 
     def __init__(self, serving: OpenAIServing, request, request_id: str, num_prompt_tokens: int) -> None:
@@ -236,8 +253,13 @@ class Run:
         yield sse("[DONE]")
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": self.object_name, "created": self.created,
-                 "model": self.serving.model_name, "choices": choices}
+        chunk = {
+            "id": self.id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.serving.model_name,
+            "choices": choices,
+        }
         if self.request.include_usage:
             chunk["usage"] = usage_
         return chunk
@@ -253,8 +275,11 @@ def accumulate(choices: dict[int, Choice], index: int, output) -> Choice:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def token_bytes(tokenizer, token_id: int) -> bytes:

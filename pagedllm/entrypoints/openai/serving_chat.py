@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the conversation (and tools) through the chat template, structured
 output and tool_choice as constraints, and the output parsed into reasoning, content and tool
 calls, in full or as streaming deltas."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -8,13 +9,29 @@ from dataclasses import dataclass
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.chat_utils import apply_chat_template
-from pagedllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, ChatMessage, NamedToolChoice,
-                                                  TokenizeRequest)
-from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, new_id, off_loop,
-                                                 top_entries, usage)
+from pagedllm.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving import (
+    Choice,
+    OpenAIServing,
+    Run,
+    accumulate,
+    new_id,
+    off_loop,
+    top_entries,
+    usage,
+)
 from pagedllm.entrypoints.openai.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser, get_tool_parser
-from pagedllm.entrypoints.openai.tool_parsers.constrained import (NamedFunctionOutput, RequiredFunctionsOutput,
-                                                                  parameters_schema, required_schema)
+from pagedllm.entrypoints.openai.tool_parsers.constrained import (
+    NamedFunctionOutput,
+    RequiredFunctionsOutput,
+    parameters_schema,
+    required_schema,
+)
 from pagedllm.outputs import Logprob
 from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -23,6 +40,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 @dataclass
 class ChatOptions:
     """`pagedllm serve`'s chat flags, as vLLM spells them."""
+
     chat_template: str | None = None  # the template's text
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -39,14 +57,20 @@ class ChatOptions:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, model_name: str, options: ChatOptions | None = None,
-                 request_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        options: ChatOptions | None = None,
+        request_timeout: float | None = None,
+    ) -> None:
         super().__init__(engine, model_name, request_timeout)
         self.options = options or ChatOptions()
         self.options.check()
         self.tool_parser = get_tool_parser(self.options.tool_call_parser) if self.options.tool_call_parser else None
-        self.reasoning_parser = (get_reasoning_parser(self.options.reasoning_parser)
-                                 if self.options.reasoning_parser else None)
+        self.reasoning_parser = (
+            get_reasoning_parser(self.options.reasoning_parser) if self.options.reasoning_parser else None
+        )
 
     async def prompt_ids(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The conversation's prompt token ids, rendered and tokenized off the event loop."""
@@ -55,9 +79,14 @@ class OpenAIServingChat(OpenAIServing):
     def _prompt_ids(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         tools = [tool.model_dump(by_alias=True, exclude_none=True) for tool in request.tools or []] or None
         try:
-            return apply_chat_template(self.engine.tokenizer, [m.as_template_input() for m in request.messages],
-                                       self.options.chat_template, request.add_generation_prompt, tools,
-                                       request.chat_template_kwargs)
+            return apply_chat_template(
+                self.engine.tokenizer,
+                [m.as_template_input() for m in request.messages],
+                self.options.chat_template,
+                request.add_generation_prompt,
+                tools,
+                request.chat_template_kwargs,
+            )
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from exc
         except Exception as exc:  # a template that fails on these messages (jinja raises its own types)
@@ -74,8 +103,11 @@ class OpenAIServingChat(OpenAIServing):
         if constraint is None:
             constraint, field = request.constraint()
         elif request.constraint()[0] is not None:
-            raise APIError(f"tool_choice {_choice_name(request.tool_choice)!r} constrains the output itself: "
-                           "it takes no response_format or structured output", param=request.constraint()[1])
+            raise APIError(
+                f"tool_choice {_choice_name(request.tool_choice)!r} constrains the output itself: "
+                "it takes no response_format or structured output",
+                param=request.constraint()[1],
+            )
         params = request.sampling_params(self.defaults, max_tokens, top, None, constraint)
         prompt = await self.prompt_ids(request)
         processed = await self.admit([prompt], params, max_tokens, request.cache_salt, field)
@@ -84,8 +116,9 @@ class OpenAIServingChat(OpenAIServing):
         run = _Run(self, request, request_id, len(prompt), _OutputParser(self.reasoning_parser, tools))
         return await self.respond(request.stream, run, streams)
 
-    def _tool_calls(self, request: ChatCompletionRequest) -> tuple[ToolParser | None, StructuredOutputsParams | None,
-                                                                   str | None]:
+    def _tool_calls(
+        self, request: ChatCompletionRequest
+    ) -> tuple[ToolParser | None, StructuredOutputsParams | None, str | None]:
         """How this request's tool calls are made and read: (the parser of the output, the constraint
         that guarantees them, the field it comes from). "auto" parses free text with the server's
         tool-call parser; "required" and a named function constrain the output to the tools' schemas."""
@@ -94,19 +127,30 @@ class OpenAIServingChat(OpenAIServing):
         if isinstance(choice, NamedToolChoice):
             function = tools.get(choice.function.name)
             if function is None:
-                raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not among the "
-                               f"tools ({', '.join(tools) or 'none given'})", param="tool_choice")
+                raise APIError(
+                    f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                    f"tools ({', '.join(tools) or 'none given'})",
+                    param="tool_choice",
+                )
             schema = parameters_schema(function.parameters)
-            return NamedFunctionOutput(function.name), StructuredOutputsParams(json=schema, disable_any_whitespace=True), "tools"
+            return (
+                NamedFunctionOutput(function.name),
+                StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                "tools",
+            )
         if choice == "required":
             if not tools:
                 raise APIError('tool_choice "required" needs tools', param="tool_choice")
-            schema = required_schema([f.model_dump(exclude_none=True) for f in tools.values()], request.parallel_tool_calls)
+            schema = required_schema(
+                [f.model_dump(exclude_none=True) for f in tools.values()], request.parallel_tool_calls
+            )
             return RequiredFunctionsOutput(), StructuredOutputsParams(json=schema, disable_any_whitespace=True), "tools"
         if choice == "auto" and tools:
             if self.tool_parser is None or not self.options.enable_auto_tool_choice:
-                raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                               param="tool_choice")
+                raise APIError(
+                    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                    param="tool_choice",
+                )
             return self.tool_parser, None, None
         return None, None, None
 
@@ -133,13 +177,15 @@ class _OutputParser:
         if self.reasoning is not None:
             message["reasoning_content"] = reasoning
         if calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
         return message, bool(calls)
 
     def stream(self) -> _ChoiceStream:
-        return _ChoiceStream(self.reasoning.stream() if self.reasoning else None,
-                             self.tools.stream() if self.tools else None)
+        return _ChoiceStream(
+            self.reasoning.stream() if self.reasoning else None, self.tools.stream() if self.tools else None
+        )
 
 
 class _ChoiceStream:
@@ -183,16 +229,26 @@ def _delta(reasoning: str, content: str, calls: list[ToolCallDelta]) -> dict:
 def _call_delta(call: ToolCallDelta) -> dict:
     """OpenAI's shape: the first delta of a call has its id, type and name, the others arguments only."""
     if call.id is not None:
-        return {"index": call.index, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
+        return {
+            "index": call.index,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
     return {"index": call.index, "function": {"arguments": call.arguments}}
 
 
 class _Run(Run):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, serving: OpenAIServingChat, request: ChatCompletionRequest, request_id: str,
-                 num_prompt_tokens: int, parser: _OutputParser) -> None:
+    def __init__(
+        self,
+        serving: OpenAIServingChat,
+        request: ChatCompletionRequest,
+        request_id: str,
+        num_prompt_tokens: int,
+        parser: _OutputParser,
+    ) -> None:
         super().__init__(serving, request, request_id, num_prompt_tokens)
         self.parser = parser
 
@@ -204,19 +260,39 @@ class _Run(Run):
         body = []
         for i, c in sorted(choices.items()):
             message, called = self.parser.message(c.text)
-            body.append({"index": i, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                         "finish_reason": _finish_reason(c.finish_reason, called), "stop_reason": c.stop_reason})
+            body.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": _finish_reason(c.finish_reason, called),
+                    "stop_reason": c.stop_reason,
+                }
+            )
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.serving.model_name, "choices": body,
-                "usage": usage(self.num_prompt_tokens, completion_tokens)}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.serving.model_name,
+            "choices": body,
+            "usage": usage(self.num_prompt_tokens, completion_tokens),
+        }
 
     async def events(self, outputs: AsyncIterator) -> AsyncIterator[dict]:
         parsers: dict[int, _ChoiceStream] = {}
         for index in range(self.request.n):  # the role first, for every choice
             parsers[index] = self.parser.stream()
-            yield self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None}])
+            yield self.chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
         async for _, output in outputs:
             for sample in output.outputs:
                 self.completion_tokens += len(sample.token_ids)
@@ -224,16 +300,25 @@ class _Run(Run):
                 delta = parser.feed(sample.text)
                 logprobs = self._logprobs(sample.token_ids, sample.logprobs or [])
                 if delta or (logprobs and sample.token_ids):
-                    yield self.chunk([{"index": sample.index, "delta": delta, "logprobs": logprobs,
-                                       "finish_reason": None}])
+                    yield self.chunk(
+                        [{"index": sample.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
+                    )
                 if sample.finish_reason is None:
                     continue
                 rest = parser.finish()
                 if rest:
                     yield self.chunk([{"index": sample.index, "delta": rest, "logprobs": None, "finish_reason": None}])
-                yield self.chunk([{"index": sample.index, "delta": {}, "logprobs": None,  # the finish reason last
-                                   "finish_reason": _finish_reason(sample.finish_reason, parser.called),
-                                   "stop_reason": sample.stop_reason}])
+                yield self.chunk(
+                    [
+                        {
+                            "index": sample.index,
+                            "delta": {},
+                            "logprobs": None,  # the finish reason last
+                            "finish_reason": _finish_reason(sample.finish_reason, parser.called),
+                            "stop_reason": sample.stop_reason,
+                        }
+                    ]
+                )
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict | None:
         if not self.request.logprobs:
@@ -245,9 +330,15 @@ class _Run(Run):
             text = decode(token)
             return {"token": text, "logprob": logprob, "bytes": list(self.serving.token_bytes(token))}
 
-        return {"content": [{**item(t, entry[t].logprob),
-                             "top_logprobs": [item(tok, lp.logprob) for tok, lp in top_entries(entry, k)]}
-                            for t, entry in zip(token_ids, entries)]}
+        return {
+            "content": [
+                {
+                    **item(t, entry[t].logprob),
+                    "top_logprobs": [item(tok, lp.logprob) for tok, lp in top_entries(entry, k)],
+                }
+                for t, entry in zip(token_ids, entries)
+            ]
+        }
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -1,11 +1,11 @@
 """POST /v1/completions."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 from pagedllm.entrypoints.openai.protocol import APIError, CompletionRequest
-from pagedllm.entrypoints.openai.serving import (Choice, OpenAIServing, Run, accumulate, new_id,
-                                                 top_entries, usage)
+from pagedllm.entrypoints.openai.serving import Choice, OpenAIServing, Run, accumulate, new_id, top_entries, usage
 from pagedllm.outputs import Logprob
 
 
@@ -24,18 +24,26 @@ class OpenAIServingCompletion(OpenAIServing):
         processed = await self.admit(prompts, params, request.max_tokens, request.cache_salt, field)
         request_id = new_id("cmpl")
         streams = self.start(request_id, processed)
-        prompt_texts = [p.prompt if p.prompt is not None else self.engine.tokenizer.decode(p.prompt_token_ids)
-                        for p in processed]
+        prompt_texts = [
+            p.prompt if p.prompt is not None else self.engine.tokenizer.decode(p.prompt_token_ids) for p in processed
+        ]
         run = _Run(self, request, request_id, prompt_texts, [p.prompt_token_ids for p in processed])
         return await self.respond(request.stream, run, streams)
 
 
 class _Run(Run):
     """One completion request's outputs, turned into OpenAI's response or chunks."""
+
     object_name = "text_completion"
 
-    def __init__(self, serving: OpenAIServingCompletion, request: CompletionRequest, request_id: str,
-                 prompt_texts: list[str], prompt_ids: list[list[int]]) -> None:
+    def __init__(
+        self,
+        serving: OpenAIServingCompletion,
+        request: CompletionRequest,
+        request_id: str,
+        prompt_texts: list[str],
+        prompt_ids: list[list[int]],
+    ) -> None:
         super().__init__(serving, request, request_id, sum(map(len, prompt_ids)))
         self.prompt_texts, self.prompt_ids = prompt_texts, prompt_ids
         self.offsets: dict[int, int] = {}  # choice -> text offset of its next token
@@ -63,13 +71,24 @@ class _Run(Run):
         for index in sorted(choices):
             choice = choices[index]
             text, ids, entries = prefixes[index]
-            body.append({"index": index, "text": text + choice.text,
-                         "logprobs": self._logprobs(index, ids + choice.token_ids, entries + choice.logprobs),
-                         "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+            body.append(
+                {
+                    "index": index,
+                    "text": text + choice.text,
+                    "logprobs": self._logprobs(index, ids + choice.token_ids, entries + choice.logprobs),
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            )
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.serving.model_name, "choices": body,
-                "usage": usage(self.num_prompt_tokens, completion_tokens)}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.serving.model_name,
+            "choices": body,
+            "usage": usage(self.num_prompt_tokens, completion_tokens),
+        }
 
     async def events(self, outputs: AsyncIterator) -> AsyncIterator[dict]:
         started: set[int] = set()
@@ -81,10 +100,19 @@ class _Run(Run):
                     started.add(index)
                     text, ids, entries = self._echo(prompt_index, output)
                 self.completion_tokens += len(sample.token_ids)
-                yield self.chunk([{"index": index, "text": text + sample.text,
-                                   "logprobs": self._logprobs(index, ids + sample.token_ids,
-                                                              entries + (sample.logprobs or [])),
-                                   "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}])
+                yield self.chunk(
+                    [
+                        {
+                            "index": index,
+                            "text": text + sample.text,
+                            "logprobs": self._logprobs(
+                                index, ids + sample.token_ids, entries + (sample.logprobs or [])
+                            ),
+                            "finish_reason": sample.finish_reason,
+                            "stop_reason": sample.stop_reason,
+                        }
+                    ]
+                )
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, Logprob] | None]) -> dict | None:
         k = self.request.logprobs
@@ -101,9 +129,12 @@ class _Run(Run):
         return {
             "tokens": tokens,
             "token_logprobs": [entry[t].logprob if entry else None for t, entry in zip(token_ids, entries)],
-            "top_logprobs": [None if not entry else {**{decode(t): lp.logprob for t, lp in top_entries(entry, k)},
-                                                     decode(token): entry[token].logprob}
-                             for token, entry in zip(token_ids, entries)],
+            "top_logprobs": [
+                None
+                if not entry
+                else {**{decode(t): lp.logprob for t, lp in top_entries(entry, k)}, decode(token): entry[token].logprob}
+                for token, entry in zip(token_ids, entries)
+            ],
             "text_offset": offsets,
         }
 

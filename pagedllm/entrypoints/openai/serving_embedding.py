@@ -1,4 +1,5 @@
 """POST /v1/embeddings: OpenAI's embeddings, each input one embedding request through the engine."""
+
 from __future__ import annotations
 
 import base64
@@ -19,8 +20,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_model(request.model)
         self.check_task("embed")
         inputs = _input_list(request.input)
-        params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize,
-                               truncate_prompt_tokens=request.truncate_prompt_tokens)
+        params = PoolingParams(
+            dimensions=request.dimensions,
+            normalize=request.normalize,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+        )
         try:
             self.engine.engine.check_params(params)
         except ValueError as exc:
@@ -33,11 +37,21 @@ class OpenAIServingEmbedding(OpenAIServing):
                 raise APIError(str(exc), param="input") from exc
         request_id = new_id("embd")
         outputs = await self._collect(self.start(request_id, processed))
-        data = [{"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, request.encoding_format)}
-                for i, o in enumerate(outputs)]
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, request.encoding_format)}
+            for i, o in enumerate(outputs)
+        ]
         tokens = sum(len(p.prompt_token_ids) for p in processed)
-        return JSONResponse({"id": request_id, "object": "list", "created": self.created(), "model": self.model_name,
-                             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "list",
+                "created": self.created(),
+                "model": self.model_name,
+                "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
 
     async def _collect(self, streams) -> list[EmbeddingRequestOutput]:
         results: dict[int, EmbeddingRequestOutput] = {}

@@ -5,6 +5,7 @@ that holds and applies its weights (None: unquantized). GGUF files carry their t
 (quantization/gguf.py); the kernels and the block layouts are in quantization/formats.py and
 kernels/quant_linear.cpp.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -40,9 +41,12 @@ class PackedQuantMethod(LinearMethodBase):
         for i, (packed, _, _) in enumerate(segments):
             layer.register_buffer(f"packed_{i}", packed, persistent=False)
         layer.formats = labels
-        layer._op = cpu_ops().QuantLinear([(packed, fmt.format_id, rows) for packed, fmt, rows in segments],
-                                          layer.in_features, layer._parameters["bias"],
-                                          isinstance(layer, SiluAndMulLinear))
+        layer._op = cpu_ops().QuantLinear(
+            [(packed, fmt.format_id, rows) for packed, fmt, rows in segments],
+            layer.in_features,
+            layer._parameters["bias"],
+            isinstance(layer, SiluAndMulLinear),
+        )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.reduce_results and x.dtype == torch.bfloat16 and layer._parameters["bias"] is None:

@@ -32,6 +32,7 @@ The file's bytes are kept (the same bits a weight, to within 0.125), never expan
 Activations are quantized to int8 with a float scale per record's values (`quantize_activations`):
 per 32 for the types of 32, per 256 for the K types, as llama.cpp quantizes them (its Q8_0 and Q8_K).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -86,21 +87,25 @@ class Format:
         return -(-rows // GROUP) * (cols // self.record_values) * self.record_bytes
 
 
-FORMATS = {f.name: f for f in (
-    Format("Q4_0", 0, 4, 32, 18, offset=8),
-    Format("Q4_1", 1, 4, 32, 20, has_min=True),
-    Format("Q5_0", 2, 5, 32, 22, offset=16),
-    Format("Q5_1", 3, 5, 32, 24, has_min=True),
-    Format("Q8_0", 4, 8, 32, 34, offset=128),
-    Format("Q4_K", 5, 4, 256, 144, k_quant=True),
-    Format("Q5_K", 6, 5, 256, 176, k_quant=True),
-    Format("Q6_K", 7, 6, 256, 210, offset=32, k_quant=True),
-)}
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("Q4_0", 0, 4, 32, 18, offset=8),
+        Format("Q4_1", 1, 4, 32, 20, has_min=True),
+        Format("Q5_0", 2, 5, 32, 22, offset=16),
+        Format("Q5_1", 3, 5, 32, 24, has_min=True),
+        Format("Q8_0", 4, 8, 32, 34, offset=128),
+        Format("Q4_K", 5, 4, 256, 144, k_quant=True),
+        Format("Q5_K", 6, 5, 256, 176, k_quant=True),
+        Format("Q6_K", 7, 6, 256, 210, offset=32, k_quant=True),
+    )
+}
 
 
 @dataclass
 class Fields:
     """A matrix's weights as codes and scales (see the module's table); numpy arrays, rows first."""
+
     format: Format
     codes: np.ndarray  # uint8 [rows, cols]
     scale: np.ndarray  # float16: d per block (types of 32) or per 256 (K types)
@@ -122,7 +127,7 @@ def decode(raw: np.ndarray, fmt: Format) -> Fields:
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -146,12 +151,12 @@ def _decode_legacy(blocks: np.ndarray, fmt: Format) -> Fields:
     if fmt.has_min:
         minimum, at = _f16(blocks, 2), 4
     if fmt.bits == 8:
-        codes = (blocks[..., at:at + 32].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        codes = (blocks[..., at : at + 32].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return Fields(fmt, _flat(codes), scale, minimum)
     high = None
     if fmt.bits == 5:
-        high, at = _high_bits(blocks[..., at:at + 4], 32), at + 4
-    codes = _nibbles(blocks[..., at:at + 16])
+        high, at = _high_bits(blocks[..., at : at + 4], 32), at + 4
+    codes = _nibbles(blocks[..., at : at + 16])
     if high is not None:
         codes = codes | (high << 4)
     return Fields(fmt, _flat(codes), scale, minimum)
@@ -175,7 +180,7 @@ def _decode_q45k(blocks: np.ndarray, fmt: Format) -> Fields:
         # qh[l] bit c: the high bit of sub-block c's value l
         high, at = _high_bits(blocks[..., 16:48, None], 8), 48  # [rows, nb, 32 l, 8 c]
         high = high.transpose(0, 1, 3, 2)  # [rows, nb, 8 c, 32 l]
-    qs = blocks[..., at:at + 128].reshape(rows, nb, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    qs = blocks[..., at : at + 128].reshape(rows, nb, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
     codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, nb, 8, 32)
     if high is not None:
         codes = codes | (high << 4)
@@ -195,8 +200,16 @@ def _decode_q6k(blocks: np.ndarray, fmt: Format) -> Fields:
     return Fields(fmt, _flat(codes), _f16(blocks, 208), None, np.ascontiguousarray(sub_scale))
 
 
-_DECODERS = {"Q4_0": _decode_legacy, "Q4_1": _decode_legacy, "Q5_0": _decode_legacy, "Q5_1": _decode_legacy,
-             "Q8_0": _decode_legacy, "Q4_K": _decode_q45k, "Q5_K": _decode_q45k, "Q6_K": _decode_q6k}
+_DECODERS = {
+    "Q4_0": _decode_legacy,
+    "Q4_1": _decode_legacy,
+    "Q5_0": _decode_legacy,
+    "Q5_1": _decode_legacy,
+    "Q8_0": _decode_legacy,
+    "Q4_K": _decode_q45k,
+    "Q5_K": _decode_q45k,
+    "Q6_K": _decode_q6k,
+}
 
 
 def dequantize(fields: Fields) -> torch.Tensor:
@@ -301,7 +314,9 @@ def quantize_int8_rows(w: torch.Tensor, row_max: torch.Tensor | None = None) -> 
     inverse = torch.where(d > 0, 1 / d.float(), torch.zeros(()))
     q = torch.round(w * inverse[:, None]).clamp(-127, 127)
     blocks = w.shape[1] // BLOCK
-    return Fields(FORMATS["Q8_0"], (q + 128).to(torch.uint8).numpy(), d[:, None].expand(-1, blocks).contiguous().numpy())
+    return Fields(
+        FORMATS["Q8_0"], (q + 128).to(torch.uint8).numpy(), d[:, None].expand(-1, blocks).contiguous().numpy()
+    )
 
 
 def quantize_int4_groups(w: torch.Tensor, group: int) -> Fields:
@@ -318,8 +333,12 @@ def quantize_int4_groups(w: torch.Tensor, group: int) -> Fields:
     inverse = torch.where(d > 0, 1 / d.float(), torch.zeros(()))
     u = torch.round((groups - m.float()[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.uint8)
     per_block = group // BLOCK
-    return Fields(FORMATS["Q4_1"], u.reshape(rows, cols).numpy(),
-                  d.repeat_interleave(per_block, dim=1).numpy(), m.repeat_interleave(per_block, dim=1).numpy())
+    return Fields(
+        FORMATS["Q4_1"],
+        u.reshape(rows, cols).numpy(),
+        d.repeat_interleave(per_block, dim=1).numpy(),
+        m.repeat_interleave(per_block, dim=1).numpy(),
+    )
 
 
 # -- activations ------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ segment per run of shards of one type. The token embedding stays quantized too
 (QuantizedEmbedding: rows dequantized as they are looked up), and a tied output head computes on
 the same packed table (TiedHead).
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,6 +29,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 @dataclass
 class GGUFTensor:
     """A tensor as the file stores it: raw blocks of its type, a row of bytes per output row."""
+
     type_name: str
     raw: torch.Tensor  # uint8 [rows, bytes a row]
     cols: int
@@ -44,8 +46,10 @@ class GGUFConfig(QuantizationConfig):
         self.tensor_types = tensor_types
         for name, type_name in tensor_types.items():
             if type_name not in FORMATS and type_name not in FLOAT_TYPES:
-                raise ValueError(f"GGUF tensor {name} is of type {type_name}, which pagedllm cannot compute on; "
-                                 f"supported: {', '.join([*FLOAT_TYPES, *FORMATS])}")
+                raise ValueError(
+                    f"GGUF tensor {name} is of type {type_name}, which pagedllm cannot compute on; "
+                    f"supported: {', '.join([*FLOAT_TYPES, *FORMATS])}"
+                )
 
     def _types(self, names: list[str]) -> list[str]:
         return [self.tensor_types.get(f"{name}.weight", "F32") for name in names]
@@ -56,8 +60,10 @@ class GGUFConfig(QuantizationConfig):
         if not any(quantized):
             return None
         if not all(quantized):
-            raise ValueError(f"GGUF tensors {', '.join(f'{n} ({t})' for n, t in zip(names, types))} form one layer "
-                             "but mix quantized and float types, which pagedllm does not combine")
+            raise ValueError(
+                f"GGUF tensors {', '.join(f'{n} ({t})' for n, t in zip(names, types))} form one layer "
+                "but mix quantized and float types, which pagedllm does not combine"
+            )
         return GGUFLinearMethod()
 
     def quantized_embedding(self, name: str) -> bool:
@@ -82,9 +88,11 @@ def columns_in_blocks(tensor: GGUFTensor, start: int, count: int) -> GGUFTensor:
     """Input columns start .. start + count of every row, which must fall on the type's blocks."""
     fmt = FORMATS[tensor.type_name]
     if start % fmt.block_values or count % fmt.block_values:
-        raise ValueError(f"this rank's input columns {start}..{start + count} do not fall on whole {fmt.name} blocks "
-                         f"of {fmt.block_values} values: choose a --tensor-parallel-size whose shares do, or "
-                         "--quantization none")
+        raise ValueError(
+            f"this rank's input columns {start}..{start + count} do not fall on whole {fmt.name} blocks "
+            f"of {fmt.block_values} values: choose a --tensor-parallel-size whose shares do, or "
+            "--quantization none"
+        )
     first, nbytes = start // fmt.block_values * fmt.block_bytes, count // fmt.block_values * fmt.block_bytes
     return GGUFTensor(tensor.type_name, tensor.raw.narrow(1, first, nbytes).contiguous(), count)
 

@@ -9,6 +9,7 @@ The checkpoint loads into plain weights as usual; once loaded, each layer is qua
 for the same kernels as GGUF's (int8 as Q8_0 records, int4 as Q4_1 records), and the float copy is
 freed. The embedding and the output head stay unquantized, as vLLM keeps them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,8 +45,11 @@ class OnlineQuantLinearMethod(PackedQuantMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         weight = layer.weight.detach()
         group = SCHEMES[self.scheme]
-        fields = (quantize_int8_rows(weight, layer.__dict__.pop("_row_max", None)) if group is None
-                  else quantize_int4_groups(weight, group))
+        fields = (
+            quantize_int8_rows(weight, layer.__dict__.pop("_row_max", None))
+            if group is None
+            else quantize_int4_groups(weight, group)
+        )
         del layer.weight
         self.install(layer, [(pack(fields), fields.format, layer.out_features)], (self.scheme,))
 

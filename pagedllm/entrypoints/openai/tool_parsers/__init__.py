@@ -1,9 +1,15 @@
 """Tool-call parsers: a chat model's generated text into OpenAI tool calls, chosen by name as
 vLLM's `--tool-call-parser NAME` chooses them."""
+
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.base import (ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream,
-                                                           ToolParser)
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ParsedOutput,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+)
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 
@@ -22,5 +28,14 @@ def get_tool_parser(name: str) -> ToolParser:
         raise ValueError(f"unknown tool call parser {name!r}; known parsers: {known}") from None
 
 
-__all__ = ["TOOL_PARSERS", "get_tool_parser", "ToolParser", "ToolCallStream", "ToolCall", "ToolCallDelta",
-           "ParsedOutput", "HermesToolParser", "Llama3JsonToolParser"]
+__all__ = [
+    "TOOL_PARSERS",
+    "get_tool_parser",
+    "ToolParser",
+    "ToolCallStream",
+    "ToolCall",
+    "ToolCallDelta",
+    "ParsedOutput",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+]

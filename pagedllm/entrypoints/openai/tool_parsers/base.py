@@ -6,6 +6,7 @@ then stripped (`str.strip()`), None when that leaves nothing. A stream applies t
 deltas: it drops leading whitespace and holds trailing whitespace back until more text follows (or
 drops it at `finish()`), so the content it returns joins to exactly `parse(text).content or ""`.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,10 @@ class ToolCallStream:
         # OpenAI's shape anyway (id and name first, arguments after) so clients need no special case.
         index = len(self._calls)
         self._calls.append(call)
-        return [ToolCallDelta(index=index, id=call.id, name=call.name, arguments=""),
-                ToolCallDelta(index=index, arguments=call.arguments)]
+        return [
+            ToolCallDelta(index=index, id=call.id, name=call.name, arguments=""),
+            ToolCallDelta(index=index, arguments=call.arguments),
+        ]
 
 
 class ToolParser:
@@ -148,7 +151,7 @@ class StripFilter:
             self._started = bool(text)
         text = self._held + text
         out = text.rstrip(self._chars)
-        self._held = text[len(out):]
+        self._held = text[len(out) :]
         return out
 
     def finish(self) -> str:

@@ -6,12 +6,20 @@ parse; these read it back as calls, in full and streaming.
 - "required": the output is a JSON array of {"name", "parameters"} objects, one per call (at least
   one; exactly one when parallel_tool_calls is false), each under its tool's schema.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.entrypoints.openai.tool_parsers.base import (ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream,
-                                                           ToolParser, call_from_object, loads_json)
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ParsedOutput,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    call_from_object,
+    loads_json,
+)
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # OpenAI: a function defined without `parameters` takes none, so its arguments are `{}`.
@@ -27,10 +35,18 @@ def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
     """The JSON schema of "required" tool calls over `tools` (OpenAI's function definitions)."""
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [tool["name"]]},
-                             "parameters": parameters_schema(tool.get("parameters"))},
-              "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool["name"]]},
+                "parameters": parameters_schema(tool.get("parameters")),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
@@ -39,6 +55,7 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
 
 class NamedFunctionOutput(ToolParser):
     """The output is the named function's arguments."""
+
     name = "named_function"
 
     def __init__(self, function: str) -> None:
@@ -77,6 +94,7 @@ class _NamedStream(ToolCallStream):
 
 class RequiredFunctionsOutput(ToolParser):
     """The output is a JSON array of calls."""
+
     name = "required_functions"
 
     def parse(self, text: str) -> ParsedOutput:
@@ -114,7 +132,7 @@ class _RequiredStream(ToolCallStream):
         for i in range(self._scanned, len(self._text)):
             end = self._scan(self._text[i], i)
             if end is not None and not self._failed:
-                call = _element_call(self._text[self._element_start:end])
+                call = _element_call(self._text[self._element_start : end])
                 self._failed = call is None
                 deltas += self._emit(call) if call is not None else []
         self._scanned = len(self._text)

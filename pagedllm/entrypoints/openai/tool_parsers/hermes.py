@@ -9,11 +9,20 @@ not a call (malformed, no name, arguments not an object), the whole span, tags i
 content; a `<tool_call>` that never closes is content to the end of the text. `content` is the text
 outside the calls, joined and stripped (see base.py).
 """
+
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.base import (ParsedOutput, StripFilter, ToolCall, ToolCallDelta,
-                                                           ToolCallStream, ToolParser, call_from_object, loads_json,
-                                                           partial_tag_len)
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ParsedOutput,
+    StripFilter,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    call_from_object,
+    loads_json,
+    partial_tag_len,
+)
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -40,9 +49,9 @@ class HermesToolParser(ToolParser):
             if end < 0:  # no more calls, or one that never closes: the rest is content
                 content.append(text[pos:])
                 break
-            call = _call_from_body(text[start + len(OPEN):end])
+            call = _call_from_body(text[start + len(OPEN) : end])
             if call is None:
-                content.append(text[pos:end + len(CLOSE)])
+                content.append(text[pos : end + len(CLOSE)])
             else:
                 content.append(text[pos:start])
                 calls.append(call)
@@ -75,7 +84,7 @@ class HermesToolCallStream(ToolCallStream):
                     self._buf = self._buf[send:]
                     break
                 content.append(self._buf[:start])
-                self._buf = self._buf[start + len(OPEN):]
+                self._buf = self._buf[start + len(OPEN) :]
                 self._in_call, self._searched = True, 0
             else:
                 end = self._buf.find(CLOSE, self._searched)
@@ -85,10 +94,10 @@ class HermesToolCallStream(ToolCallStream):
                     break
                 call = _call_from_body(self._buf[:end])
                 if call is None:
-                    content.append(OPEN + self._buf[:end + len(CLOSE)])
+                    content.append(OPEN + self._buf[: end + len(CLOSE)])
                 else:
                     deltas.extend(self._emit(call))
-                self._buf = self._buf[end + len(CLOSE):]
+                self._buf = self._buf[end + len(CLOSE) :]
                 self._in_call = False
         return self._content.feed("".join(content)), deltas
 

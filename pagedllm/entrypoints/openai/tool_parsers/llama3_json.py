@@ -12,11 +12,19 @@ cannot be (a first character other than `{` or the tag, an object that is not a 
 an object other than `;`). Calls are only sent at `finish()`: until the end, more text could still
 make the whole output content (Llama ends its turn right after the calls, so that costs nothing).
 """
+
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.base import (JSON_DECODER, ParsedOutput, StripFilter, ToolCall,
-                                                           ToolCallDelta, ToolCallStream, ToolParser,
-                                                           call_from_object)
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    JSON_DECODER,
+    ParsedOutput,
+    StripFilter,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    call_from_object,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -33,7 +41,7 @@ def _body(text: str) -> str | None:
     """The text after the optional python tag, or None if the output cannot be calls."""
     head = text.lstrip()
     if head.startswith(PYTHON_TAG):
-        return head[len(PYTHON_TAG):]
+        return head[len(PYTHON_TAG) :]
     return head if head.startswith("{") else None
 
 

@@ -6,6 +6,7 @@ rest are scaled by temperature, cut by top-k, top-p and min-p, and drawn by inve
 cumulative distribution at a uniform number, which seeded rows derive from their seed and the
 token's index.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[RequestState],
-                 token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, requests: list[RequestState], token_bitmask: TokenBitmask | None = None
+    ) -> SamplerOutput:
         """Changes `logits` in place (fresh from the model each step: a copy would cost ~2 ms
         a step at batch 200)."""
         raw_logprobs, logits = _processed_logits(logits, requests, token_bitmask)
@@ -41,8 +43,9 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, gather_logprobs(raw_logprobs, token_list, requests))
 
-    def probabilities(self, logits: torch.Tensor, requests: list[RequestState],
-                      token_bitmask: TokenBitmask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def probabilities(
+        self, logits: torch.Tensor, requests: list[RequestState], token_bitmask: TokenBitmask | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each (random-sampling) row's distribution as its draw would see it, all the processing
         above applied, and the raw logprobs where a request wants logprobs: what rejection
         sampling weighs drafts against. Changes `logits` in place, as __call__."""
@@ -50,8 +53,9 @@ class Sampler:
         return processed_probs(logits, requests), raw_logprobs
 
 
-def _processed_logits(logits: torch.Tensor, requests: list[RequestState],
-                      token_bitmask: TokenBitmask | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _processed_logits(
+    logits: torch.Tensor, requests: list[RequestState], token_bitmask: TokenBitmask | None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The raw logprobs (where wanted), then the logits with the mask, controls and penalties applied."""
     raw_logprobs = _logprobs_wanted(logits, requests)
     logits = apply_token_bitmask(logits, requests, token_bitmask)
@@ -76,14 +80,18 @@ def _logprobs_wanted(logits: torch.Tensor, requests: list[RequestState]) -> torc
     return torch.log_softmax(logits, dim=-1)
 
 
-def apply_token_bitmask(logits: torch.Tensor, requests: list[RequestState],
-                        bitmask: TokenBitmask | None) -> torch.Tensor:
+def apply_token_bitmask(
+    logits: torch.Tensor, requests: list[RequestState], bitmask: TokenBitmask | None
+) -> torch.Tensor:
     """Tokens a request's mask row does not allow get -inf (after logprobs are taken, as in vLLM:
     logprobs describe the model, the mask only what may be sampled)."""
     if bitmask is None:
         return logits
-    rows = [(i, bitmask.rows[r.request_id] + r.spec_position) for i, r in enumerate(requests)
-            if r.request_id in bitmask.rows]
+    rows = [
+        (i, bitmask.rows[r.request_id] + r.spec_position)
+        for i, r in enumerate(requests)
+        if r.request_id in bitmask.rows
+    ]
     if not rows:
         return logits
     words = np.ascontiguousarray(np.asarray(bitmask.words, dtype=np.int32)[[row for _, row in rows]])
@@ -96,7 +104,7 @@ def apply_token_bitmask(logits: torch.Tensor, requests: list[RequestState],
     # Little-endian words: byte t // 8 of a row holds token t at bit t % 8. Row by row in place:
     # gathering the rows and scattering them back took twice the time.
     blocked = np.unpackbits(~words.view(np.uint8), axis=1, bitorder="little").view(bool)
-    blocked = torch.from_numpy(blocked[:, :logits.shape[1]]).to(logits.device)
+    blocked = torch.from_numpy(blocked[:, : logits.shape[1]]).to(logits.device)
     for j, (i, _) in enumerate(rows):
         logits[i].masked_fill_(blocked[j], float("-inf"))
     return logits
@@ -127,8 +135,8 @@ def apply_penalties(logits: torch.Tensor, requests: list[RequestState]) -> torch
         return logits
     vocab = logits.shape[1]
     picked = [requests[i] for i in rows]
-    output_counts = _token_counts([r.all_token_ids[r.num_prompt_tokens:] for r in picked], vocab, logits.device)
-    prompt_seen = _token_counts([r.all_token_ids[:r.num_prompt_tokens] for r in picked], vocab, logits.device) > 0
+    output_counts = _token_counts([r.all_token_ids[r.num_prompt_tokens :] for r in picked], vocab, logits.device)
+    prompt_seen = _token_counts([r.all_token_ids[: r.num_prompt_tokens] for r in picked], vocab, logits.device) > 0
     idx = torch.tensor(rows, device=logits.device)
     sub = logits[idx]
     rep = torch.tensor([r.sampling_params.repetition_penalty for r in picked], device=logits.device)[:, None]
@@ -211,8 +219,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, requests: list[RequestState]) 
     return logits.scatter(1, order, sorted_logits.masked_fill(cut, float("-inf")))
 
 
-def gather_logprobs(raw: torch.Tensor | None, tokens: list[int],
-                    requests: list[RequestState]) -> list[TokenLogprobs | None]:
+def gather_logprobs(
+    raw: torch.Tensor | None, tokens: list[int], requests: list[RequestState]
+) -> list[TokenLogprobs | None]:
     if raw is None:
         return [None] * len(requests)
     return token_logprobs(raw, tokens, [r.sampling_params.logprobs for r in requests])

@@ -8,6 +8,7 @@ if all k are accepted, a token is drawn from p_{k+1}. Every token that comes out
 distributed exactly as the target's own sampling would draw it. Greedy requests never come here:
 their drafts are accepted while they equal the target's argmax.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,8 +24,9 @@ def draw(probs: torch.Tensor, u: float) -> int:
     return min(index, probs.shape[0] - 1)
 
 
-def rejection_sample(target: torch.Tensor, draft: torch.Tensor, draft_tokens: list[int],
-                     uniform: Callable[[int, str], float]) -> list[int]:
+def rejection_sample(
+    target: torch.Tensor, draft: torch.Tensor, draft_tokens: list[int], uniform: Callable[[int, str], float]
+) -> list[int]:
     """target: [k + 1, vocab] probabilities p_1..p_{k+1}; draft: [k, vocab] q_1..q_k; the k draft
     tokens. uniform(j, purpose) is the uniform number for position j ("accept", "residual", or
     "sample" for the bonus token). Returns the accepted drafts, then one token of the target's."""
