@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.messages import SchedulerStats
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 _LATENCY_BUCKETS = (

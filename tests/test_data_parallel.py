@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from conftest import prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache_manager import extend_block_hashes
-from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.messages import SchedulerStats
 from pagedllm.engine.dp_client import AFFINITY_SLACK, PrefixRouter
 from pagedllm.sampling_params import BeamSearchParams
 from server_utils import Server, kill_mid_stream

@@ -63,3 +63,38 @@ def test_tokenizers_that_clean_up_spaces_decode_through_transformers(tokenizer):
             return "cleaned"
 
     assert _decoder(CleaningUp())([5, 6], True) == "cleaned"
+
+
+def test_one_tokenizer_serves_several_threads_at_once(tokenizer):
+    """The engine shares one fast tokenizer between the event loop, the tokenize pool and the
+    engine thread: the calls it makes (encode, decode, the chat template), each in two threads at
+    once, give what each gives alone. (A call with truncation=True is not safe beside them: it
+    sets the Rust tokenizer's truncation while others encode, and some of either come out wrong.
+    The engine makes none; issue 43 gives each thread its own copy.)"""
+    import threading
+
+    text = "héllo wörld, the same words again and again " * 40
+    ids = tokenizer.encode(text)
+    chat = [{"role": "user", "content": text[:300]}]
+    calls = {
+        "encode": lambda: tokenizer.encode(text),
+        "decode": lambda: tokenizer.decode(ids),
+        "chat": lambda: tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+    }
+    alone = {name: call() for name, call in calls.items()}
+    results: list[tuple[str, object]] = []
+
+    def hammer(name: str) -> None:
+        for _ in range(100):
+            try:
+                results.append((name, calls[name]()))
+            except Exception as e:  # noqa: BLE001 - what a thread met is the result
+                results.append((name, e))
+
+    threads = [threading.Thread(target=hammer, args=(name,)) for name in [*calls, *calls]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 600
+    assert all(result == alone[name] for name, result in results), [r for r in results if r[1] != alone[r[0]]][:3]

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import FREED, KVCacheManager, cdiv
+from pagedllm.core.messages import TokenLogprobs
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
 

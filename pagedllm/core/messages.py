@@ -3,6 +3,7 @@ the core can sit behind a queue, in a thread or another process.
 
     EngineCoreRequest  -> EngineCore.add_request
     EngineCore.step()  -> list[EngineCoreOutput]: per request touched by the step, what is new
+    SchedulerStats     -> what the scheduler and KV cache report after a step (metrics, dashboard)
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.core.step import TokenLogprobs
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -47,3 +47,63 @@ class EngineCoreOutput:
     queue_time: float | None = None  # seconds from arrival to first scheduled, once known
     error: str | None = None  # with finish_reason "error": why
     pooled: np.ndarray | None = None  # an embedding request's vector (float32), with its finish
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_cache_usage: float  # share of blocks in use
+    kv_waste: float  # share of allocated slots that hold no token
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found cached
+    spec_num_drafts: int = 0  # steps that verified draft tokens (speculative decoding), a request each
+    spec_num_draft_tokens: int = 0  # draft tokens verified
+    spec_num_accepted_tokens: int = 0  # draft tokens accepted
+    spec_accepted_per_position: tuple[int, ...] = ()  # [j]: drafts whose token j + 1 was accepted
+
+    @staticmethod
+    def merge(replicas: list[SchedulerStats]) -> SchedulerStats:
+        """The stats of several engine replicas (data parallelism) as one engine's: counts summed,
+        shares weighted by the blocks they are shares of."""
+        if len(replicas) == 1:
+            return replicas[0]
+        total = sum(s.kv_blocks_total for s in replicas)
+        used = [s.kv_blocks_total - s.kv_blocks_free for s in replicas]
+        width = max(len(s.spec_accepted_per_position) for s in replicas)
+        summed = {
+            name: sum(getattr(s, name) for s in replicas)
+            for name in (
+                "num_running",
+                "num_waiting",
+                "kv_blocks_total",
+                "kv_blocks_free",
+                "num_preemptions",
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+                "spec_num_drafts",
+                "spec_num_draft_tokens",
+                "spec_num_accepted_tokens",
+            )
+        }
+        return SchedulerStats(
+            **summed,
+            kv_cache_usage=sum(used) / total if total else 0.0,
+            kv_waste=sum(s.kv_waste * u for s, u in zip(replicas, used)) / sum(used) if sum(used) else 0.0,
+            spec_accepted_per_position=tuple(
+                sum(s.spec_accepted_per_position[j] for s in replicas if j < len(s.spec_accepted_per_position))
+                for j in range(width)
+            ),
+        )

@@ -18,64 +18,13 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.messages import SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_cache_usage: float  # share of blocks in use
-    kv_waste: float  # share of allocated slots that hold no token
-    num_preemptions: int
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens found cached
-    spec_num_drafts: int = 0  # steps that verified draft tokens (speculative decoding), a request each
-    spec_num_draft_tokens: int = 0  # draft tokens verified
-    spec_num_accepted_tokens: int = 0  # draft tokens accepted
-    spec_accepted_per_position: tuple[int, ...] = ()  # [j]: drafts whose token j + 1 was accepted
-
-    @staticmethod
-    def merge(replicas: list[SchedulerStats]) -> SchedulerStats:
-        """The stats of several engine replicas (data parallelism) as one engine's: counts summed,
-        shares weighted by the blocks they are shares of."""
-        if len(replicas) == 1:
-            return replicas[0]
-        total = sum(s.kv_blocks_total for s in replicas)
-        used = [s.kv_blocks_total - s.kv_blocks_free for s in replicas]
-        width = max(len(s.spec_accepted_per_position) for s in replicas)
-        summed = {
-            name: sum(getattr(s, name) for s in replicas)
-            for name in (
-                "num_running",
-                "num_waiting",
-                "kv_blocks_total",
-                "kv_blocks_free",
-                "num_preemptions",
-                "prefix_cache_queries",
-                "prefix_cache_hits",
-                "spec_num_drafts",
-                "spec_num_draft_tokens",
-                "spec_num_accepted_tokens",
-            )
-        }
-        return SchedulerStats(
-            **summed,
-            kv_cache_usage=sum(used) / total if total else 0.0,
-            kv_waste=sum(s.kv_waste * u for s, u in zip(replicas, used)) / sum(used) if sum(used) else 0.0,
-            spec_accepted_per_position=tuple(
-                sum(s.spec_accepted_per_position[j] for s in replicas if j < len(s.spec_accepted_per_position))
-                for j in range(width)
-            ),
-        )
 
 
 class Scheduler:

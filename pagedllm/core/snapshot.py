@@ -9,8 +9,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_manager import FREED
+from pagedllm.core.messages import SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.scheduler import Scheduler
 
 # A block's state, one character each in EngineSnapshot.blocks.
 FREE, CACHED, HELD, SHARED = "f", "c", "h", "s"

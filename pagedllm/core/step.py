@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.core.messages import TokenLogprobs
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -96,15 +97,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities at one position: the chosen token first, then the top-k."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
 
 
 @dataclass

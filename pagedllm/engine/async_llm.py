@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.messages import SchedulerStats
 from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
 from pagedllm.metrics import EngineMetrics

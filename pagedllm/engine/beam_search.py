@@ -18,8 +18,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-from pagedllm.core.messages import EngineCoreOutput
-from pagedllm.core.step import TokenLogprobs
+from pagedllm.core.messages import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams

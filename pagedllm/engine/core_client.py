@@ -22,9 +22,9 @@ import torch
 from pagedllm.config import EngineArgs, SchedulerConfig, kv_cache_groups, parse_memory
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import RequestStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.child_process import connect_to_parent, start_child
 from pagedllm.engine.engine_core import EngineCore

@@ -32,9 +32,8 @@ import psutil
 
 from pagedllm.config import EngineArgs, parse_memory
 from pagedllm.core.kv_cache_manager import extend_block_hashes
-from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import RequestStatus
-from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.core_client import EngineCoreProcClient
 from pagedllm.executor.cpu_binding import BIND_ENV, parse_cpu_binding

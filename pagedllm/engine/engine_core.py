@@ -18,9 +18,9 @@ import dataclasses
 import logging
 import time
 
-from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.snapshot import EngineSnapshot, StepLog, take_snapshot
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.faults import FaultInjector

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import RequestStatus
-from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.core_client import EngineCoreProcClient, make_engine_core
 from pagedllm.engine.dp_client import DPEngineCoreClient

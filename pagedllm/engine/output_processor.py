@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.core.messages import EngineCoreOutput
-from pagedllm.core.step import TokenLogprobs
+from pagedllm.core.messages import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams

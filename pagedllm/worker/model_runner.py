@@ -10,7 +10,8 @@ import torch
 
 from pagedllm import heap
 from pagedllm.config import head_dim, kv_cache_groups
-from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pagedllm.core.messages import TokenLogprobs
+from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.distributed.parallel_state import head_share, max_kv_heads_per_rank
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.core.step import TokenBitmask, TokenLogprobs
+from pagedllm.core.messages import TokenLogprobs
+from pagedllm.core.step import TokenBitmask
 from pagedllm.kernels import cpu_ops
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.input_batch import RequestState
