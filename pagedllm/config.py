@@ -1,8 +1,10 @@
-"""Engine configuration: EngineArgs (what a user sets) resolved into the configs each part reads."""
+"""Engine configuration: EngineArgs (what a user sets) resolved into the configs each part reads
+(scheduling, pooling, speculative decoding). Plain data: any layer may import it."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 
@@ -16,6 +18,89 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # --runner, as vLLM spells it: auto, generate (completions and chat), pooling (embeddings)
 RUNNER_CHOICES = ("auto", "generate", "pooling")
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the server's default request body limit
+
+
+POOLING_TYPES = ("MEAN", "CLS", "LAST")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """The model's pooling: `pooling_type` one of POOLING_TYPES, `normalize` its default."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"unknown pooling_type {self.pooling_type!r}; choose from {', '.join(POOLING_TYPES)}")
+
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # one of METHODS
+    num_speculative_tokens: int  # the most drafts a step verifies for a request
+    prompt_lookup_min: int = 2  # ngram
+    prompt_lookup_max: int = 4  # ngram
+    model: str | None = None  # draft_model: a path pagedllm loads (Hugging Face folder or GGUF file)
+    quantization: str | None = None  # draft_model: as --quantization, for the draft (None: auto)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    def describe(self) -> str:
+        """One start-up line's worth: the method, its draft and how many tokens a step may verify."""
+        source = (
+            f"n-gram lookup in the context ({self.prompt_lookup_min}-{self.prompt_lookup_max} tokens)"
+            if self.method == "ngram"
+            else f"draft model {self.model}"
+        )
+        return f"{self.method}, up to {self.num_speculative_tokens} draft tokens a step from {source}"
+
+
+def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
+    """vLLM's speculative_config dict, checked (None: no speculation). Raises ValueError on one it
+    cannot serve, so that a bad flag stops the start, never a step: an unknown method or key,
+    num_speculative_tokens < 1, a draft path that does not exist (the draft's vocabulary is checked
+    against the target's when the engine loads, still before serving)."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config is a dict (JSON object), got {type(config).__name__}")
+    config = dict(config)
+    method = config.pop("method", "draft_model" if "model" in config else None)
+    if method not in METHODS:
+        raise ValueError(f"speculative_config: unknown method {method!r}; supported: {', '.join(METHODS)}")
+    k = config.pop("num_speculative_tokens", None)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+    if method == "ngram":
+        max_n = config.pop("prompt_lookup_max", 4)
+        min_n = config.pop("prompt_lookup_min", min(2, max_n) if isinstance(max_n, int) else 2)
+        _no_more(config)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (min_n, max_n)):
+            raise ValueError("speculative_config: prompt_lookup_min and prompt_lookup_max are integers")
+        if not 1 <= min_n <= max_n:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({min_n}) must be >= 1 and <= prompt_lookup_max ({max_n})"
+            )
+        return SpeculativeConfig(method, k, min_n, max_n)
+    model = config.pop("model", None)
+    quantization = config.pop("quantization", None)
+    _no_more(config)
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative_config: method 'draft_model' needs a 'model' (a path)")
+    if not os.path.exists(os.path.expanduser(model)):
+        raise ValueError(f"speculative_config: the draft model {model!r} does not exist")
+    return SpeculativeConfig(method, k, model=os.path.expanduser(model), quantization=quantization)
+
+
+def _no_more(config: dict) -> None:
+    if config:
+        raise ValueError(f"speculative_config: unknown keys {sorted(config)}")
 
 
 @dataclass
@@ -62,8 +147,6 @@ class EngineArgs:
     data_parallel_size: int = 1  # engine replicas, a process each (engine/dp_client.py)
 
     def __post_init__(self) -> None:
-        from pagedllm.spec_decode import parse_speculative_config
-
         parse_speculative_config(self.speculative_config)  # a bad config stops the start before anything loads
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -221,7 +221,8 @@ def test_decoder_mean_pooling_over_chunks(llama_dir):
 
 def test_pooling_state_takes_a_rerun_chunk_once():
     """A failed step is rerun with the same chunks: positions already folded in are skipped."""
-    from pagedllm.layers.pooler import Pooler, PoolerConfig, PoolingState
+    from pagedllm.config import PoolerConfig
+    from pagedllm.layers.pooler import Pooler, PoolingState
 
     rows = torch.randn(10, 4)
     for kind in ("MEAN", "CLS", "LAST"):

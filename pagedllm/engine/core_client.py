@@ -19,7 +19,14 @@ from multiprocessing.connection import Connection
 import psutil
 import torch
 
-from pagedllm.config import EngineArgs, SchedulerConfig, kv_cache_groups, parse_memory
+from pagedllm.config import (
+    EngineArgs,
+    SchedulerConfig,
+    SpeculativeConfig,
+    kv_cache_groups,
+    parse_memory,
+    parse_speculative_config,
+)
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -36,7 +43,7 @@ from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
 from pagedllm.models.loader import ModelConfig, check_tensor_parallel, load_model_config, load_tokenizer
-from pagedllm.spec_decode import SpeculativeConfig, parse_speculative_config, speculative_proposer
+from pagedllm.spec_decode import speculative_proposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 from pagedllm.worker.draft_runner import check_draft

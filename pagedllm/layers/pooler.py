@@ -10,21 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.config import PoolerConfig
 from pagedllm.pooling_params import PoolingParams
-
-POOLING_TYPES = ("MEAN", "CLS", "LAST")
-
-
-@dataclass(frozen=True)
-class PoolerConfig:
-    """The model's pooling: `pooling_type` one of POOLING_TYPES, `normalize` its default."""
-
-    pooling_type: str = "LAST"
-    normalize: bool = True
-
-    def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"unknown pooling_type {self.pooling_type!r}; choose from {', '.join(POOLING_TYPES)}")
 
 
 @dataclass

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.config import PoolerConfig
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.linear import Linear, QKVLinear, load_weight
-from pagedllm.layers.pooler import PoolerConfig
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import linear_method
 from pagedllm.models.interface import KVCache, Model

@@ -11,8 +11,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from pagedllm.config import PoolerConfig
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.pooler import PoolerConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

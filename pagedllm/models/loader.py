@@ -17,10 +17,9 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedllm import heap
-from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, RUNNER_CHOICES, head_dim
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, RUNNER_CHOICES, PoolerConfig, head_dim
 from pagedllm.distributed.parallel_state import TensorParallel, check_head_split, head_share
 from pagedllm.layers.linear import Linear, process_linear_weights
-from pagedllm.layers.pooler import PoolerConfig
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.formats import BLOCK
 from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
