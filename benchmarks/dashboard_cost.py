@@ -63,7 +63,7 @@ def main() -> None:
     engine = llm.engine
     vocab = min(engine.model_config.vocab_size, len(llm.get_tokenizer()))
     requests = fixed_workload(vocab, count=args.num_prompts, input_len=args.input_len, output_len=args.output_len)
-    core = engine.engine_core
+    core = engine.core
     run(engine, requests[:4], None, [])  # warm-up
     log_step = core._log_step
     steps = core.step_log.count

@@ -104,11 +104,12 @@ def main() -> None:
 
     from pagedllm import LLM
     from pagedllm.executor.cpu_binding import physical_cores
-    from pagedllm.models.loader import load_model_config, load_tokenizer
+    from pagedllm.models.loader import load_model_config
     from pagedllm.models.registry import model_class
+    from pagedllm.tokenizer import load_tokenizer
 
     model_config = load_model_config(args.model, args.dtype, None, "cpu", args.quantization)
-    dtype = model_config.dtype
+    dtype = getattr(torch, model_config.dtype)
     if args.engine == "vllm":
         import vllm
 

@@ -111,7 +111,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     from pagedllm.executor.cpu_binding import physical_cores
-    from pagedllm.models.loader import default_model_path, load_model_config, load_tokenizer
+    from pagedllm.models.loader import default_model_path, load_model_config
+    from pagedllm.tokenizer import load_tokenizer
 
     path = args.gguf or default_model_path()
     tokenizer = load_tokenizer(load_model_config(path, "auto", None, "cpu", "none"))

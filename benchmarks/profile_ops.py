@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedllm import LLM
-    from pagedllm.models.loader import load_tokenizer
+    from pagedllm.tokenizer import load_tokenizer
 
     label_kernels()
     llm = LLM(args.model)

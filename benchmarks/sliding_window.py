@@ -74,7 +74,7 @@ def run(path: str, free_outside_window: bool, prompt_len: int, new_tokens: int) 
     from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 
     llm = LLM(path, max_model_len=prompt_len + new_tokens + 16, kv_cache_memory="2GiB", block_size=16)
-    core = llm.engine.engine_core
+    core = llm.engine.core
     kv = core.scheduler.kv
     for manager in (kv.groups if isinstance(kv, HybridKVCacheManager) else [kv]) if not free_outside_window else ():
         manager.sliding_window = None  # the KV cache manager as it was: every block kept

@@ -73,7 +73,7 @@ def record_steps(engine) -> list[StepRecord]:
     """Wrap the engine's step so that each one's request and wall time are appended to the list
     returned (the work is counted after the run, off the timed path)."""
     steps: list[StepRecord] = []
-    schedule, step = engine.engine_core.scheduler.schedule, engine.step
+    schedule, step = engine.core.scheduler.schedule, engine.step
     block_size = engine.args.block_size
 
     def context_blocks(r) -> list[int]:
@@ -99,7 +99,7 @@ def record_steps(engine) -> list[StepRecord]:
             steps[-1].seconds = time.perf_counter() - start
         return outputs
 
-    engine.engine_core.scheduler.schedule, engine.step = recording_schedule, timed_step
+    engine.core.scheduler.schedule, engine.step = recording_schedule, timed_step
     return steps
 
 
@@ -143,7 +143,7 @@ class Bounds:
             * config.num_hidden_layers
             * config.num_key_value_heads
             * head_dim(config)
-            * engine.model_config.dtype.itemsize
+            * getattr(torch, engine.model_config.dtype).itemsize
         )
         return cls(
             matmul_flops_per_token(model) - head,
@@ -219,7 +219,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedllm import LLM
-    from pagedllm.models.loader import load_tokenizer
+    from pagedllm.tokenizer import load_tokenizer
 
     limits = [measure_limits()]
     llm = LLM(args.model)

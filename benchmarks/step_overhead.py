@@ -41,8 +41,8 @@ def main() -> None:
     engine = LLM(args.model).engine
     runner = engine.model_runner
     totals: dict[str, float] = collections.defaultdict(float)
-    engine.engine_core.scheduler.schedule = timed(totals, "schedule", engine.engine_core.scheduler.schedule)
-    engine.engine_core.scheduler.update = timed(totals, "scheduler update", engine.engine_core.scheduler.update)
+    engine.core.scheduler.schedule = timed(totals, "schedule", engine.core.scheduler.schedule)
+    engine.core.scheduler.update = timed(totals, "scheduler update", engine.core.scheduler.update)
     engine.output_processor.process = timed(totals, "outputs (detokenize, stops)", engine.output_processor.process)
     batch = runner.input_batch
     batch.update = timed(totals, "batch state (the step's deltas)", batch.update)

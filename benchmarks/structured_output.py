@@ -105,7 +105,7 @@ def main() -> None:
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(args.model or default_model(), max_model_len=1024, kv_cache_memory="512MiB")
-    manager = llm.engine.engine_core.structured_output
+    manager = llm.engine.core.structured_output
     tokenizer = llm.get_tokenizer()
     prompts = [
         tokenizer.apply_chat_template(

@@ -58,7 +58,7 @@ def main() -> None:
         1: LLM(args.model, **common),
         args.tp: LLM(args.model, tensor_parallel_size=args.tp, distributed_executor_backend=args.backend, **common),
     }
-    executor = engines[args.tp].engine._core_in_process().executor
+    executor = engines[args.tp].engine.core.executor
     vocab = engines[1].engine.model_config.vocab_size
     rng = random.Random(0)
     workloads = {

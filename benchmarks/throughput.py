@@ -121,11 +121,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedllm import LLM
-    from pagedllm.models.loader import load_model_config, load_tokenizer
+    from pagedllm.models.loader import load_model_config
     from pagedllm.models.registry import model_class
+    from pagedllm.tokenizer import load_tokenizer
 
     model_config = load_model_config(args.model, args.dtype, None, "cpu")
-    dtype = model_config.dtype
+    dtype = getattr(torch, model_config.dtype)
     gflops = measure_matmul_gflops(dtype)  # before any engine holds threads or memory
     vocab = min(model_config.vocab_size, len(load_tokenizer(model_config)))
     if args.engine == "vllm":

@@ -6,15 +6,18 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # --quantization: a GGUF file's own types (auto, gguf), dequantized (none), or a Hugging Face
 # checkpoint quantized as it loads (models/loader.py's resolve_quantization)
 QUANTIZATION_CHOICES = ("auto", "gguf", "none", "int8", "int4", "int4_g32")
-# --kv-cache-dtype, as vLLM spells it: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2
-KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --kv-cache-dtype, as vLLM spells it: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2; each
+# choice's torch dtype by name (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPE_CHOICES = tuple(KV_CACHE_DTYPES)
 # --runner, as vLLM spells it: auto, generate (completions and chat), pooling (embeddings)
 RUNNER_CHOICES = ("auto", "generate", "pooling")
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the server's default request body limit
@@ -33,6 +36,53 @@ class PoolerConfig:
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"unknown pooling_type {self.pooling_type!r}; choose from {', '.join(POOLING_TYPES)}")
+
+
+# The dtypes a model computes in and its KV cache holds, by their torch attribute names (the
+# config stays plain data: workers turn a name into the torch dtype, getattr(torch, name)).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """A model as the engine serves it, resolved from EngineArgs and its files (models/loader.py)."""
+
+    path: str
+    hf_config: Any  # the model's transformers config (read from config.json or the GGUF header)
+    dtype: str  # one of DTYPES
+    max_model_len: int
+    is_gguf: bool
+    eos_token_ids: frozenset[int]
+    generation_defaults: dict = field(default_factory=dict)
+    # "gguf": a GGUF file's quantized tensors stay quantized; None: weights in `dtype` (GGUF
+    # dequantized at load), as the loader's resolve_quantization decides.
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None  # a value of KV_CACHE_DTYPES; None: `dtype`
+    # What requests the engine serves: "generate" (completions, chat) and/or "embed" (resolve_tasks).
+    supported_tasks: tuple[str, ...] = ("generate",)
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    is_causal: bool = True  # False: an encoder (no KV cache, prompts computed whole)
+
+    @property
+    def cache_dtype(self) -> str:
+        """What the KV cache holds: the model's dtype, or an fp8 type (--kv-cache-dtype)."""
+        return self.kv_cache_dtype or self.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        """The embedding sizes the model was trained to be cut to (`dimensions`): a config's
+        matryoshka_dimensions, or every size up to its hidden size where it says is_matryoshka;
+        None where it may not be cut."""
+        dims = getattr(self.hf_config, "matryoshka_dimensions", None)
+        if dims:
+            return sorted(int(d) for d in dims)
+        if getattr(self.hf_config, "is_matryoshka", False):
+            return list(range(1, self.hf_config.hidden_size + 1))
+        return None
 
 
 METHODS = ("ngram", "draft_model")
@@ -135,7 +185,7 @@ class EngineArgs:
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the elementwise torch paths (layers/compile.py)
-    engine_core_process: bool = False  # the engine core in a process of its own (engine/core_client.py)
+    engine_core_process: bool = False  # the engine core in a process of its own (engine/core_proc.py)
     quantization: str | None = None  # one of QUANTIZATION_CHOICES; None: auto
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPE_CHOICES
     runner: str = "auto"  # one of RUNNER_CHOICES: which requests the engine serves (models/loader.py)

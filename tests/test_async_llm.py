@@ -77,7 +77,14 @@ def test_dead_engine_fails_requests_and_health(engine):
     assert completion.status_code == 503 and completion.json()["error"]["type"] == "service_unavailable"
 
 
-def test_chat_without_template_is_a_clear_400_and_prefix_hits_reach_metrics(engine):
+def test_chat_without_template_is_a_clear_400_and_prefix_hits_reach_metrics(llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path)
+    engine = AsyncLLM(EngineArgs(llama_dir, tokenizer=str(tmp_path), dtype="float32", kv_cache_memory="16MiB"))
+
     async def main():
         transport = httpx.ASGITransport(app=build_app(engine, "tiny"))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -86,13 +93,15 @@ def test_chat_without_template_is_a_clear_400_and_prefix_hits_reach_metrics(engi
                 ok = await client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 2})
                 assert ok.status_code == 200
             metrics = (await client.get("/metrics")).text
-            engine.tokenizer.chat_template = None
             chat = await client.post(
                 "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
             )
         return metrics, chat
 
-    metrics, chat = asyncio.run(main())
+    try:
+        metrics, chat = asyncio.run(main())
+    finally:
+        engine.shutdown()
     hits = [line for line in metrics.splitlines() if line.startswith("pagedllm:prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) > 0
     assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]

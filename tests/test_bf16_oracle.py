@@ -286,7 +286,7 @@ def test_default_model_bf16_matches_transformers_bf16(default_hf_model):
     same file; its bf16 load equals its fp32 load rounded to bf16, which is how the references are
     built (one load, not three)."""
     llm = LLM(kv_cache_memory="256MiB", max_model_len=2048, quantization="none")
-    if llm.engine.model_config.dtype != torch.bfloat16:
+    if llm.engine.model_config.dtype != "bfloat16":
         pytest.skip("dtype auto is fp32 on this CPU: test_model_correctness holds that path")
     hf32 = default_hf_model
     tokenizer = llm.get_tokenizer()

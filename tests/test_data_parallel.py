@@ -73,8 +73,8 @@ def test_merged_stats_add_counts_and_weigh_shares():
     assert merged.spec_accepted_per_position == (5, 2)
 
 
-def _replica_processes(llm: LLM) -> list[psutil.Popen]:
-    return [replica._process for replica in llm.engine.engine_core.replicas]
+def _replica_processes(llm: LLM) -> list[psutil.Process]:
+    return [psutil.Process(replica.pid) for replica in llm.engine.engine_core.replicas]
 
 
 def test_two_replicas_give_one_engine_greedy_tokens_samples_and_beams(llama_dir):
@@ -113,7 +113,7 @@ def test_two_replicas_give_one_engine_greedy_tokens_samples_and_beams(llama_dir)
         time.sleep(0.05)
         llm.engine.refresh_stats()
     llm.engine.shutdown()
-    assert all(p.poll() is not None for p in processes)
+    assert not any(p.is_running() for p in processes)
 
 
 def test_more_ranks_than_cores_fail_at_start_up(llama_dir):
@@ -131,9 +131,7 @@ def _metric(text: str, name: str, engine: str) -> float:
 
 def _replicas_of(pid: int) -> list[psutil.Process]:
     return [
-        p
-        for p in psutil.Process(pid).children(recursive=True)
-        if "pagedllm.engine.core_client" in " ".join(p.cmdline())
+        p for p in psutil.Process(pid).children(recursive=True) if "pagedllm.engine.core_proc" in " ".join(p.cmdline())
     ]
 
 

@@ -70,7 +70,7 @@ def test_one_tokenizer_serves_several_threads_at_once(tokenizer):
     engine thread: the calls it makes (encode, decode, the chat template), each in two threads at
     once, give what each gives alone. (A call with truncation=True is not safe beside them: it
     sets the Rust tokenizer's truncation while others encode, and some of either come out wrong.
-    The engine makes none; issue 43 gives each thread its own copy.)"""
+    The engine makes none, and each of its threads has its own copy: the next test.)"""
     import threading
 
     text = "héllo wörld, the same words again and again " * 40
@@ -98,3 +98,54 @@ def test_one_tokenizer_serves_several_threads_at_once(tokenizer):
         t.join()
     assert len(results) == 600
     assert all(result == alone[name] for name, result in results), [r for r in results if r[1] != alone[r[0]]][:3]
+
+
+def _hammer(calls: dict, rounds: int) -> list[tuple[str, object]]:
+    """Each call in a thread of its own, `rounds` times, all at once: what each call gave."""
+    import threading
+
+    results: list[tuple[str, object]] = []
+    start = threading.Barrier(len(calls))
+
+    def hammer(name: str) -> None:
+        start.wait()
+        for _ in range(rounds):
+            try:
+                results.append((name, calls[name]()))
+            except Exception as e:  # noqa: BLE001 - what a thread met is the result
+                results.append((name, e))
+
+    threads = [threading.Thread(target=hammer, args=(name,)) for name in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_each_thread_gets_its_own_tokenizer_copy(tokenizer):
+    """PerThreadTokenizer: even a call that changes the tokenizer's settings (truncation) beside
+    plain encodes in other threads leaves every result what it is alone. (On one shared tokenizer
+    this mix comes out wrong or raises "Already borrowed".)"""
+    from pagedllm.tokenizer import PerThreadTokenizer
+
+    per_thread = PerThreadTokenizer(tokenizer)
+    text = "héllo wörld, the same words again and again " * 40
+    calls = {
+        "encode": lambda: per_thread.get().encode(text),
+        "encode2": lambda: per_thread.get().encode(text),
+        "truncated": lambda: per_thread.get().encode(text, truncation=True, max_length=16),
+        "decode": lambda: per_thread.get().decode(tokenizer.encode(text)[:50]),
+    }
+    alone = {name: call() for name, call in calls.items()}
+    results = _hammer(calls, 150)
+    assert len(results) == 600
+    assert all(result == alone[name] for name, result in results), [r for r in results if r[1] != alone[r[0]]][:3]
+    # The same copy for a thread's every call; another thread's is another object.
+    import threading
+
+    mine, theirs = per_thread.get(), []
+    thread = threading.Thread(target=lambda: theirs.append(per_thread.get()))
+    thread.start()
+    thread.join()
+    assert per_thread.get() is mine and theirs[0] is not mine and mine is not tokenizer

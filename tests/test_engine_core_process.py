@@ -4,6 +4,8 @@ frontend's thread, its failures reach the frontend, and the server runs on it.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import httpx
 import pytest
@@ -77,9 +79,9 @@ def test_a_failing_request_ends_alone(engines):
 
 def test_a_core_process_that_dies_is_an_error_not_a_hang(llama_dir):
     llm = LLM(llama_dir, engine_core_process=True, **ENGINE)
-    llm.engine.engine_core._process.kill()
-    llm.engine.add_request(None, PROMPTS[0], SamplingParams(max_tokens=4))
-    with pytest.raises(EngineCoreDeadError, match="exited"):
+    os.kill(llm.engine.engine_core.pid, signal.SIGKILL)
+    with pytest.raises(EngineCoreDeadError, match="exited"):  # as the request is sent, or at the step
+        llm.engine.add_request(None, PROMPTS[0], SamplingParams(max_tokens=4))
         llm.engine.step()
 
 

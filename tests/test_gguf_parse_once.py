@@ -12,7 +12,8 @@ from gguf_writer import write_gguf
 from pagedllm.config import head_dim
 from pagedllm.models import gguf as gguf_file
 from pagedllm.models.decoder import DecoderConfig
-from pagedllm.models.loader import default_model_path, load_model_config, load_tokenizer
+from pagedllm.models.loader import default_model_path, load_model_config
+from pagedllm.tokenizer import load_tokenizer
 
 # What the model and the engine read off the config.
 CONFIG_ATTRS = (

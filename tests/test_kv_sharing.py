@@ -143,7 +143,7 @@ def test_beam_search_matches_transformers(llama_dir, beam_width, length_penalty)
         torch.testing.assert_close(torch.tensor(scores), expected.sequences_scores.float(), atol=1e-4, rtol=1e-4)
         assert all(s.cum_logprob / 6**length_penalty == pytest.approx(s.score) for s in output.sequences)
     stats = llm.engine.stats()
-    assert stats.kv_blocks_free == stats.kv_blocks_total and not llm.engine.engine_core.scheduler.held
+    assert stats.kv_blocks_free == stats.kv_blocks_total and not llm.engine.core.scheduler.held
 
 
 def test_cache_salt_keeps_prefixes_apart(llama_dir):

@@ -35,7 +35,7 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 10) -> list[li
 
 
 def _executor(llm: LLM) -> ray_executor.RayExecutor:
-    return llm.engine._core_in_process().executor
+    return llm.engine.core.executor
 
 
 @pytest.mark.parametrize("shared_memory", [True, False])

@@ -31,7 +31,7 @@ def gemma3(tmp_path_factory, tokenizer_dir) -> str:
 
 
 def managers(llm: LLM) -> list:
-    kv = llm.engine.engine_core.scheduler.kv
+    kv = llm.engine.core.scheduler.kv
     return kv.groups if isinstance(kv, HybridKVCacheManager) else [kv]
 
 
@@ -44,7 +44,7 @@ def test_long_requests_hold_a_window_of_blocks_and_match_transformers(mistral):
     from transformers import AutoModelForCausalLM
 
     llm = LLM(mistral, **ARGS)
-    core = llm.engine.engine_core
+    core = llm.engine.core
     assert core.scheduler.kv.sliding_window == WINDOW
     held: list[int] = []
     step = core.step
@@ -87,9 +87,9 @@ def test_gemma3_groups_hold_their_own_blocks(gemma3):
     """Gemma 3's layers in groups with their own tables (here 3 sliding groups of one layer and one
     full group): at 100 tokens each sliding group holds a window's blocks, the full group all 25."""
     llm = LLM(gemma3, **ARGS)
-    kv = llm.engine.engine_core.scheduler.kv
+    kv = llm.engine.core.scheduler.kv
     assert isinstance(kv, HybridKVCacheManager) and [g.sliding_window for g in kv.groups] == [WINDOW] * 3 + [None]
-    core, held = llm.engine.engine_core, []
+    core, held = llm.engine.core, []
     step = core.step
     core.step = lambda: (
         step()

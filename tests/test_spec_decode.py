@@ -70,7 +70,7 @@ def engines(llama_dir):
 def fixed_drafts(llm):
     """Every request drafts up to k tokens every step: on a tiny model, whose steps are mostly
     per-row Python, the adaptive controller would rightly propose few."""
-    llm.engine.engine_core.controller = None
+    llm.engine.core.controller = None
     return llm
 
 
@@ -140,7 +140,7 @@ def compare_with_scripted_drafts(plain, spec, prompts: list[list[int]], params: 
         stops = [o.outputs[0].token_ids[7] for o in theirs]
         params = {**params, "stop_token_ids": stops}
         theirs = plain.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
-    core = spec.engine.engine_core
+    core = spec.engine.core
     ngram, core.proposer = (
         core.proposer,
         ScriptedProposer([p + o.token_ids for p, r in zip(prompts, theirs) for o in r.outputs]),
@@ -182,7 +182,7 @@ def test_constrained_requests_take_drafts_their_grammar_allows(engines, sampling
     )
     prompts = [list(range(9 + i, 30 + i)) for i in range(3)]
     theirs = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    core = spec.engine.engine_core
+    core = spec.engine.core
     scripted = ScriptedProposer([p + r.outputs[0].token_ids for p, r in zip(prompts, theirs)])
     ngram, core.proposer = core.proposer, scripted
     before = spec.engine.stats()

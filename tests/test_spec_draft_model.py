@@ -33,7 +33,7 @@ def draft_dir(llama_dir, tmp_path_factory) -> str:
 
 def fixed_drafts(llm):
     """Every request drafts k tokens (the adaptive controller would propose few on a tiny model)."""
-    llm.engine.engine_core.controller = None
+    llm.engine.core.controller = None
     return llm
 
 

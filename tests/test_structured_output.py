@@ -137,7 +137,7 @@ def test_grammars_compile_off_the_loop_once_per_text(llm):
     """A grammar that takes long to compile holds back only its own request; the same text again
     compiles no more."""
     engine = llm.engine
-    manager = engine.engine_core.structured_output
+    manager = engine.core.structured_output
     release = threading.Event()
     compile_ = manager.backend.compile
 
@@ -169,7 +169,7 @@ def test_grammars_compile_off_the_loop_once_per_text(llm):
 
 
 def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
-    manager = llm.engine.engine_core.structured_output
+    manager = llm.engine.core.structured_output
     compile_ = manager.backend.compile
 
     def failing(key):
@@ -191,7 +191,7 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm):
 
 def test_an_abort_while_the_grammar_compiles_leaves_nothing(llm):
     engine = llm.engine
-    manager = engine.engine_core.structured_output
+    manager = engine.core.structured_output
     release = threading.Event()
     compile_ = manager.backend.compile
     manager.backend.compile = lambda key: (release.wait(30), compile_(key))[1]

@@ -79,7 +79,7 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[li
 
 
 def _processes(llm: LLM) -> list:
-    return llm.engine._core_in_process().executor.processes
+    return llm.engine.core.executor.processes
 
 
 # (Llama in fp32 runs in the fault tests below; Qwen2's q/k/v biases are split in the uneven test's

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.messages import SchedulerStats
@@ -31,6 +32,9 @@ from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output.backend import InvalidConstraintError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("pagedllm")
 _IDLE_POLL_S = 0.1
@@ -119,12 +123,16 @@ class AsyncLLM:
         engine = loaded.get()
         if isinstance(engine, BaseException):
             raise engine
-        self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
         self.metrics = EngineMetrics(args.served_name())
         # Each engine replica's, as of its last step (one replica without data parallelism).
         self.replica_stats: list[SchedulerStats] = engine.replica_stats()
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The calling thread's own copy of the tokenizer."""
+        return self.engine.tokenizer
 
     @property
     def stats(self) -> SchedulerStats:
@@ -140,7 +148,20 @@ class AsyncLLM:
 
     # -- the event loop's side ------------------------------------------------------------------
     def process_inputs(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> ProcessedRequest:
+        """Tokenize and validate (raises ValueError); any thread may call it."""
         return self.engine.process_inputs(prompt, params)
+
+    def check_task(self, task: str) -> None:
+        """Raises ValueError if this engine does not serve `task` ("generate" or "embed")."""
+        self.engine.check_task(task)
+
+    def check_params(self, params: SamplingParams | PoolingParams) -> None:
+        """What the parameters cannot check alone (LLMEngine.check_params)."""
+        self.engine.check_params(params)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config.json defaults, as vLLM applies them."""
+        return self.engine.default_sampling_params()
 
     def add_request(self, request_id: str, processed: ProcessedRequest) -> RequestStream:
         return self.add_requests([(request_id, processed)])[0]

@@ -1,9 +1,9 @@
 """Data parallelism: several engine cores (replicas, each a process with its own copy of the
 weights, KV cache and scheduler) behind one frontend, as `--data-parallel-size N`.
 
-The client answers the frontend's calls as one engine core would (core_client.py). It sends each
-new request to one replica and remembers which, so that its aborts, and the samples or beams forked
-from it (they share its KV blocks), go to the same one. The choice:
+The client answers the frontend's calls as one engine core would (core_client.py's interface). It
+sends each new request to one replica and remembers which, so that its aborts, and the samples or
+beams forked from it (they share its KV blocks), go to the same one. The choice:
   - a request forked from a held one goes where that one is;
   - else to the replica that already computed the longest run of the prompt's leading blocks
     (prefix-cache affinity: each replica's blocks are its own, so a shared system prompt is
@@ -30,14 +30,13 @@ from multiprocessing.connection import wait
 
 import psutil
 
-from pagedllm.config import EngineArgs, parse_memory
+from pagedllm.config import EngineArgs, ModelConfig, parse_memory
 from pagedllm.core.kv_cache_manager import extend_block_hashes
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.snapshot import EngineSnapshot
-from pagedllm.engine.core_client import EngineCoreProcClient
+from pagedllm.engine.core_client import EngineCoreClient, ProcClient
 from pagedllm.executor.cpu_binding import BIND_ENV, parse_cpu_binding
-from pagedllm.models.loader import ModelConfig
 
 logger = logging.getLogger("pagedllm")
 AFFINITY_SLACK = 4
@@ -78,8 +77,8 @@ class PrefixRouter:
             known.popitem(last=False)
 
 
-class DPEngineCoreClient:
-    """`args.data_parallel_size` engine cores, each in a process of its own (EngineCoreProcClient)."""
+class DPClient(EngineCoreClient):
+    """`args.data_parallel_size` engine cores, each in a process of its own (ProcClient)."""
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig) -> None:
         size, tp = args.data_parallel_size, args.tensor_parallel_size
@@ -89,11 +88,11 @@ class DPEngineCoreClient:
             args, data_parallel_size=1, engine_core_process=True, kv_cache_memory=budget // size
         )
         logger.info("data parallelism: %d engine replicas, %.2f GiB of KV cache each", size, budget / size / 2**30)
-        self.replicas: list[EngineCoreProcClient] = []
+        self.replicas: list[ProcClient] = []
         try:  # all load at once, each on its own cores
             for r in range(size):
                 cores = binding[r * tp : (r + 1) * tp] if binding is not None else None
-                self.replicas.append(EngineCoreProcClient(replica_args, model_config, cores, wait=False))
+                self.replicas.append(ProcClient(replica_args, model_config, cores, wait=False))
             for replica in self.replicas:
                 replica.wait_until_ready()
         except BaseException:
@@ -146,8 +145,8 @@ class DPEngineCoreClient:
         """What every replica has sent, without waiting."""
         return [output for replica in self.replicas for output in replica.poll()]
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats.merge(self.replica_stats())
+    def refresh(self) -> None:
+        self.poll()
 
     def request_snapshot(self) -> None:
         for replica in self.replicas:

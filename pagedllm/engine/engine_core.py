@@ -59,7 +59,6 @@ class EngineCore:
         self.structured_output = structured_output
         self._failed: list[EngineCoreOutput] = []  # requests ended between steps: sent with the next
         self.step_log = StepLog()  # the last steps, for the dashboard
-        self._snapshot: EngineSnapshot | None = None
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, message: EngineCoreRequest) -> None:
@@ -119,14 +118,6 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         """The block pool, the queues and the last steps, for the dashboard (between steps)."""
         return take_snapshot(self.scheduler, self.stats(), self.step_log, time.time())
-
-    # As EngineCoreProcClient's, where the snapshot comes with a later step.
-    def request_snapshot(self) -> None:
-        self._snapshot = self.snapshot()
-
-    def take_snapshot(self) -> EngineSnapshot | None:
-        snapshot, self._snapshot = self._snapshot, None
-        return snapshot
 
     def shutdown(self) -> None:
         if self.structured_output is not None:

@@ -26,18 +26,20 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.snapshot import EngineSnapshot
-from pagedllm.engine.core_client import EngineCoreProcClient, make_engine_core
-from pagedllm.engine.dp_client import DPEngineCoreClient
-from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.builder import load_config, make_client
+from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.models.loader import load_model_config, load_tokenizer
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
+from pagedllm.tokenizer import PerThreadTokenizer, load_tokenizer
 
-if TYPE_CHECKING:  # the test hook's type: an annotation, not an import the frontend makes
+if TYPE_CHECKING:  # annotations, not imports the frontend makes
+    from transformers import PreTrainedTokenizerBase
+
+    from pagedllm.engine.engine_core import EngineCore
     from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -58,26 +60,11 @@ class ProcessedRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.model_config = load_model_config(
-            args.model,
-            args.dtype,
-            args.max_model_len,
-            args.device,
-            args.quantization,
-            args.kv_cache_dtype,
-            args.runner,
-            args.pooler_config,
-        )
-        self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
+        self.model_config = load_config(args)
+        self.tokenizers = PerThreadTokenizer(load_tokenizer(self.model_config, args.tokenizer))
         self.max_model_len = self.model_config.max_model_len
-        self.engine_core: EngineCore | EngineCoreProcClient | DPEngineCoreClient = (
-            DPEngineCoreClient(args, self.model_config)
-            if args.data_parallel_size > 1
-            else EngineCoreProcClient(args, self.model_config)
-            if args.engine_core_process
-            else make_engine_core(args, self.model_config, self.tokenizer)
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core: EngineCoreClient = make_client(args, self.model_config, self.tokenizers.get)
+        self.output_processor = OutputProcessor(self.tokenizers)
         self._ids = itertools.count()
         # Held prompts of parallel samples -> the samples to fork from them once computed.
         self._forks: dict[str, list[EngineCoreRequest]] = {}
@@ -85,19 +72,25 @@ class LLMEngine:
         self._drivers: dict[str, Callable[[EngineCoreOutput], None]] = {}
 
     @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The calling thread's own copy of the model's tokenizer (pagedllm/tokenizer.py)."""
+        return self.tokenizers.get()
+
+    # -- test hooks: where the core runs in this thread (else RuntimeError) ----------------------
+    @property
+    def core(self) -> EngineCore:
+        """The engine core itself: its scheduler, KV cache manager and executor."""
+        return self.engine_core.core
+
+    @property
     def model_runner(self) -> ModelRunner:
-        """The in-process model runner (uniprocess executor): tests and benchmarks look inside it."""
-        return self._core_in_process().executor.driver_worker.model_runner
+        """The model runner of a one-rank executor in this process: the model and its KV cache."""
+        return self.core.executor.driver_worker.model_runner
 
     @property
     def faults(self) -> FaultInjector:
-        """The in-process core's fault injector (tests set faults on it)."""
-        return self._core_in_process().faults
-
-    def _core_in_process(self) -> EngineCore:
-        if not isinstance(self.engine_core, EngineCore):
-            raise RuntimeError("the engine core runs in a process of its own (engine_core_process)")
-        return self.engine_core
+        """The core's fault injector (tests set faults on it)."""
+        return self.core.faults
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -335,8 +328,7 @@ class LLMEngine:
     def refresh_stats(self) -> None:
         """An idle engine's: take what a core in a process of its own has sent since its last step
         (the stats after releases and aborts; outputs only for requests already ended)."""
-        if not isinstance(self.engine_core, EngineCore):
-            self.engine_core.poll()
+        self.engine_core.refresh()
 
     def request_snapshot(self) -> None:
         """Ask each engine core for its snapshot (the dashboard's): at once where the core runs in
@@ -345,13 +337,8 @@ class LLMEngine:
 
     def take_snapshots(self) -> list[EngineSnapshot] | None:
         """Each replica's snapshot asked for, once all have come (else None)."""
-        core = self.engine_core
-        if isinstance(core, DPEngineCoreClient):
-            return core.take_snapshots()
-        snapshot = core.take_snapshot()
-        return None if snapshot is None else [snapshot]
+        return self.engine_core.take_snapshots()
 
     def replica_stats(self) -> list[SchedulerStats]:
         """Each engine replica's (one without data parallelism)."""
-        core = self.engine_core
-        return core.replica_stats() if isinstance(core, DPEngineCoreClient) else [core.stats()]
+        return self.engine_core.replica_stats()

@@ -13,6 +13,7 @@ from pagedllm.core.messages import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tokenizer import PerThreadTokenizer
 
 
 @dataclass
@@ -50,8 +51,8 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizers: PerThreadTokenizer) -> None:
+        self.tokenizers = tokenizers
         self.parents: dict[str, _Parent] = {}
         self.parent_of: dict[str, str] = {}  # scheduler request id -> parent id
         self.embeddings: dict[str, list[int]] = {}  # embedding request id -> its prompt's ids
@@ -90,7 +91,11 @@ class OutputProcessor:
         if not params.detokenize:
             return None
         return IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            self.tokenizers.get(),
+            prompt_token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
         )
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -188,7 +193,7 @@ class OutputProcessor:
         out: dict[int, Logprob] = {}
         for token, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
             if token not in out:
-                out[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+                out[token] = Logprob(logprob, rank, self.tokenizers.get().decode([token]))
         return out
 
     def _output(self, parent: _Parent) -> RequestOutput | None:

@@ -21,10 +21,10 @@ from abc import abstractmethod
 from collections.abc import Hashable
 from typing import Any
 
+from pagedllm.config import ModelConfig
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorFailure
 from pagedllm.executor.cpu_binding import physical_cores_of
-from pagedllm.models.loader import ModelConfig
 from pagedllm.worker.model_runner import kv_cache_bytes_per_block
 
 STARTUP_TIMEOUT_S = 600.0  # a rank's load of a large model from a slow disk

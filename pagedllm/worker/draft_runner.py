@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.config import head_dim, kv_cache_groups
-from pagedllm.models.loader import ModelConfig
+from pagedllm.config import ModelConfig, head_dim, kv_cache_groups
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.rejection_sampler import draw
@@ -37,7 +36,14 @@ class DraftState:
 
 def draft_kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
     hf = config.hf_config
-    return 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim(hf) * config.cache_dtype.itemsize * block_size
+    return (
+        2
+        * hf.num_hidden_layers
+        * hf.num_key_value_heads
+        * head_dim(hf)
+        * getattr(torch, config.cache_dtype).itemsize
+        * block_size
+    )
 
 
 def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
@@ -80,8 +86,8 @@ class DraftRunner:
         shape = (num_blocks, input_batch.block_size, hf.num_key_value_heads, head_dim(hf))
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=config.cache_dtype, device=device),
-                torch.zeros(shape, dtype=config.cache_dtype, device=device),
+                torch.zeros(shape, dtype=getattr(torch, config.cache_dtype), device=device),
+                torch.zeros(shape, dtype=getattr(torch, config.cache_dtype), device=device),
             )
             for _ in range(hf.num_hidden_layers)
         ]

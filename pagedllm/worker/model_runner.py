@@ -9,14 +9,13 @@ import time
 import torch
 
 from pagedllm import heap
-from pagedllm.config import head_dim, kv_cache_groups
+from pagedllm.config import ModelConfig, head_dim, kv_cache_groups
 from pagedllm.core.messages import TokenLogprobs
 from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.distributed.parallel_state import head_share, max_kv_heads_per_rank
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.pooler import Pooler
-from pagedllm.models.loader import ModelConfig
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
@@ -37,7 +36,7 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, tensor_parall
     # A block id is a block of each cache tensor: one a layer, or (several groups) one a layer of a group.
     num_slots = kv_cache_groups(hf).num_slots
     kv_heads = max_kv_heads_per_rank(hf.num_key_value_heads, tensor_parallel_size)
-    per_token = 2 * num_slots * kv_heads * head_dim(hf) * config.cache_dtype.itemsize
+    per_token = 2 * num_slots * kv_heads * head_dim(hf) * getattr(torch, config.cache_dtype).itemsize
     return per_token * block_size
 
 
@@ -62,8 +61,8 @@ class ModelRunner:
         shape = (num_blocks, block_size, kv_heads, head_dim(hf)) if slots else ()
         self.kv_slots = [
             (
-                torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
-                torch.zeros(shape, dtype=model_config.cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=getattr(torch, model_config.cache_dtype), device=self.device),
+                torch.zeros(shape, dtype=getattr(torch, model_config.cache_dtype), device=self.device),
             )
             for _ in range(max(slots, default=-1) + 1)
         ]

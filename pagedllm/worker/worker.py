@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.config import ModelConfig
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import parallel_state
-from pagedllm.models.loader import ModelConfig, load_model
+from pagedllm.models.loader import load_model
 from pagedllm.worker.draft_runner import draft_kv_bytes_per_block
 from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 

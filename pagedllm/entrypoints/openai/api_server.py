@@ -10,7 +10,6 @@ import os
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -121,8 +120,9 @@ def build_app(
         if body.messages is not None:
             tokens = await chat.prompt_ids(body)
         else:
+            # (engine.tokenizer is the calling thread's own copy: taken in the pool's thread)
             tokens = await off_loop(
-                partial(engine.tokenizer.encode, add_special_tokens=body.add_special_tokens), body.prompt
+                lambda: engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             )
         # Encoded off the loop too: FastAPI's encoder walks a long prompt's ids for a good part of a second.
         body = await off_loop(

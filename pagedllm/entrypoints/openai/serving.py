@@ -90,7 +90,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.request_timeout = request_timeout  # seconds from admission to the last token, or None
-        self.defaults = engine.engine.default_sampling_params()
+        self.defaults = engine.default_sampling_params()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -99,7 +99,7 @@ class OpenAIServing:
     def check_task(self, task: str) -> None:
         """400 if the model does not serve `task` (embeddings from a generation-only engine, or the reverse)."""
         try:
-            self.engine.engine.check_task(task)
+            self.engine.check_task(task)
         except ValueError as exc:
             raise APIError(str(exc), param="model") from exc
 

@@ -26,7 +26,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             truncate_prompt_tokens=request.truncate_prompt_tokens,
         )
         try:
-            self.engine.engine.check_params(params)
+            self.engine.check_params(params)
         except ValueError as exc:
             raise APIError(str(exc), param="dimensions") from exc
         processed = []

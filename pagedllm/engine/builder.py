@@ -1,0 +1,216 @@
+"""The composition root: the one place that builds what runs the model (executors, workers, models,
+compile options) and sizes the KV cache, and that picks where the engine core runs.
+
+    client = make_client(args, load_config(args))
+
+gives the frontend an EngineCoreClient (engine/core_client.py): the core in the frontend's own
+thread, in a process of its own (whose main loop, engine/core_proc.py, builds its core here too),
+or one process per data-parallel replica. Nothing above the client imports an executor or a model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from pagedllm.config import (
+    EngineArgs,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    kv_cache_groups,
+    parse_memory,
+    parse_speculative_config,
+)
+from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.core_client import EngineCoreClient, InprocClient, ProcClient
+from pagedllm.engine.dp_client import DPClient
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.faults import FaultInjector
+from pagedllm.executor.abstract import Executor
+from pagedllm.executor.cpu_binding import usable_cores
+from pagedllm.executor.multiproc import MultiprocExecutor
+from pagedllm.executor.ray_executor import RayExecutor
+from pagedllm.executor.uniproc import UniprocExecutor
+from pagedllm.layers.compile import compile_torch_paths
+from pagedllm.models.loader import check_tensor_parallel, load_model_config
+from pagedllm.spec_decode import speculative_proposer
+from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
+from pagedllm.tokenizer import load_tokenizer
+from pagedllm.worker.draft_runner import check_draft
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("pagedllm")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def load_config(args: EngineArgs) -> ModelConfig:
+    """The model the arguments name, read from its files and checked (a ValueError says why not)."""
+    return load_model_config(
+        args.model,
+        args.dtype,
+        args.max_model_len,
+        args.device,
+        args.quantization,
+        args.kv_cache_dtype,
+        args.runner,
+        args.pooler_config,
+    )
+
+
+def make_client(
+    args: EngineArgs, model_config: ModelConfig, tokenizer: Callable[[], PreTrainedTokenizerBase] | None = None
+) -> EngineCoreClient:
+    """The engine core where the arguments put it: one process per replica (--data-parallel-size),
+    a process of its own (engine_core_process), else in the caller's thread. `tokenizer`: the
+    frontend's, which an in-thread core's grammars compile with."""
+    if args.data_parallel_size > 1:
+        return DPClient(args, model_config)
+    if args.engine_core_process:
+        return ProcClient(args, model_config)
+    return InprocClient(make_engine_core(args, model_config, tokenizer))
+
+
+def make_engine_core(
+    args: EngineArgs, model_config: ModelConfig, tokenizer: Callable[[], PreTrainedTokenizerBase] | None = None
+) -> EngineCore:
+    """Size the KV cache from the memory left before the weights load, load the model, build the core.
+    `tokenizer`: gives the frontend's (its calling thread's copy), for compiling grammars (else the
+    tokenizer loads when the first one is asked for)."""
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    set_threads()
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is not None:
+        logger.info("Speculative decoding: %s", spec.describe())
+    draft_config = draft_model_config(spec, args, model_config)
+    executor = make_executor(args, model_config, draft_config)
+    try:
+        num_blocks = _num_kv_blocks(args, model_config, executor.kv_cache_bytes_per_block())
+        if args.compile:
+            compile_torch_paths()
+        executor.load_model()
+        executor.initialize_cache(num_blocks)
+    except BaseException:
+        executor.shutdown()  # no worker process outlives a failed start
+        raise
+    batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
+    if not model_config.is_causal and batched < model_config.max_model_len:
+        raise ValueError(
+            f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
+            f"must be at least max_model_len ({model_config.max_model_len})"
+        )
+    kv = _kv_cache_manager(args, model_config, num_blocks)
+    lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+    scheduler = Scheduler(
+        SchedulerConfig(
+            args.max_num_seqs,
+            batched,
+            model_config.max_model_len,
+            chunked_prefill=model_config.is_causal,
+            num_lookahead_tokens=lookahead,
+        ),
+        kv,
+    )
+    backend = XgrammarBackend(
+        tokenizer or (lambda: load_tokenizer(model_config, args.tokenizer)),
+        model_config.vocab_size,
+        sorted(model_config.eos_token_ids),
+    )
+    return EngineCore(
+        scheduler,
+        executor,
+        FaultInjector.from_env(),
+        StructuredOutputManager(backend),
+        speculative_proposer(spec),
+        draft_tokens=lookahead,
+    )
+
+
+def make_executor(args: EngineArgs, model_config: ModelConfig, draft_config: ModelConfig | None) -> Executor:
+    """One worker in this process ("uni", the default for one rank), a worker process per rank
+    ("mp", the default for several), or a Ray actor per rank ("ray")."""
+    size = args.tensor_parallel_size
+    check_tensor_parallel(model_config, size)
+    backend = args.distributed_executor_backend or ("mp" if size > 1 else "uni")
+    if backend == "uni":
+        return UniprocExecutor(model_config, args.device, args.block_size, draft_config)
+    if draft_config is not None:
+        raise ValueError(
+            "draft-model speculation runs only in the engine's process (--distributed-executor-backend "
+            "uni, one rank) for now"
+        )
+    if args.device != "cpu":
+        raise ValueError(f"worker processes run on the CPU for now, not {args.device!r}")
+    if backend == "ray":
+        return RayExecutor(model_config, args.device, args.block_size, size, args.seed)
+    return MultiprocExecutor(model_config, args.device, args.block_size, size, args.seed)
+
+
+def draft_model_config(spec: SpeculativeConfig | None, args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
+    """The draft model's config (draft-model speculation), checked against the target's: its
+    vocabulary, context and layers (a ValueError at start-up, before any weight loads)."""
+    if spec is None or not spec.uses_draft_model:
+        return None
+    draft = load_model_config(spec.model, args.dtype, None, args.device, spec.quantization, args.kv_cache_dtype)
+    check_draft(target, draft)
+    return draft
+
+
+def _kv_cache_manager(
+    args: EngineArgs, model_config: ModelConfig, num_blocks: int
+) -> KVCacheManager | HybridKVCacheManager:
+    """One manager where the layers are alike (with their shared window, if any), a hybrid one over
+    a manager per group of layers where sliding and full layers mix (Gemma)."""
+    debug = os.environ.get("PAGEDLLM_DEBUG") == "1"
+    windows = kv_cache_groups(model_config.hf_config).windows if model_config.is_causal else (None,)
+    if len(windows) == 1:
+        return KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, debug, windows[0])
+    logger.info(
+        "KV cache: %d groups of layers with their own block tables (windows %s)",
+        len(windows),
+        ", ".join(str(w or "none") for w in windows),
+    )
+    return HybridKVCacheManager(num_blocks, args.block_size, windows, args.enable_prefix_caching, debug)
+
+
+def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) -> int:
+    if per_block == 0:  # an encoder: blocks are only the scheduler's count of each request's tokens
+        logger.info("KV cache: none (an encoder computes each prompt whole)")
+        return args.max_num_seqs * -(-model_config.max_model_len // args.block_size)
+    budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
+    num_blocks = budget // per_block
+    tokens = num_blocks * args.block_size
+    if tokens < model_config.max_model_len:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**30:.3f} GiB) holds {tokens} tokens, fewer than "
+            f"max_model_len={model_config.max_model_len}: raise kv_cache_memory or lower max_model_len"
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB of %s",
+        num_blocks,
+        args.block_size,
+        tokens,
+        num_blocks * per_block / 2**30,
+        model_config.cache_dtype,
+    )
+    return num_blocks
+
+
+def set_threads() -> None:
+    """One thread per physical core this process may use (fewer under a cgroup quota): hyper-threads
+    only contend for the same vector units. The executor's governor lowers it while the machine is
+    busy (executor/thread_governor.py)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    torch.set_num_threads(usable_cores())
