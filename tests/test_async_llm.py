@@ -153,3 +153,29 @@ def test_torch_work_stays_in_the_engine_thread(llama_dir, monkeypatch):
     finally:
         engine.shutdown()
     assert len(set(threads)) == 1 and threads[0] != threading.get_ident() and len(threads) > 1
+
+
+def test_beam_search_runs_in_the_engine_loop_and_an_abort_frees_its_beams(engine):
+    """A beam search is one request of the engine loop: its one output holds the beams, best first;
+    a client that leaves mid-search releases every beam's blocks."""
+    from pagedllm import BeamSearchParams
+
+    async def main():
+        params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+        outputs = [o async for o in engine.add_request("beams", engine.process_inputs("Hello there", params))]
+        long = BeamSearchParams(beam_width=4, max_tokens=200, ignore_eos=True)
+        stream = engine.add_request("left", engine.process_inputs("Hello there", long))
+        await asyncio.sleep(0.3)  # a few steps in: beams held, forked and released
+        held = engine.stats.kv_blocks_total - engine.stats.kv_blocks_free
+        stream.close()
+        await asyncio.sleep(0.5)
+        return outputs, held
+
+    outputs, held = asyncio.run(main())
+    assert len(outputs) == 1 and outputs[0].finished and len(outputs[0].outputs) == 3
+    assert all(len(beam.token_ids) == 5 for beam in outputs[0].outputs)
+    assert [b.cumulative_logprob for b in outputs[0].outputs] == sorted(
+        (b.cumulative_logprob for b in outputs[0].outputs), reverse=True
+    )
+    assert held > 0
+    assert engine.stats.num_running == 0 and engine.stats.kv_blocks_free == engine.stats.kv_blocks_total

@@ -1,6 +1,7 @@
 """The code's own checks, run by CI with the tests: ruff's lint rules and its format, over the
-package, the tests, the benchmarks and checks/ (pyproject.toml's [tool.ruff]), and the layering's
-import contracts (import-linter, [tool.importlinter])."""
+package, the tests, the benchmarks and checks/ (pyproject.toml's [tool.ruff]), the layering's
+import contracts (import-linter, [tool.importlinter]) and mypy's types over the core, the engine
+and the config ([tool.mypy])."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ TREES = ["pagedllm", "tests", "benchmarks", "checks"]
 BIN = os.path.dirname(sys.executable)
 RUFF = shutil.which("ruff", path=BIN) or shutil.which("ruff")
 LINT_IMPORTS = shutil.which("lint-imports", path=BIN) or shutil.which("lint-imports")
+MYPY = shutil.which("mypy", path=BIN) or shutil.which("mypy")
+needs_mypy = pytest.mark.skipif(MYPY is None, reason="mypy is not installed (pip install -e '.[test]')")
 needs_ruff = pytest.mark.skipif(RUFF is None, reason="ruff is not installed (pip install -e '.[test]')")
 
 
@@ -51,3 +54,27 @@ def test_a_violation_fails_both_checks(tmp_path):
 def test_the_layering_contracts_hold():
     result = subprocess.run([LINT_IMPORTS], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def mypy(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([MYPY, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@needs_mypy
+def test_the_core_engine_and_config_type_check():
+    result = mypy()  # the files and settings of [tool.mypy]
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@needs_mypy
+def test_a_type_error_fails_the_type_check(tmp_path):
+    """What CI meets when a checked module's types do not add up: a str passed where the engine
+    core's message takes a list of token ids."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from pagedllm.core.messages import EngineCoreRequest\n"
+        "from pagedllm.sampling_params import SamplingParams\n\n"
+        "EngineCoreRequest('r', 'not token ids', SamplingParams(), 4)\n"
+    )
+    result = mypy(str(bad))
+    assert result.returncode == 1 and "arg-type" in result.stdout, result.stdout + result.stderr

@@ -214,3 +214,42 @@ def test_grafana_dashboard_queries_only_series_the_server_exports(server, client
     }
     assert len(used) >= 15 and used <= exported, used - exported
     assert len({panel["id"] for panel in board["panels"]}) == len(board["panels"])
+
+
+def test_beam_search_on_the_server_equals_the_offline_llm(client, llama_dir):
+    """vLLM's use_beam_search and length_penalty extras: the n best beams as the choices, as the
+    offline LLM.beam_search gives them (itself held to transformers), streamed or not, in completions
+    and chat; what beam search does not use is refused by name."""
+    from openai import BadRequestError
+
+    from pagedllm import BeamSearchParams
+
+    prompt = "The quick brown fox"
+    beams = {"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": True}
+    result = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=6, extra_body=beams)
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True, length_penalty=0.5)
+    offline = llm.beam_search([prompt], params)[0].sequences
+    assert [c.text for c in result.choices] == [s.text for s in offline]
+    assert [c.index for c in result.choices] == [0, 1, 2] and {c.finish_reason for c in result.choices} == {"length"}
+    assert result.usage.completion_tokens == 18
+    streamed = list(
+        client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=6, stream=True, extra_body=beams)
+    )
+    texts = {i: "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert [texts[i] for i in range(3)] == [s.text for s in offline]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4, extra_body=beams
+    )
+    assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
+    refused = [
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stop": ["x"]}, "stop"),
+        ({"top_p": 0.5}, "top_p"),
+    ]
+    for extra, name in refused:
+        with pytest.raises(BadRequestError, match=name):
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={**beams, **extra})
+    with pytest.raises(BadRequestError, match="length_penalty"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={"length_penalty": 0.5})

@@ -15,6 +15,9 @@ step's usual fields, the others' beside them (ScheduledRequest.other_group_block
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
@@ -80,7 +83,7 @@ class HybridKVCacheManager:
             group.cache_full_blocks(request)
 
     # -- allocation ----------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed: Hits | tuple = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: Sequence[Any] = ()) -> bool:
         """Room in every group, or (changing nothing but frees behind windows) False."""
         plans = [
             group.plan(request, num_new_tokens, [hit[g] for hit in computed]) for g, group in enumerate(self.groups)

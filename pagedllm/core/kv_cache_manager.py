@@ -155,7 +155,7 @@ class KVCacheManager:
         self._num_cached[request.request_id] = num_full
 
     # -- allocation -----------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: Sequence[KVBlock] = ()) -> bool:
         """Room for `num_new_tokens` more tokens after the computed ones (plus `computed` prefix
         hits for a request that has no blocks yet); False, changing nothing, if the pool is short
         (but for freeing its blocks behind the window, which it no longer needs in any case)."""
@@ -165,17 +165,17 @@ class KVCacheManager:
         self.commit(request, num_new_tokens, plan)
         return True
 
-    def plan(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> Allocation:
+    def plan(self, request: Request, num_new_tokens: int, computed: Sequence[KVBlock] = ()) -> Allocation:
         """What allocating would take (after freeing the request's blocks behind the window)."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
         start = request.num_computed_tokens + len(computed) * self.block_size
-        computed = self._free_behind_window(request.request_id, blocks, computed, start)
-        taken = [b for b in computed if b is not FREED]
+        hits = self._free_behind_window(request.request_id, blocks, computed, start)
+        taken = [b for b in hits if b is not FREED]
         return Allocation(
             start,
-            computed,
+            hits,
             taken,
-            needed=cdiv(start + num_new_tokens, self.block_size) - len(blocks) - len(computed),
+            needed=cdiv(start + num_new_tokens, self.block_size) - len(blocks) - len(hits),
             copy=self._shared_block_at(blocks, start),
             revived=sum(1 for b in taken if self.pool.is_free(b)),
         )
@@ -214,7 +214,7 @@ class KVCacheManager:
             self._check_writable(blocks, start, num_new_tokens)
 
     def _free_behind_window(
-        self, request_id: str, blocks: list[KVBlock], computed: list[KVBlock], start: int
+        self, request_id: str, blocks: list[KVBlock], computed: Sequence[KVBlock], start: int
     ) -> list[KVBlock]:
         """With a sliding window: free the request's blocks that no query from position `start` on
         can see, and leave prefix hits there untaken (FREED in their place); returns the hits."""

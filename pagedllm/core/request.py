@@ -91,7 +91,7 @@ class Request:
             if last in self.eos_token_ids and not params.ignore_eos:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last in params.stop_token_ids:
+            if last in (params.stop_token_ids or ()):
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True

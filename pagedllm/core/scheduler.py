@@ -261,7 +261,7 @@ class Scheduler:
             self.kv.trim(request, self.config.num_lookahead_tokens)
         if request.max_tokens == 0:  # max_tokens=0 only scores the prompt
             tokens = []
-        for token in tokens or [None]:
+        for token in tokens or (None,):
             if token is not None:
                 request.append_output_token(token)
             if request.check_stop():  # tokens past a stop are dropped

@@ -122,4 +122,5 @@ class ModelRunnerOutput:
         self.pooler_output.update(other.pooler_output)
         self.spec_token_ids.update(other.spec_token_ids)
         self.draft_seconds += other.draft_seconds
-        self.draft_token_cost = tuple(a + b for a, b in zip(self.draft_token_cost, other.draft_token_cost))
+        (seconds, tokens), (more_seconds, more_tokens) = self.draft_token_cost, other.draft_token_cost
+        self.draft_token_cost = (seconds + more_seconds, tokens + more_tokens)

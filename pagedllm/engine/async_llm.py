@@ -30,7 +30,7 @@ from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.structured_output.backend import InvalidConstraintError
 
 if TYPE_CHECKING:
@@ -147,7 +147,9 @@ class AsyncLLM:
         return self.error is not None or not self._thread.is_alive()
 
     # -- the event loop's side ------------------------------------------------------------------
-    def process_inputs(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> ProcessedRequest:
+    def process_inputs(
+        self, prompt: str | list[int], params: SamplingParams | PoolingParams | BeamSearchParams
+    ) -> ProcessedRequest:
         """Tokenize and validate (raises ValueError); any thread may call it."""
         return self.engine.process_inputs(prompt, params)
 
@@ -155,7 +157,7 @@ class AsyncLLM:
         """Raises ValueError if this engine does not serve `task` ("generate" or "embed")."""
         self.engine.check_task(task)
 
-    def check_params(self, params: SamplingParams | PoolingParams) -> None:
+    def check_params(self, params: SamplingParams | PoolingParams | BeamSearchParams) -> None:
         """What the parameters cannot check alone (LLMEngine.check_params)."""
         self.engine.check_params(params)
 
@@ -194,12 +196,13 @@ class AsyncLLM:
 
     def _queue_add(self, request_id: str, processed: ProcessedRequest) -> RequestStream:
         params = processed.params
+        samples = 1
         if isinstance(params, SamplingParams):
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        stream = _Stream(
-            num_prompt_tokens=len(processed.prompt_token_ids),
-            num_samples=params.n if isinstance(params, SamplingParams) else 1,
-        )
+            samples = params.n
+        elif isinstance(params, BeamSearchParams):  # (its beams come in one output, at its end)
+            samples = params.beam_width
+        stream = _Stream(num_prompt_tokens=len(processed.prompt_token_ids), num_samples=samples)
         self._streams[request_id] = stream
         with self._adds_lock:
             self._unapplied_adds += 1
@@ -215,6 +218,7 @@ class AsyncLLM:
     async def encode(self, prompt: str | list[int], params: PoolingParams, request_id: str) -> EmbeddingRequestOutput:
         """An embedding request's result (raises RequestFailedError if the engine failed it)."""
         async for output in self.add_request(request_id, self.process_inputs(prompt, params)):
+            assert isinstance(output, EmbeddingRequestOutput)
             return output
         raise RuntimeError(f"request {request_id} ended without an output")
 
@@ -289,18 +293,7 @@ class AsyncLLM:
             return
         loaded.put(self.engine)
         try:
-            while not self._stopping.is_set():
-                self._take_commands(wait=not self.engine.has_unfinished_requests())
-                if not self.engine.has_unfinished_requests():
-                    self.engine.refresh_stats()
-                    self.replica_stats = self.engine.replica_stats()
-                else:
-                    outputs = self.engine.step()
-                    self.replica_stats = self.engine.replica_stats()
-                    if outputs:
-                        self._post(self._dispatch, outputs)
-                if self._snapshot_waiters:
-                    self._deliver_snapshots()
+            self.engine.run(self._on_outputs, self._between_steps)
         except BaseException as exc:  # the loop is gone: say so to every waiting request
             logger.exception("engine loop failed")
             self.error = exc
@@ -309,6 +302,22 @@ class AsyncLLM:
             for waiter in self._snapshot_waiters:
                 self._post(_resolve, waiter, EngineDeadError("the engine has stopped"))
             self.engine.shutdown()
+
+    def _on_outputs(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
+        if outputs:
+            self._post(self._dispatch, outputs)
+
+    def _between_steps(self, idle: bool) -> bool:
+        """The engine loop's (LLMEngine.run): the stats of the step just run (or of an idle
+        core's refresh), snapshots that have come, then the commands queued (waiting for them
+        where idle); False once shutting down."""
+        self.replica_stats = self.engine.replica_stats()
+        if self._snapshot_waiters:
+            self._deliver_snapshots()
+        if self._stopping.is_set():
+            return False
+        self._take_commands(wait=idle)
+        return True
 
     def _take_commands(self, wait: bool) -> None:
         try:

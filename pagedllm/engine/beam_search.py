@@ -1,11 +1,13 @@
-"""Beam search over the engine's requests.
+"""Beam search as the engine runs it: one request of the frontend, driven between the core's steps.
 
 Each beam is a one-token engine-core request that is held when it finishes: it keeps its blocks,
-and its output brings the top-2k logprobs of the next position. The driver then takes the k best
-continuations across a prompt's beams and starts each as a new request forked from its parent
-beam (it shares all the parent's blocks; the partial last one is copied on the first write), and
-releases the parents, which frees what only they held. The prompt is computed once. The driver
-talks to the engine core only through its messages (LLMEngine.add_driven_request).
+and its output brings the top-2k logprobs of the next position. Once every live beam of a request
+has its output, the driver takes the k best continuations and starts each as a new core request
+forked from its parent beam (it shares all the parent's blocks; the partial last one is copied on
+the first write), and releases the parents, which frees what only they held. The prompt is
+computed once. LLMEngine holds a driver per beam-search request and feeds it its beams' outputs;
+the request's one RequestOutput (the beam_width best beams, best first) comes when it is done, so
+the offline LLM and the server run beam search through the same engine loop as any request.
 
 Selection follows Hugging Face's beam search: candidates ranked by cumulative logprob; an EOS
 candidate ranked within the top k ends a hypothesis; hypotheses are scored at the end by
@@ -14,138 +16,155 @@ cum_logprob / generated_length ** length_penalty.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.core.messages import EngineCoreOutput, TokenLogprobs
-from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
-from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
 class _Beam:
-    request_id: str
+    request_id: str  # its core request's
     tokens: list[int]  # generated so far
     cum_logprob: float
     next_logprobs: TokenLogprobs | None = None  # of the position after `tokens`, once computed
 
 
 @dataclass
-class _Group:
-    processed: ProcessedRequest
-    live: list[_Beam]
-    done: list[tuple[list[int], float, str]] = field(default_factory=list)  # tokens, cum_logprob, reason
+class Hypothesis:
+    """A finished beam."""
+
+    tokens: list[int]  # generated
+    cum_logprob: float
+    finish_reason: str  # "stop" (EOS) or "length"
 
 
-class BeamSearch:
-    def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
-        self.engine = engine
-        self.params = params
-        self._ids = (f"beam-{i}" for i in itertools.count())
-        # Greedy with the top 2k logprobs; EOS is the driver's business, not the scheduler's.
-        self.sampling = SamplingParams(
-            temperature=0,
-            max_tokens=params.max_tokens,
-            logprobs=2 * params.beam_width,
-            ignore_eos=True,
-            detokenize=False,
-        )
-        self._live: dict[str, _Beam] = {}  # request id -> beam, while its step is to come
-        self._error: str | None = None
+def beam_score(hypothesis: Hypothesis, eos_token_ids: frozenset[int], length_penalty: float) -> float:
+    """cum_logprob / generated_length ** length_penalty, an EOS that ended it not counted."""
+    tokens = hypothesis.tokens
+    ended_by_eos = hypothesis.finish_reason == "stop" and tokens and tokens[-1] in eos_token_ids
+    length = len(tokens) - (1 if ended_by_eos else 0)
+    return hypothesis.cum_logprob / max(length, 1) ** length_penalty
 
-    def run(self, prompts: list[str | list[int]]) -> list[BeamSearchOutput]:
-        groups = [self._start(self.engine.process_inputs(p, self.sampling)) for p in prompts]
-        try:
-            while any(g.live for g in groups):
-                while self._live:
-                    self.engine.step()
-                    if self._error is not None:
-                        raise RuntimeError(f"beam search failed: {self._error}")
-                for group in groups:
-                    if group.live:
-                        self._advance(group)
-        finally:
-            for group in groups:  # an error half-way still frees every beam
-                self._drop(group.live)
-        return [self._output(g) for g in groups]
 
-    def _start(self, processed: ProcessedRequest) -> _Group:
-        beam = _Beam(next(self._ids), [], 0.0)
-        self._submit(beam, processed, None)
-        return _Group(processed, [beam])
+@dataclass
+class BeamSearchDriver:
+    """One prompt's beam search. `request(...)` gives the core requests to add; the engine hands
+    each of their outputs to `take`, and calls `advance` once `ready`."""
 
-    def _submit(self, beam: _Beam, processed: ProcessedRequest, parent: str | None) -> None:
-        """Ask for the beam's next position: one held token after the prompt and the beam's tokens."""
-        prompt = dataclasses.replace(processed, prompt_token_ids=processed.prompt_token_ids + beam.tokens, max_tokens=1)
-        self._live[beam.request_id] = beam
-        self.engine.add_driven_request(
-            self.engine.core_request(beam.request_id, prompt, self.sampling, hold=True, fork_of=parent), self._on_output
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
+    max_tokens: int  # as the context leaves room for
+    eos_token_ids: frozenset[int]
+    cache_salt: str | None = None
+    live: list[_Beam] = field(default_factory=list)
+    done: list[Hypothesis] = field(default_factory=list)
+    error: str | None = None
+    _pending: set[str] = field(default_factory=set)  # live beams whose output is still to come
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """A beam's: greedy with the top 2k logprobs; EOS is the driver's business, not the scheduler's."""
+        return SamplingParams(
+            temperature=0, max_tokens=1, logprobs=2 * self.params.beam_width, ignore_eos=True, detokenize=False
         )
 
-    def _on_output(self, output: EngineCoreOutput) -> None:
+    def start(self) -> list[EngineCoreRequest]:
+        return [self._beam([], 0.0, None)]
+
+    def take(self, output: EngineCoreOutput) -> None:
+        """A beam's output: its next position's logprobs (or the error that ends the search)."""
         if output.error is not None:
-            self._error = output.error
-        elif output.finish_reason is not None:
-            self._live.pop(output.request_id).next_logprobs = output.new_logprobs[0]
+            self.error = self.error or output.error
+        elif output.finish_reason is not None and output.request_id in self._pending:
+            self._pending.discard(output.request_id)
+            beam = next(b for b in self.live if b.request_id == output.request_id)
+            assert output.new_logprobs is not None  # (a beam asks for them)
+            beam.next_logprobs = output.new_logprobs[0]
 
-    def _advance(self, group: _Group) -> None:
+    @property
+    def ready(self) -> bool:
+        """Every live beam has its output (or the search failed): time to advance."""
+        return self.error is not None or (bool(self.live) and not self._pending)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or not self.live
+
+    def advance(self) -> tuple[list[EngineCoreRequest], list[str]]:
+        """The next beams' core requests, and the ids of the beams to release (their parents)."""
         k = self.params.beam_width
-        eos = self.engine.model_config.eos_token_ids if not self.params.ignore_eos else frozenset()
-        candidates = sorted(self._candidates(group.live), key=lambda c: c[0], reverse=True)
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        candidates = sorted(self._candidates(), key=lambda c: c[0], reverse=True)
         chosen: list[tuple[float, _Beam, int]] = []
         for rank, (cum, beam, token) in enumerate(candidates):
             if token in eos:
                 if rank < k:
-                    group.done.append((beam.tokens + [token], cum, "stop"))
+                    self.done.append(Hypothesis(beam.tokens + [token], cum, "stop"))
                 continue
             chosen.append((cum, beam, token))
             if len(chosen) == k:
                 break
-        last = len(group.live[0].tokens) + 1 >= group.processed.max_tokens
-        if last:
-            group.done += [(beam.tokens + [token], cum, "length") for cum, beam, token in chosen]
+        if len(self.live[0].tokens) + 1 >= self.max_tokens:
+            self.done += [Hypothesis(beam.tokens + [token], cum, "length") for cum, beam, token in chosen]
             chosen = []
-        new_live = []
-        for cum, beam, token in chosen:
-            child = _Beam(next(self._ids), beam.tokens + [token], cum)
-            self._submit(child, group.processed, beam.request_id)
-            new_live.append(child)
-        self._drop(group.live)
-        group.live = new_live
+        released = self.release()
+        new = [self._beam(beam.tokens + [token], cum, beam.request_id) for cum, beam, token in chosen]
+        return new, released
 
-    def _candidates(self, beams: list[_Beam]):
-        for beam in beams:
+    def release(self) -> list[str]:
+        """End the search's live beams: the ids of their core requests."""
+        ids = [beam.request_id for beam in self.live]
+        self.live, self._pending = [], set()
+        return ids
+
+    def core_request_ids(self) -> list[str]:
+        return [beam.request_id for beam in self.live]
+
+    def best(self) -> list[Hypothesis]:
+        """The beam_width best hypotheses, best first."""
+        return sorted(self.done, key=self.score, reverse=True)[: self.params.beam_width]
+
+    def score(self, hypothesis: Hypothesis) -> float:
+        return beam_score(hypothesis, self.eos_token_ids, self.params.length_penalty)
+
+    def output(self, decode: Callable[[list[int]], str]) -> RequestOutput:
+        """The request's one output: its best beams as completions (`decode(ids)`: their text)."""
+        if self.error is not None:
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, [], True, error=self.error)
+        outputs = [
+            CompletionOutput(i, decode(h.tokens), h.tokens, h.cum_logprob, None, h.finish_reason)
+            for i, h in enumerate(self.best())
+        ]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, outputs, True)
+
+    def _beam(self, tokens: list[int], cum_logprob: float, parent: str | None) -> EngineCoreRequest:
+        """A beam asking for its next position: one held token after the prompt and its tokens."""
+        beam = _Beam(f"{self.request_id}-beam{next(self._ids)}", tokens, cum_logprob)
+        self.live.append(beam)
+        self._pending.add(beam.request_id)
+        return EngineCoreRequest(
+            beam.request_id,
+            self.prompt_token_ids + tokens,
+            self.sampling,
+            1,
+            self.eos_token_ids,
+            self.cache_salt,
+            hold=True,
+            fork_of=parent,
+        )
+
+    def _candidates(self):
+        for beam in self.live:
             logprobs, seen = beam.next_logprobs, set()
+            assert logprobs is not None  # (ready: every live beam has them)
             for token, value in zip(logprobs.token_ids, logprobs.logprobs):
                 if token not in seen:  # the chosen token comes first, then again in the top k
                     seen.add(token)
                     yield beam.cum_logprob + value, beam, token
-
-    def _drop(self, beams: list[_Beam]) -> None:
-        for beam in beams:
-            self._live.pop(beam.request_id, None)
-        self.engine.finish_core_requests([beam.request_id for beam in beams])
-
-    def _output(self, group: _Group) -> BeamSearchOutput:
-        eos = self.engine.model_config.eos_token_ids
-        tokenizer = self.engine.tokenizer
-
-        def score(tokens: list[int], cum: float, reason: str) -> float:
-            length = len(tokens) - (1 if reason == "stop" and tokens[-1] in eos else 0)
-            return cum / max(length, 1) ** self.params.length_penalty
-
-        ranked = sorted(group.done, key=lambda d: score(*d), reverse=True)[: self.params.beam_width]
-        prompt_ids = group.processed.prompt_token_ids
-        sequences = [
-            BeamSearchSequence(
-                prompt_ids + tokens,
-                tokenizer.decode(tokens, skip_special_tokens=True),
-                cum,
-                score(tokens, cum, reason),
-                reason,
-            )
-            for tokens, cum, reason in ranked
-        ]
-        return BeamSearchOutput(group.processed.prompt, prompt_ids, sequences)

@@ -156,9 +156,10 @@ class DPClient(EngineCoreClient):
         """Every replica's snapshot once all have come (else None, and those that came are kept)."""
         for r, replica in enumerate(self.replicas):
             self._snapshots[r] = self._snapshots[r] or replica.take_snapshot()
-        if not all(self._snapshots):
+        snapshots = [s for s in self._snapshots if s is not None]
+        if len(snapshots) < len(self.replicas):
             return None
-        snapshots, self._snapshots = self._snapshots, [None] * len(self.replicas)
+        self._snapshots = [None] * len(self.replicas)
         return snapshots
 
     def replica_stats(self) -> list[SchedulerStats]:

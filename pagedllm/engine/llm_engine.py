@@ -26,13 +26,14 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.snapshot import EngineSnapshot
+from pagedllm.engine.beam_search import BeamSearchDriver
 from pagedllm.engine.builder import load_config, make_client
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 from pagedllm.tokenizer import PerThreadTokenizer, load_tokenizer
 
@@ -52,7 +53,7 @@ _TASK_NAMES = {"generate": "text generation (completions, chat)", "embed": "embe
 class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams | PoolingParams
+    params: SamplingParams | PoolingParams | BeamSearchParams
     max_tokens: int
     cache_salt: str | None = None
 
@@ -68,8 +69,9 @@ class LLMEngine:
         self._ids = itertools.count()
         # Held prompts of parallel samples -> the samples to fork from them once computed.
         self._forks: dict[str, list[EngineCoreRequest]] = {}
-        # Core requests a driver runs itself (beam search): their outputs go to it, not to users.
-        self._drivers: dict[str, Callable[[EngineCoreOutput], None]] = {}
+        # Beam searches: request id -> its driver, and each live beam's core request id -> the request's.
+        self._beams: dict[str, BeamSearchDriver] = {}
+        self._beam_of: dict[str, str] = {}
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -85,7 +87,7 @@ class LLMEngine:
     @property
     def model_runner(self) -> ModelRunner:
         """The model runner of a one-rank executor in this process: the model and its KV cache."""
-        return self.core.executor.driver_worker.model_runner
+        return self.core.executor.driver_worker.model_runner  # type: ignore[attr-defined]
 
     @property
     def faults(self) -> FaultInjector:
@@ -103,7 +105,7 @@ class LLMEngine:
         return self.add_processed(request_id, self.process_inputs(prompt, params))
 
     def process_inputs(
-        self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None
+        self, prompt: str | list[int], params: SamplingParams | PoolingParams | BeamSearchParams | None = None
     ) -> ProcessedRequest:
         """Tokenize and validate; raises ValueError. Touches no engine state, so any thread may call it."""
         if isinstance(params, PoolingParams):
@@ -127,7 +129,7 @@ class LLMEngine:
             hint = {"embed": " (start it with --runner pooling, or serve an embedding model)", "generate": ""}[task]
             raise ValueError(f"this model does not serve {_TASK_NAMES[task]}: it serves {served}{hint}")
 
-    def check_params(self, params: SamplingParams | PoolingParams) -> None:
+    def check_params(self, params: SamplingParams | PoolingParams | BeamSearchParams) -> None:
         """What the parameters cannot check alone: that the engine serves their task, token ids
         against the vocabulary, that a structured output's constraint compiles, that `dimensions`
         is a size the model may be cut to (raises ValueError saying why)."""
@@ -136,6 +138,8 @@ class LLMEngine:
             self._check_dimensions(params.dimensions)
             return
         self.check_task("generate")
+        if isinstance(params, BeamSearchParams):
+            return
         params.check_vocab(self.model_config.vocab_size)
         if params.structured_outputs is not None:
             XgrammarBackend.check(params.structured_outputs)
@@ -154,9 +158,12 @@ class LLMEngine:
 
     def add_processed(self, request_id: str | None, processed: ProcessedRequest) -> str:
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if self.output_processor.in_use(request_id):
+        if self.output_processor.in_use(request_id) or request_id in self._beams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = processed.params
+        if isinstance(params, BeamSearchParams):
+            self._start_beam_search(request_id, processed, params)
+            return request_id
         if isinstance(params, PoolingParams):
             self.output_processor.add_pooling(request_id, processed.prompt_token_ids)
             self.engine_core.add_request(
@@ -217,16 +224,48 @@ class LLMEngine:
             fork_of,
         )
 
-    def add_driven_request(self, message: EngineCoreRequest, on_output: Callable[[EngineCoreOutput], None]) -> None:
-        """A core request whose outputs go to `on_output` (a driver such as beam search), not to users."""
-        self._drivers[message.request_id] = on_output
-        self.engine_core.add_request(message)
+    def _start_beam_search(self, request_id: str, processed: ProcessedRequest, params: BeamSearchParams) -> None:
+        driver = BeamSearchDriver(
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            params,
+            processed.max_tokens,
+            self.model_config.eos_token_ids,
+            processed.cache_salt,
+        )
+        self._beams[request_id] = driver
+        self._add_beams(request_id, driver.start())
 
-    def finish_core_requests(self, request_ids: list[str]) -> None:
-        """End core requests (a driver's, or held ones it is done with)."""
+    def _add_beams(self, request_id: str, beams: list[EngineCoreRequest]) -> None:
+        for beam in beams:
+            self._beam_of[beam.request_id] = request_id
+            self.engine_core.add_request(beam)
+
+    def _release_beams(self, beam_ids: list[str]) -> None:
+        for beam_id in beam_ids:
+            del self._beam_of[beam_id]
+        self.engine_core.finish_requests(beam_ids)
+
+    def _advance_beams(self, request_ids: set[str]) -> list[RequestOutput]:
+        """Advance the beam searches whose live beams have all come (their new beams added, the
+        parents released); the outputs of those that are done."""
+        done = []
         for request_id in request_ids:
-            self._drivers.pop(request_id, None)
-        self.engine_core.finish_requests(request_ids)
+            driver = self._beams[request_id]
+            if not driver.ready:
+                continue
+            if driver.error is not None:
+                self._release_beams(driver.release())
+            else:
+                new, released = driver.advance()
+                self._add_beams(request_id, new)  # forked from their parents, which are still held
+                self._release_beams(released)
+            if driver.finished:
+                del self._beams[request_id]
+                decode = self.tokenizer.decode
+                done.append(driver.output(lambda ids: str(decode(ids, skip_special_tokens=True))))
+        return done
 
     def _tokenize(self, prompt: str | list[int], pooling: PoolingParams | None = None) -> tuple[str | None, list[int]]:
         """The prompt's ids, checked. A prompt to generate from leaves a token of room; one to embed
@@ -264,6 +303,10 @@ class LLMEngine:
         return text, token_ids
 
     def abort_request(self, request_id: str) -> None:
+        driver = self._beams.pop(request_id, None)
+        if driver is not None:
+            self._release_beams(driver.release())
+            return
         # The request itself (the held prompt of parallel samples, if any) and its samples.
         self._forks.pop(request_id, None)
         self.engine_core.finish_requests([request_id, *self.output_processor.child_ids(request_id)])
@@ -285,24 +328,45 @@ class LLMEngine:
         }
         return SamplingParams(**{ours: gen[theirs] for theirs, ours in fields.items() if gen.get(theirs) is not None})
 
-    # -- one step ------------------------------------------------------------------------------
+    # -- the loop ------------------------------------------------------------------------------
+    def run(
+        self,
+        on_outputs: Callable[[list[RequestOutput | EmbeddingRequestOutput]], None],
+        between_steps: Callable[[bool], bool] | None = None,
+    ) -> None:
+        """The engine loop every frontend drives (the offline LLM; AsyncLLM's engine thread, for
+        the server): step while there are requests, handing each step's outputs to `on_outputs`.
+        `between_steps(idle)` runs before each step: it may add and abort requests (and wait for
+        some where the engine is idle) and says whether to go on. Without it the loop ends once no
+        request is left."""
+        while True:
+            if between_steps is not None and not between_steps(not self.has_unfinished_requests()):
+                return
+            if self.has_unfinished_requests():
+                on_outputs(self.step())
+            elif between_steps is None:
+                return
+            else:
+                self.refresh_stats()
+
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One step of the core, its outputs turned into RequestOutputs. A request the core failed
         ends with all of its samples (finish reason "error", the reason in RequestOutput.error)."""
-        core_outputs = [o for o in self.engine_core.step() if not self._to_frontend(o)]
+        beams: set[str] = set()  # the beam searches whose beams gave outputs
+        core_outputs = [o for o in self.engine_core.step() if not self._to_frontend(o, beams)]
         failed = [self._fail(o.request_id, o.error) for o in core_outputs if o.error is not None]
         outputs, stopped = self.output_processor.process([o for o in core_outputs if o.error is None])
         self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs + [o for o in failed if o is not None]
+        return outputs + [o for o in failed if o is not None] + self._advance_beams(beams)
 
-    def _to_frontend(self, output: EngineCoreOutput) -> bool:
-        """Take an output meant for the frontend itself (a driver's request, a held prompt that is
-        computed: its samples fork now); False for one the output processor turns into text."""
-        driver = self._drivers.get(output.request_id)
-        if driver is not None:
-            if output.finish_reason is not None:
-                del self._drivers[output.request_id]
-            driver(output)
+    def _to_frontend(self, output: EngineCoreOutput, beams: set[str]) -> bool:
+        """Take an output meant for the frontend itself (a beam's, whose search is noted in
+        `beams`; a held prompt that is computed: its samples fork now); False for one the output
+        processor turns into text."""
+        beam_search = self._beam_of.get(output.request_id)
+        if beam_search is not None:
+            self._beams[beam_search].take(output)
+            beams.add(beam_search)
             return True
         samples = self._forks.get(output.request_id)
         if samples is None or output.error is not None:
@@ -315,7 +379,7 @@ class LLMEngine:
             self.engine_core.finish_requests([output.request_id])  # released: the samples hold its blocks
         return True
 
-    def _fail(self, core_id: str, error: str) -> RequestOutput | None:
+    def _fail(self, core_id: str, error: str) -> RequestOutput | EmbeddingRequestOutput | None:
         parent_id = self.output_processor.parent_of.get(core_id, core_id)
         self._forks.pop(parent_id, None)
         self.engine_core.finish_requests([parent_id, *self.output_processor.child_ids(parent_id)])

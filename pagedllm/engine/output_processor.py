@@ -8,10 +8,18 @@ one RequestOutput. An embedding request's one output carries its vector.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from pagedllm.core.messages import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+)
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import PerThreadTokenizer
 
@@ -80,7 +88,7 @@ class OutputProcessor:
             )
             for i, cid in enumerate(child_ids)
         }
-        prompt_logprobs = None
+        prompt_logprobs: PromptLogprobs | None = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] * len(prompt_token_ids)
         self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, params, samples, prompt_logprobs)
@@ -93,7 +101,7 @@ class OutputProcessor:
         return IncrementalDetokenizer(
             self.tokenizers.get(),
             prompt_token_ids,
-            params.stop,
+            cast(list[str], params.stop),  # a list once checked (SamplingParams.__post_init__)
             params.include_stop_str_in_output,
             params.skip_special_tokens,
         )
@@ -175,7 +183,7 @@ class OutputProcessor:
         sample.token_ids.append(token)
         if logprobs is not None and sample.logprobs is not None:
             sample.logprobs.append(self._logprob_dict(logprobs))
-            sample.cumulative_logprob += logprobs.logprobs[0]
+            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprobs.logprobs[0]
         stop = sample.detokenizer.update(token) if sample.detokenizer else None
         if stop is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop
@@ -193,7 +201,7 @@ class OutputProcessor:
         out: dict[int, Logprob] = {}
         for token, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
             if token not in out:
-                out[token] = Logprob(logprob, rank, self.tokenizers.get().decode([token]))
+                out[token] = Logprob(logprob, rank, str(self.tokenizers.get().decode([token])))
         return out
 
     def _output(self, parent: _Parent) -> RequestOutput | None:

@@ -8,14 +8,15 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.beam_search import BeamSearch
+from pagedllm.engine.beam_search import Hypothesis, beam_score
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
-from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
+EngineParams = SamplingParams | PoolingParams | BeamSearchParams
 
 
 class LLM:
@@ -99,11 +100,16 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The beam_width best continuations of each prompt, best first (see engine/beam_search.py)."""
         prompts = [_prompt_input(p) for p in _as_prompt_list(prompts)]
-        return BeamSearch(self.engine, params).run(prompts)
+        self.engine.check_params(params)
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm=False)
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            raise RuntimeError(f"beam search failed: {failed[0].error}")
+        eos = self.engine.model_config.eos_token_ids
+        return [_beam_search_output(o, params, eos) for o in outputs]
 
-    def _run(
-        self, prompts: list[str | list[int]], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool
-    ) -> list:
+    def _run(self, prompts: list[str | list[int]], params: Sequence[EngineParams], use_tqdm: bool) -> list:
+        """Every prompt through the engine's loop (LLMEngine.run) until all are done."""
         engine = self.engine
         ids: list[str] = []
         try:
@@ -111,16 +117,35 @@ class LLM:
                 ids.append(engine.add_request(None, prompt, p))
             done: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-                while engine.has_unfinished_requests():
-                    for output in engine.step():
+
+                def collect(outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
+                    for output in outputs:
                         if output.finished:
                             done[output.request_id] = output
                             bar.update(1)
+
+                engine.run(collect)
         except BaseException:
             for request_id in ids:  # leave the engine clean for the next call
                 engine.abort_request(request_id)
             raise
         return [done[i] for i in ids]
+
+
+def _beam_search_output(output: RequestOutput, params: BeamSearchParams, eos: frozenset[int]) -> BeamSearchOutput:
+    sequences = [
+        BeamSearchSequence(
+            output.prompt_token_ids + beam.token_ids,
+            beam.text,
+            beam.cumulative_logprob,
+            beam_score(
+                Hypothesis(beam.token_ids, beam.cumulative_logprob, beam.finish_reason), eos, params.length_penalty
+            ),
+            beam.finish_reason,
+        )
+        for beam in output.outputs
+    ]
+    return BeamSearchOutput(output.prompt, output.prompt_token_ids, sequences)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -147,6 +147,8 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
+    use_beam_search: bool = False  # the n best beams (n: the beam width), deterministic
+    length_penalty: float = 1.0  # beam search's: a beam scores cum_logprob / length ** length_penalty
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
@@ -185,6 +187,8 @@ class SamplingFields(_Request):
     ) -> SamplingParams:
         """SamplingParams from this request; fields it leaves out take the model's defaults."""
         self.refuse_unsupported()
+        if self.length_penalty != 1.0:
+            raise APIError("length_penalty applies to beam search only (use_beam_search)", param="length_penalty")
 
         def pick(value, default):
             return default if value is None else value
@@ -219,6 +223,27 @@ class SamplingFields(_Request):
         except ValueError as exc:
             raise APIError(str(exc)) from exc
 
+    def beam_search_params(self, max_tokens: int | None, max_model_len: int) -> BeamSearchParams:
+        """vLLM's use_beam_search: n beams, temperature 0; a field beam search does not use is
+        refused by name."""
+        self.refuse_unsupported()
+        for name in _NOT_WITH_BEAM_SEARCH:
+            if name in type(self).model_fields and getattr(self, name) != type(self).model_fields[name].default:
+                raise APIError(f"{name} is not supported with use_beam_search", param=name)
+        if self.constraint()[0] is not None:
+            raise APIError("structured outputs are not supported with use_beam_search", param=self.constraint()[1])
+        try:
+            return BeamSearchParams(
+                beam_width=self.n,
+                max_tokens=max_model_len if max_tokens is None else max_tokens,
+                ignore_eos=self.ignore_eos,
+                temperature=self.temperature or 0.0,
+                length_penalty=self.length_penalty,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            raise APIError(str(exc), param="temperature" if "temperature" in str(exc) else None) from exc
+
     def refuse_unsupported(self) -> None:
         """400 naming the first field that asks for something not implemented (a no-op value passes)."""
         for name in _NOT_IMPLEMENTED:
@@ -245,6 +270,24 @@ _CONSTRAINT_FIELDS = (
     "guided_grammar",
 )
 _NOT_IMPLEMENTED = ("functions", "function_call")  # OpenAI's deprecated forms of tools
+# What beam search does not use: sampling's knobs, stops the engine finds in text, logprobs, tools.
+_NOT_WITH_BEAM_SEARCH = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "best_of",
+)
 
 
 class CompletionRequest(SamplingFields):

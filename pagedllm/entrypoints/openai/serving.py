@@ -26,7 +26,7 @@ from pagedllm.engine.async_llm import (
 from pagedllm.engine.llm_engine import ProcessedRequest
 from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured_output.backend import InvalidConstraintError
 
 
@@ -106,7 +106,7 @@ class OpenAIServing:
     async def admit(
         self,
         prompts: list[str | list[int]],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         requested_max_tokens: int | None,
         cache_salt: str | None = None,
         constraint_field: str | None = None,

@@ -34,7 +34,7 @@ from pagedllm.entrypoints.openai.tool_parsers.constrained import (
 )
 from pagedllm.outputs import Logprob
 from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -99,6 +99,24 @@ class OpenAIServingChat(OpenAIServing):
         top = request.top_logprobs if request.logprobs else None
         if request.logprobs and top is None:
             top = 0
+        if request.use_beam_search:
+            params: SamplingParams | BeamSearchParams = request.beam_search_params(
+                max_tokens, self.engine.max_model_len
+            )
+            tools, field = None, None
+        else:
+            tools, params, field = self._sampling(request, max_tokens, top)
+        prompt = await self.prompt_ids(request)
+        processed = await self.admit([prompt], params, max_tokens, request.cache_salt, field)
+        request_id = new_id("chatcmpl")
+        streams = self.start(request_id, processed)
+        run = _Run(self, request, request_id, len(prompt), _OutputParser(self.reasoning_parser, tools))
+        return await self.respond(request.stream, run, streams)
+
+    def _sampling(
+        self, request: ChatCompletionRequest, max_tokens: int | None, top: int | None
+    ) -> tuple[ToolParser | None, SamplingParams, str | None]:
+        """(the parser of the output's tool calls, the sampling parameters, the field a constraint came from)."""
         tools, constraint, field = self._tool_calls(request)
         if constraint is None:
             constraint, field = request.constraint()
@@ -108,13 +126,7 @@ class OpenAIServingChat(OpenAIServing):
                 "it takes no response_format or structured output",
                 param=request.constraint()[1],
             )
-        params = request.sampling_params(self.defaults, max_tokens, top, None, constraint)
-        prompt = await self.prompt_ids(request)
-        processed = await self.admit([prompt], params, max_tokens, request.cache_salt, field)
-        request_id = new_id("chatcmpl")
-        streams = self.start(request_id, processed)
-        run = _Run(self, request, request_id, len(prompt), _OutputParser(self.reasoning_parser, tools))
-        return await self.respond(request.stream, run, streams)
+        return tools, request.sampling_params(self.defaults, max_tokens, top, None, constraint), field
 
     def _tool_calls(
         self, request: ChatCompletionRequest

@@ -20,7 +20,11 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _prompt_list(request.prompt)
         echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         constraint, field = request.constraint()
-        params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs, echo_logprobs, constraint)
+        params = (
+            request.beam_search_params(request.max_tokens, self.engine.max_model_len)
+            if request.use_beam_search
+            else request.sampling_params(self.defaults, request.max_tokens, request.logprobs, echo_logprobs, constraint)
+        )
         processed = await self.admit(prompts, params, request.max_tokens, request.cache_salt, field)
         request_id = new_id("cmpl")
         streams = self.start(request_id, processed)
