@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -303,3 +304,15 @@ def parse_memory(value: int | float | str | None, available: int) -> int:
     if not unit and 0 < number < 1:
         return int(number * available)
     return int(number * _UNITS[unit])
+
+
+def positive(kind: type):
+    """An argparse type: a number above 0 (the bench commands' too)."""
+
+    def parse(value: str):
+        number = kind(value)
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        return number
+
+    return parse

@@ -131,7 +131,7 @@ def test_a_failing_core_process_stops_the_server(llama_dir):
 
 
 def test_a_child_that_cannot_start_raises_instead_of_hanging():
-    from pagedllm.engine.child_process import ChildStartError, start_child
+    from pagedllm.child_process import ChildStartError, start_child
 
     with pytest.raises(ChildStartError, match="exited with code 1"):
         start_child("pagedllm.no_such_module")

@@ -18,7 +18,7 @@ import time
 from tqdm import tqdm
 
 from pagedllm.benchmarks.datasets import fixed_workload
-from pagedllm.entrypoints.cli import positive
+from pagedllm.config import positive
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pagedllm.entrypoints.cli import positive
+from pagedllm.config import positive
 
 Prompt = list[int] | list[dict]  # token ids (completions) or messages (chat)
 _WORDS = (

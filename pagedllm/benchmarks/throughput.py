@@ -15,7 +15,7 @@ import json
 import time
 
 from pagedllm.benchmarks.datasets import WORKLOADS, Requests, fixed_workload
-from pagedllm.entrypoints.cli import positive
+from pagedllm.config import positive
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

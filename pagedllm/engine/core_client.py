@@ -17,11 +17,11 @@ import subprocess
 from abc import ABC, abstractmethod
 from multiprocessing.connection import Connection
 
+from pagedllm.child_process import start_child
 from pagedllm.config import EngineArgs, ModelConfig
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.snapshot import EngineSnapshot
-from pagedllm.engine.child_process import start_child
 from pagedllm.engine.engine_core import EngineCore
 
 

@@ -10,9 +10,9 @@ import queue
 import threading
 from multiprocessing.connection import Connection
 
+from pagedllm.child_process import connect_to_parent
 from pagedllm.core.messages import EngineCoreOutput
 from pagedllm.engine.builder import make_engine_core
-from pagedllm.engine.child_process import connect_to_parent
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.executor.cpu_binding import BIND_ENV
 

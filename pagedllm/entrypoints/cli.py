@@ -7,7 +7,14 @@ import json
 import logging
 import sys
 
-from pagedllm.config import KV_CACHE_DTYPE_CHOICES, MAX_BODY_BYTES, QUANTIZATION_CHOICES, RUNNER_CHOICES, EngineArgs
+from pagedllm.config import (
+    KV_CACHE_DTYPE_CHOICES,
+    MAX_BODY_BYTES,
+    QUANTIZATION_CHOICES,
+    RUNNER_CHOICES,
+    EngineArgs,
+    positive,
+)
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.reasoning import REASONING_PARSERS
 
@@ -123,18 +130,6 @@ def _port(value: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
     return port
-
-
-def positive(kind: type):
-    """An argparse type: a number above 0 (the bench commands' too)."""
-
-    def parse(value: str):
-        number = kind(value)
-        if not number > 0:
-            raise argparse.ArgumentTypeError(f"{value} must be > 0")
-        return number
-
-    return parse
 
 
 def _origins(value: str) -> list[str]:

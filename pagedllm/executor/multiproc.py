@@ -28,9 +28,9 @@ from multiprocessing import shared_memory
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from pagedllm.child_process import connect_to_parent, start_child
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SharedRegion, destroy_tensor_parallel
-from pagedllm.engine.child_process import connect_to_parent, start_child
 from pagedllm.executor.abstract import ExecutorFailure
 from pagedllm.executor.cpu_binding import BIND_ENV, parse_cpu_binding
 from pagedllm.executor.ranks import STARTUP_TIMEOUT_S, RanksExecutor, answer, free_port, start_failure, start_rank

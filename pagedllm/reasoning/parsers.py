@@ -20,10 +20,17 @@ Tags cut across deltas ("</thi" + "nk>") are held back until the next delta tell
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.base import partial_tag_len
-
 OPEN = "<think>"
 CLOSE = "</think>"
+
+
+def partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag` (0 if none): the part a
+    stream must hold back, since the next delta may complete the tag."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
 
 
 class ReasoningStream:

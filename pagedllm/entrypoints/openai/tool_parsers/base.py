@@ -127,15 +127,6 @@ def call_from_object(obj: Any) -> ToolCall | None:
     return ToolCall(name=name, arguments=text)
 
 
-def partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag` (0 if none): the part a
-    stream must hold back, since the next delta may complete the tag."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class StripFilter:
     """Streams text so that what it returns joins to the whole text `.strip(chars)`: leading
     `chars` are dropped, trailing ones are held until more text follows or dropped at finish."""

@@ -21,8 +21,8 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     call_from_object,
     loads_json,
-    partial_tag_len,
 )
+from pagedllm.reasoning.parsers import partial_tag_len
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
