@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from pagedllm.config import head_dim, kv_cache_groups, sliding_windows
-from pagedllm.distributed.parallel_state import all_gather_shares, all_reduce, head_share, tensor_parallel
+from pagedllm.distributed.parallel_state import all_gather_shares, head_share, tensor_parallel
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
 from pagedllm.layers.linear import GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, load_weight
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.quantization.gguf import GGUFTensor, QuantizedEmbedding, TiedHead, dequantized
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding, token_embedding
 from pagedllm.models.interface import CausalLM, KVCache
 
 logger = logging.getLogger(__name__)
@@ -227,11 +227,7 @@ class DecoderModel(nn.Module):
         make_mlp: MakeMLP | None = None,
     ) -> None:
         super().__init__()
-        quantized = quant is not None and quant.quantized_embedding("model.embed_tokens")
-        if tensor_parallel().size > 1:
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        else:
-            self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(quant, "model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(config, cfg.head_dim, max_positions)
         self.layers = nn.ModuleList(
             DecoderLayer(
@@ -240,37 +236,6 @@ class DecoderModel(nn.Module):
             for i, window in enumerate(cfg.sliding_windows)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class VocabParallelEmbedding(nn.Embedding):
-    """Tensor parallelism's embedding: this rank's share of the vocabulary's rows; a token another
-    rank holds looks up zeros here, and the ranks' lookups are summed."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        self.vocab_start, rows = tensor_parallel().split(num_embeddings)
-        super().__init__(rows, embedding_dim)
-        self.vocab_size = num_embeddings
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | GGUFTensor) -> None:
-        whole = (self.vocab_size, *param.shape[1:])
-        shape = (loaded.rows, loaded.cols) if isinstance(loaded, GGUFTensor) else tuple(loaded.shape)
-        if shape != whole:
-            raise ValueError(f"checkpoint shape {shape}, model expects {whole}")
-        if isinstance(loaded, GGUFTensor):  # a GGUF file's quantized table: this rank's rows, dequantized
-            param.data.copy_(
-                dequantized(
-                    GGUFTensor(loaded.type_name, loaded.raw.narrow(0, self.vocab_start, param.shape[0]), loaded.cols)
-                )
-            )
-            return
-        param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.vocab_start
-        held = (local >= 0) & (local < self.num_embeddings)
-        out = super().forward(torch.where(held, local, 0))
-        return all_reduce(out.masked_fill_(~held.unsqueeze(-1), 0))
 
 
 class DecoderForCausalLM(CausalLM):
@@ -322,8 +287,9 @@ class DecoderForCausalLM(CausalLM):
             and quant_config is not None
             and quant_config.quantized_embedding("model.embed_tokens")
         )
-        if cfg.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
-            self.lm_head = TiedHead(embedding)
+        tied_head = quant_config.tied_head(embedding) if cfg.tie_word_embeddings and quant_config else None
+        if tied_head is not None:  # the format's own (GGUF: computing on the quantized table)
+            self.lm_head = tied_head
         else:
             head_method = (
                 linear_method(quant_config, "", "model.embed_tokens")

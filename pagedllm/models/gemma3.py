@@ -16,9 +16,10 @@ from pagedllm.layers.activation import gelu_tanh_and_mul
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.quantization.gguf import QuantizedEmbedding
 from pagedllm.layers.rotary import RopeTables, RotaryEmbedding
+from pagedllm.layers.vocab_embedding import token_embedding
 from pagedllm.models.decoder import Attention, DecoderConfig, DecoderForCausalLM, GatedMLP
+from pagedllm.models.gguf import GGUFFormat, field_value
 from pagedllm.models.interface import KVCache
 
 # Gemma's turn format, for files that carry no template (the GGUF of Gemma 3 270M): a system
@@ -36,6 +37,52 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     '{%- if add_generation_prompt -%}{{- "<start_of_turn>model\\n" -}}{%- endif -%}'
 )
+
+
+# Gemma's files name its four norms otherwise: its "ffn_norm" is the norm before the MLP.
+GGUF_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def gguf_eos(reader, eos: int | None) -> list[int]:
+    """Gemma's chat turns end with <end_of_turn>, which its generation config lists beside <eos> and
+    llama.cpp stops on; the GGUF file names only <eos>."""
+    ids = [] if eos is None else [int(eos)]
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    if tokens is not None and "<end_of_turn>" in tokens:
+        ids.append(tokens.index("<end_of_turn>"))
+    return ids
+
+
+def gemma3_gguf_config(reader, values: dict):
+    """Gemma 3's config class, as transformers reads such a file: what GGUF does not say (the
+    pattern of sliding and full layers, the local rotary base, query_pre_attn_scalar) takes the
+    class's defaults, which are llama.cpp's too."""
+    from transformers import Gemma3TextConfig
+
+    values = {k: v for k, v in values.items() if k != "model_type"}
+    values["eos_token_id"] = gguf_eos(reader, values.get("eos_token_id"))
+    return Gemma3TextConfig(**values, architectures=["Gemma3ForCausalLM"])
+
+
+def gemma2_gguf_config(reader, values: dict):
+    """Gemma 2's config class with the file's soft-caps. The file does not say how queries are
+    scaled: as llama.cpp does, by the head size, but for the 27B model (46 layers) by hidden / heads."""
+    from transformers import Gemma2Config
+
+    values = {k: v for k, v in values.items() if k != "model_type"}
+    values["eos_token_id"] = gguf_eos(reader, values.get("eos_token_id"))
+    caps = {
+        name: float(field_value(reader, f"gemma2.{name}"))
+        for name in ("attn_logit_softcapping", "final_logit_softcapping")
+        if field_value(reader, f"gemma2.{name}") is not None
+    }
+    per_head = values["hidden_size"] // values["num_attention_heads"]
+    scalar = per_head if values["num_hidden_layers"] == 46 else values.get("head_dim", per_head)
+    return Gemma2Config(**values, **caps, query_pre_attn_scalar=scalar, architectures=["Gemma2ForCausalLM"])
 
 
 class Gemma3Attention(Attention):
@@ -71,8 +118,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None) -> None:
         super().__init__()
-        quantized = quant is not None and quant.quantized_embedding("model.embed_tokens")
-        self.embed_tokens = (QuantizedEmbedding if quantized else nn.Embedding)(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(quant, "model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size**0.5
         self.layer_types = list(config.layer_types)
         # Each kind of layer rotates with its own base (Gemma 3: 10k local, 1M global); Gemma 2's
@@ -95,6 +141,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     supports_tensor_parallel = False  # its own layers, not split over ranks yet
     qk_norm = True
     default_chat_template = CHAT_TEMPLATE
+    gguf = GGUFFormat(GGUF_LAYER_NAMES, norm_plus_one=True, config=gemma3_gguf_config)
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__(config, max_positions, quant_config)
@@ -135,3 +182,4 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     soft-capped (tanh(s / cap) * cap, computed by the torch attention: the kernels have no cap)."""
 
     qk_norm = False
+    gguf = GGUFFormat(GGUF_LAYER_NAMES, norm_plus_one=True, config=gemma2_gguf_config)

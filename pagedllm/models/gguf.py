@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import re
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,23 +47,32 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Gemma 3 names its four norms otherwise: its "ffn_norm" is the norm before the MLP.
-_GEMMA3_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# Phi-3's checkpoint fuses q/k/v and gate/up, and llama.cpp keeps them so (gate/up as "ffn_up").
-_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_ARCH_LAYER_NAMES = {"gemma2": _GEMMA3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
-# Tensors that are config, not weights: LongRoPE's factors (read into the config).
-_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
-# llama.cpp's converter interleaves Q/K rows for its rotary layout on these architectures only.
-_PERMUTED_ARCHS = {"llama", "mistral"}
-# ... and stores Gemma's norm weights plus 1 (its RMSNorm multiplies by the weight as it is).
-_NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
-SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe"}
+
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """How a family's GGUF files differ from the shared layout; each family's class declares its own
+    (`gguf`), and models/registry.py names the file architecture (general.architecture) it reads."""
+
+    # Tensor names (after "blk.N.") the family's files use otherwise, over the shared _LAYER_NAMES.
+    layer_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # llama.cpp's converter interleaves the Q/K rows for its rotary layout (Llama, Mistral).
+    permuted_qk: bool = False
+    # ... stores the norm weights plus 1 (Gemma's RMSNorm multiplies by the weight as it is).
+    norm_plus_one: bool = False
+    # The name transformers' GGUF mappings key the architecture by, where it is not the file's.
+    transformers_key: str | None = None
+    # Tensors that are config, not weights (file name -> config field), read by `config`.
+    config_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # The family's transformers config from the file (its reader and the mapped values); None:
+    # the shared GGUF config (models/gguf_config.py).
+    config: Callable[[Any, dict], Any] | None = None
+
+    def names(self) -> dict[str, str]:
+        return {**_LAYER_NAMES, **self.layer_names}
+
+
+SHARED = GGUFFormat()
 # Config fields every family needs, and the metadata key (after "<arch>.") each comes from.
 _REQUIRED_KEYS = {
     "hidden_size": "embedding_length",
@@ -69,8 +80,6 @@ _REQUIRED_KEYS = {
     "num_attention_heads": "attention.head_count",
     "intermediate_size": "feed_forward_length",
 }
-# The model_type transformers keys a GGUF architecture's config by, where it is not the name itself.
-_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +127,11 @@ def load_gguf_config(path: str):
     vocabulary), so its renames and defaults are applied here to the fields we already read.
     """
     arch = gguf_architecture(path)
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHS)})")
+    fmt = file_format(path)  # (raises for an architecture no family reads)
     from pagedllm.models.gguf_config import gguf_config
 
     reader = _reader(path)
-    values = _config_values(reader, arch)
+    values = _config_values(reader, arch, fmt)
     missing = [f"{arch}.{key}" for name, key in _REQUIRED_KEYS.items() if name not in values]
     if missing:
         raise ValueError(f"{path}: the GGUF metadata lacks {', '.join(missing)}, which a {arch} model needs")
@@ -135,18 +143,24 @@ def load_gguf_config(path: str):
     if window:
         values["sliding_window"] = int(window)
     values.update(_moe_values(reader, arch, values))
-    if arch in ("gemma2", "gemma3"):
-        values["eos_token_id"] = _gemma3_eos(reader, values.get("eos_token_id"))
-    if arch == "gemma3":
-        config = _gemma3_config(values)
-    elif arch == "gemma2":
-        config = _gemma2_config(reader, values)
-    elif arch == "phi3":
-        config = _phi3_config(reader, values)
-    else:
-        config = gguf_config(values)
+    config = fmt.config(reader, values) if fmt.config is not None else gguf_config(values)
     config.name_or_path = _folder(path)
     return config
+
+
+def file_format(path: str) -> GGUFFormat:
+    """The GGUF format of the family that reads this file's architecture (ValueError if none does)."""
+    from pagedllm.models.registry import gguf_family
+
+    arch = gguf_architecture(path)
+    family = gguf_family(arch)
+    if family is None:
+        from pagedllm.models.registry import gguf_architectures
+
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(gguf_architectures())})"
+        )
+    return family.gguf or SHARED
 
 
 def _moe_values(reader, arch: str, values: dict) -> dict:
@@ -169,77 +183,13 @@ def _moe_values(reader, arch: str, values: dict) -> dict:
     return extra
 
 
-def _phi3_config(reader, values: dict):
-    """Phi-3's config class with its rope parameters from the file: the rotated share of a head
-    (rope.dimension_count; Phi-4-mini rotates 3/4) and, where the file has them, LongRoPE's factors
-    (tensors) and original context."""
-    from transformers import Phi3Config
-
-    values = {k: v for k, v in values.items() if k != "model_type"}
-    head_dim = values["hidden_size"] // values["num_attention_heads"]
-    rope = {
-        "rope_type": "default",
-        "rope_theta": float(values.pop("rope_theta", 10000.0)),
-        "partial_rotary_factor": (_field(reader, "phi3.rope.dimension_count") or head_dim) / head_dim,
-    }
-    factors = {
-        _ROPE_FACTORS[t.name]: [float(x) for x in np.asarray(t.data, dtype=np.float32)]
-        for t in reader.tensors
-        if t.name in _ROPE_FACTORS
-    }
-    if factors:
-        original = _field(reader, "phi3.rope.scaling.original_context_length")
-        rope.update(rope_type="longrope", original_max_position_embeddings=int(original), **factors)
-        if _field(reader, "phi3.rope.scaling.attn_factor") is not None:
-            rope["attention_factor"] = float(_field(reader, "phi3.rope.scaling.attn_factor"))
-    return Phi3Config(**values, rope_parameters=rope, architectures=["Phi3ForCausalLM"])
-
-
-def _gemma3_eos(reader, eos: int | None) -> list[int]:
-    """Gemma's chat turns end with <end_of_turn>, which its generation config lists beside <eos> and
-    llama.cpp stops on; the GGUF file names only <eos>."""
-    ids = [] if eos is None else [int(eos)]
-    field = reader.fields.get("tokenizer.ggml.tokens")
-    if field is not None:
-        tokens = field.contents()
-        if "<end_of_turn>" in tokens:
-            ids.append(tokens.index("<end_of_turn>"))
-    return ids
-
-
-def _gemma3_config(values: dict):
-    """Gemma 3's config class, as transformers reads such a file: what GGUF does not say (the
-    pattern of sliding and full layers, the local rotary base, query_pre_attn_scalar) takes the
-    class's defaults, which are llama.cpp's too."""
-    from transformers import Gemma3TextConfig
-
-    values = {k: v for k, v in values.items() if k != "model_type"}
-    return Gemma3TextConfig(**values, architectures=["Gemma3ForCausalLM"])
-
-
-def _gemma2_config(reader, values: dict):
-    """Gemma 2's config class with the file's soft-caps. The file does not say how queries are
-    scaled: as llama.cpp does, by the head size, but for the 27B model (46 layers) by hidden / heads."""
-    from transformers import Gemma2Config
-
-    values = {k: v for k, v in values.items() if k != "model_type"}
-    caps = {
-        name: float(_field(reader, f"gemma2.{name}"))
-        for name in ("attn_logit_softcapping", "final_logit_softcapping")
-        if _field(reader, f"gemma2.{name}") is not None
-    }
-    per_head = values["hidden_size"] // values["num_attention_heads"]
-    scalar = per_head if values["num_hidden_layers"] == 46 else values.get("head_dim", per_head)
-    return Gemma2Config(**values, **caps, query_pre_attn_scalar=scalar, architectures=["Gemma2ForCausalLM"])
-
-
-def _config_values(reader, arch: str) -> dict:
+def _config_values(reader, arch: str, fmt: GGUFFormat) -> dict:
     """The config dict transformers' load_gguf_checkpoint builds, for the architectures we support."""
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     # transformers takes a llama file whose name is exactly "mistral" for a Mistral model.
     model_type = "mistral" if arch == "llama" and _field(reader, "general.name") == "mistral" else arch
-    model_type = _MODEL_TYPES.get(arch, model_type)
+    model_type = fmt.transformers_key or model_type
     # llama.cpp writes the output projection only when it is not the embedding matrix.
     values: dict = {"tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}).items():
@@ -256,6 +206,11 @@ def _config_values(reader, arch: str) -> dict:
     if "vocab_size" not in values and "tokenizer.ggml.tokens" in reader.fields:
         values["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     return values
+
+
+def field_value(reader, key: str):
+    """A metadata field's value (None where the file has none)."""
+    return _field(reader, key)
 
 
 def _field(reader, key: str):
@@ -344,9 +299,10 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
     from pagedllm.layers.quantization.gguf import gguf_tensor
 
     reader = _reader(path)
-    arch = gguf_architecture(path)
+    fmt = file_format(path)
+    names = fmt.names()
     for tensor in reader.tensors:
-        if tensor.name in _ROPE_FACTORS:
+        if tensor.name in fmt.config_tensors:
             continue  # in the config
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
         type_name = tensor.tensor_type.name
@@ -364,18 +320,18 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
                     ),
                 )
             continue
-        name = hf_name(tensor.name, arch)
+        name = hf_name(tensor.name, names)
         if keep_quantized and type_name in FORMATS and len(shape) == 2 and not name.endswith(_ALWAYS_DEQUANTIZED):
             weight = gguf_tensor(tensor.data, type_name, shape[1])
-            if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if fmt.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 weight.raw = unpermute_qk(weight.raw, _heads(config, name))
             yield name, weight
             continue
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weight = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
-        if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if fmt.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = unpermute_qk(weight, _heads(config, name))
-        if arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+        if fmt.norm_plus_one and name.endswith("norm.weight"):
             weight = weight - 1
         if name.endswith("shared_expert_gate.weight"):
             weight = weight.reshape(1, -1)  # one output row, however the file shapes it
@@ -397,12 +353,13 @@ def _heads(config, name: str) -> int:
 
 def tensor_types(path: str) -> dict[str, str]:
     """Each tensor's GGUF type (F32, Q4_K, ...) by its Hugging Face name (each expert's, for stacked experts)."""
-    arch = gguf_architecture(path)
+    fmt = file_format(path)
+    layer_names = fmt.names()
     types = {}
     for t in _reader(path).tensors:
-        if t.name in _ROPE_FACTORS:
+        if t.name in fmt.config_tensors:
             continue
-        names = _expert_names(t.name, tuple(int(n) for n in reversed(t.shape))) or [hf_name(t.name, arch)]
+        names = _expert_names(t.name, tuple(int(n) for n in reversed(t.shape))) or [hf_name(t.name, layer_names)]
         types.update((name, t.tensor_type.name) for name in names)
     return types
 
@@ -417,10 +374,10 @@ def num_tensors(path: str) -> int:
     return len(_reader(path).tensors)
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str:
+def hf_name(gguf_name: str, names: Mapping[str, str] = _LAYER_NAMES) -> str:
+    """A tensor's Hugging Face name, by the family's layer names (GGUFFormat.names)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if not match or match.group(2) not in names:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from pagedllm.config import PoolerConfig
 from pagedllm.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedllm.models.gguf import GGUFFormat
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -26,6 +29,9 @@ class Model(nn.Module, ABC):
     is_causal: ClassVar[bool] = True
     # How its hidden states pool into an embedding where the model folder does not say.
     default_pooler: ClassVar[PoolerConfig] = PoolerConfig("LAST", normalize=True)
+    # How the family's GGUF files lay out their tensors and config (models/gguf.py's GGUFFormat;
+    # None: the shared layout), for the file architecture models/registry.py names.
+    gguf: ClassVar[GGUFFormat | None] = None
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

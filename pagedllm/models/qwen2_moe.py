@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pagedllm.models.gguf import GGUFFormat
 from pagedllm.models.moe import SparseMoEForCausalLM
 
 
 class Qwen2MoeForCausalLM(SparseMoEForCausalLM):
+    gguf = GGUFFormat(transformers_key="qwen2_moe")
     always_qkv_bias = True
     shared_expert = True

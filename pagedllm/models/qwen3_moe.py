@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pagedllm.models.gguf import GGUFFormat
 from pagedllm.models.moe import SparseMoEForCausalLM
 
 
 class Qwen3MoeForCausalLM(SparseMoEForCausalLM):
+    gguf = GGUFFormat(transformers_key="qwen3_moe")
     qk_norm = True

@@ -1,50 +1,57 @@
-"""Which model class serves which Hugging Face architecture name. A family's module is imported
-only when a config asks for it; a new family is one file under models/ and one line here."""
+"""Which model class serves which architecture. A family's module is imported only when a config
+(or a GGUF file) asks for it; a new family is one file under models/ and one line here."""
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from pagedllm.models.interface import Model
 
-# Architecture name -> the module under pagedllm.models whose class of that name serves it.
+
+class Family(NamedTuple):
+    module: str  # under pagedllm.models: its class of the architecture's name serves it
+    model_type: str | None = None  # what a config without `architectures` names it by (a GGUF file's)
+    gguf: str | None = None  # the GGUF files' general.architecture it reads (its class's `gguf` says how)
+
+
+# Hugging Face architecture name -> its family.
 _MODELS = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma2ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "BertModel": "bert",
-}
-# For configs that name no architecture (a GGUF file's: models/gguf.py sets its model_type).
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
+    "LlamaForCausalLM": Family("llama", "llama", "llama"),
+    "MistralForCausalLM": Family("mistral", "mistral", "mistral"),
+    "Qwen2ForCausalLM": Family("qwen2", "qwen2", "qwen2"),
+    "Qwen3ForCausalLM": Family("qwen3", "qwen3", "qwen3"),
+    "Gemma3ForCausalLM": Family("gemma3", "gemma3_text", "gemma3"),
+    "Gemma2ForCausalLM": Family("gemma3", "gemma2", "gemma2"),
+    "Phi3ForCausalLM": Family("phi3", "phi3", "phi3"),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", "qwen2_moe", "qwen2moe"),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", "qwen3_moe", "qwen3moe"),
+    "MixtralForCausalLM": Family("mixtral", "mixtral"),  # (llama.cpp writes Mixtral as "llama" with experts)
+    "BertModel": Family("bert"),
 }
 
 
 def model_class(config) -> type[Model]:
     names = list(getattr(config, "architectures", None) or [])
-    if not names and getattr(config, "model_type", None) in _MODEL_TYPES:
-        names = [_MODEL_TYPES[config.model_type]]
+    if not names:
+        names = [name for name, family in _MODELS.items() if family.model_type == getattr(config, "model_type", None)]
     for name in names:
         if name in _MODELS:
-            return getattr(importlib.import_module(f"pagedllm.models.{_MODELS[name]}"), name)
+            return _load(name)
     raise ValueError(
         f"unsupported model architecture {names or config.model_type!r}; supported: {', '.join(sorted(_MODELS))}"
     )
+
+
+def gguf_family(arch: str) -> type[Model] | None:
+    """The class whose family reads GGUF files of this general.architecture (None: no family does)."""
+    return next((_load(name) for name, family in _MODELS.items() if family.gguf == arch), None)
+
+
+def gguf_architectures() -> set[str]:
+    return {family.gguf for family in _MODELS.values() if family.gguf is not None}
+
+
+def _load(name: str) -> type[Model]:
+    return getattr(importlib.import_module(f"pagedllm.models.{_MODELS[name].module}"), name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+from torch import nn
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import KernelSpec, Linear, LinearMethodBase, SiluAndMulLinear
@@ -26,6 +27,15 @@ class QuantizationConfig(ABC):
     def quantized_embedding(self, name: str) -> bool:
         """Whether the token embedding (checkpoint module `name`) is kept quantized."""
         return False
+
+    def embedding(self, name: str, vocab_size: int, hidden_size: int) -> nn.Module | None:
+        """The token embedding where the format keeps it its own way; None: a plain table."""
+        return None
+
+    def tied_head(self, embedding: nn.Module) -> nn.Module | None:
+        """The output head tied to `embedding` where the format computes it its own way; None: a
+        linear layer sharing the embedding's weight."""
+        return None
 
 
 class PackedQuantMethod(LinearMethodBase):

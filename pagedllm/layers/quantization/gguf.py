@@ -69,6 +69,12 @@ class GGUFConfig(QuantizationConfig):
     def quantized_embedding(self, name: str) -> bool:
         return self._types([name])[0] in FORMATS
 
+    def embedding(self, name: str, vocab_size: int, hidden_size: int) -> nn.Module | None:
+        return QuantizedEmbedding(vocab_size, hidden_size) if self.quantized_embedding(name) else None
+
+    def tied_head(self, embedding: nn.Module) -> nn.Module | None:
+        return TiedHead(embedding) if isinstance(embedding, QuantizedEmbedding) else None
+
 
 def _stash(layer: Linear, param: nn.Parameter, loaded: GGUFTensor, shard_id: str | int | None = None) -> None:
     """A shard's raw blocks, kept until every shard of the layer is in: under tensor parallelism,
