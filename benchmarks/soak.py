@@ -165,7 +165,7 @@ class Spec:
     seed: int | None
     drop_after: int | None  # streams only: chunks read before the client closes the connection
     prompt: str
-    kind: str = "text"  # "text", "json" (a schema), "tools" (tool_choice required or named), "embed"
+    kind: str = "text"  # "text", "json" (a schema), "tools" (tool_choice required or named), "embed", "beams"
     tool_choice: str | dict | None = None
 
     @property
@@ -203,6 +203,8 @@ class Spec:
                 body["structured_outputs"] = {"json": SCHEMA}
         if self.kind == "tools":
             body.update({"tools": TOOLS, "tool_choice": self.tool_choice, "parallel_tool_calls": False})
+        if self.kind == "beams":  # the n best beams (use_beam_search): deterministic, no sampling fields
+            body.update(use_beam_search=True, length_penalty=1.0)
         return body
 
     @property
@@ -264,6 +266,9 @@ def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble
     draw -= args.embeddings_fraction
     if draw < args.json_fraction + args.tools_fraction:
         return constrained_spec(index, rng, args, "json" if draw < args.json_fraction else "tools")
+    draw -= args.json_fraction + args.tools_fraction
+    if draw < args.beams_fraction:
+        return beam_spec(index, rng, args, preamble)
     stream = rng.random() < 0.5
     greedy = rng.random() < 0.5
     long = rng.random() < args.long_fraction
@@ -282,6 +287,26 @@ def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble
         # from 2 on, so that a chat stream is past its role chunk, into the tokens
         drop_after=rng.randint(2, max(2, max_tokens // 2)) if drop else None,
         prompt=make_prompt(rng, long, args.long_words, preamble),
+    )
+
+
+def beam_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble: list[str]) -> Spec:
+    """A beam search (use_beam_search) of 2 or 3 beams: streamed or not (its beams come at its end,
+    so a stream is never dropped), prompts long or short."""
+    long = rng.random() < args.long_fraction
+    return Spec(
+        index=index,
+        chat=rng.random() < 0.5,
+        stream=rng.random() < 0.5,
+        n=rng.choice((2, 3)),
+        greedy=True,
+        long=long,
+        max_tokens=rng.randint(*args.max_tokens),
+        ignore_eos=rng.random() < 0.8,
+        seed=None,
+        drop_after=None,
+        prompt=make_prompt(rng, long, args.long_words, preamble),
+        kind="beams",
     )
 
 
@@ -975,6 +1000,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--json-fraction", type=float, default=None, help="JSON-schema requests (--mixed: 0.15, else 0)")
     p.add_argument("--tools-fraction", type=float, default=None, help="tool-call requests (--mixed: 0.15, else 0)")
+    p.add_argument("--beams-fraction", type=float, default=None, help="beam searches (--mixed: 0.05, else 0)")
     p.add_argument(
         "--embeddings-fraction",
         type=float,
@@ -1009,7 +1035,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="write figures and checks as JSON here")
     args = p.parse_args()
-    for name, mixed in (("json_fraction", 0.15), ("tools_fraction", 0.15), ("embeddings_fraction", 0.1)):
+    for name, mixed in (
+        ("json_fraction", 0.15),
+        ("tools_fraction", 0.15),
+        ("embeddings_fraction", 0.1),
+        ("beams_fraction", 0.05),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, mixed if args.mixed else 0.0)
     if args.mixed:

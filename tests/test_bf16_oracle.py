@@ -264,8 +264,8 @@ def _check_against_transformers(
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_bf16_match_transformers_bf16(arch, tmp_path, tokenizer_dir):
-    """Head size 64 (test_decoder_stack's shape), so that the stack runs for every arch but
-    Qwen3, whose per-head q/k norm keeps it op by op (that bf16 path is held here too). Prefill is
+    """Head size 64 (test_decoder_stack's shape), so that the stack runs for every arch (Qwen3's
+    per-head q/k norms too: its attention's kernel_spec hands them to the stack). Prefill is
     chunked (48 tokens a step), so prompt logprobs also come from chunks over cached context, and
     Mistral's window (8) is far shorter than the sequences."""
     from transformers import AutoModelForCausalLM
@@ -275,9 +275,7 @@ def test_tiny_models_bf16_match_transformers_bf16(arch, tmp_path, tokenizer_dir)
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=48)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, hf32.config.vocab_size, (n,), generator=generator).tolist() for n in (64, 40, 23)]
-    _check_against_transformers(
-        arch, llm, hf32, prompts, TINY_BOUNDS, expect_stack=_stack_can_build() and arch != "qwen3"
-    )
+    _check_against_transformers(arch, llm, hf32, prompts, TINY_BOUNDS, expect_stack=_stack_can_build())
 
 
 def test_default_model_bf16_matches_transformers_bf16(default_hf_model):

@@ -45,12 +45,13 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
 
 
 @needs_stack
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monkeypatch):
     """Mixed prompt lengths in chunked prefill steps (cached context, several sequences a step),
-    then decodes; Mistral's window is smaller than the prompts, Qwen2 has qkv biases, Llama's
-    embeddings are tied. The linear calls go 8 rows at a time (1024 otherwise) and the MLP 24 (512
-    otherwise), so that the stack's chunking of long batches is checked too."""
+    then decodes; Mistral's window is smaller than the prompts, Qwen2 has qkv biases, Qwen3 per-head
+    q/k norms (its attention's kernel_spec hands the stack their weights), Llama's embeddings are
+    tied. The linear calls go 8 rows at a time (1024 otherwise) and the MLP 24 (512 otherwise), so
+    that the stack's chunking of long batches is checked too."""
     monkeypatch.setattr(linear, "ROWS_KERNEL_MAX", 8)
     monkeypatch.setattr(decoder, "MLP_ROWS", 24)
     stacked, op_by_op = (
@@ -67,10 +68,7 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monke
 
 @needs_stack
 def test_stack_is_left_out_where_an_op_has_no_kernel(head64_models):
-    """Qwen3's per-head q/k norm has no place in the stack; fp32 has no packed kernel."""
-    assert (
-        LLM(head64_models["qwen3"], dtype="bfloat16", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
-    )
+    """fp32 has no packed kernel."""
     assert (
         LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
     )
@@ -89,7 +87,6 @@ def op_by_op_lines(caplog):
 @pytest.mark.parametrize(
     "arch, dtype, reason",
     [
-        ("qwen3", "bfloat16", "per-head q/k RMSNorm"),
         ("llama", "float32", "with UnquantizedLinearMethod) has no kernel"),
     ],
 )
@@ -97,6 +94,21 @@ def test_a_model_the_stack_cannot_take_says_why_once(arch, dtype, reason, head64
     LLM(head64_models[arch], dtype=dtype, kv_cache_memory="16MiB")
     lines = op_by_op_lines()
     assert len(lines) == 1 and (reason if cpu_ops() is not None else "C++ kernels are unavailable") in lines[0], lines
+
+
+@needs_stack
+def test_a_layer_part_without_a_stack_kernel_says_why_once(op_by_op_lines):
+    """A layer's kernel_spec comes from its parts': a GELU-gated MLP has none, and the log says so
+    once for the model (its layer type), naming the MLP."""
+    from pagedllm.layers.activation import gelu_tanh_and_mul
+
+    model = Qwen2ForCausalLM(_config("qwen2", 256, **_SHAPE), 64).bfloat16()
+    for layer in model.model.layers:
+        layer.mlp.activation = gelu_tanh_and_mul
+    linear.process_linear_weights(model)
+    model.bind_kernels()
+    lines = op_by_op_lines()
+    assert model._stack is None and len(lines) == 1 and "SiLU-gated MLPs only" in lines[0], lines
 
 
 class _PlainOnly(linear.UnquantizedLinearMethod):

@@ -62,6 +62,7 @@ using Linear = std::shared_ptr<LinearOp>;
 struct Layer {
   torch::Tensor input_norm, post_attention_norm;
   Linear qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm;  // per-head RMSNorm of q and k before rotary (Qwen3)
   int64_t sliding_window;  // 0: full attention
   double k_scale, v_scale;  // of an fp8 KV cache's values
 };
@@ -78,9 +79,11 @@ class DecoderStack {
 
   // Each linear layer's op; gate_up's applies SiLU-and-mul (SiluAndMulLinear).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Linear qkv, Linear o, Linear gate_up,
-                 Linear down, int64_t sliding_window, double k_scale, double v_scale) {
+                 Linear down, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                 int64_t sliding_window, double k_scale, double v_scale) {
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down), sliding_window, k_scale, v_scale});
+                       std::move(gate_up), std::move(down), std::move(q_norm), std::move(k_norm), sliding_window,
+                       k_scale, v_scale});
   }
 
   // x: the step's token embeddings [tokens, hidden], taken over as the residual stream.
@@ -131,6 +134,8 @@ class DecoderStack {
               const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, int64_t walk_max_q) const {
     const int64_t tokens = normed.size(0), q_size = num_heads_ * head_dim_;
     const torch::Tensor qkv = layer.qkv->forward(normed, buffer(kQkv, normed, tokens, layer.qkv->out_features()));
+    if (layer.q_norm) norm_heads(qkv, 0, q_size, *layer.q_norm);
+    if (layer.k_norm) norm_heads(qkv, q_size, (qkv.size(1) - q_size) / 2, *layer.k_norm);
     rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, layer.k_scale, layer.v_scale);
     const torch::Tensor q = buffer(kQuery, normed, tokens, q_size).view({tokens, num_heads_, head_dim_});
     q.copy_(qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}));
@@ -138,6 +143,16 @@ class DecoderStack {
     paged_attention(heads.view({tokens, num_heads_, head_dim_}), q, k_cache, v_cache, block_tables, query_start_loc,
                     seq_lens, scale_, layer.sliding_window, false, walk_max_q, layer.k_scale, layer.v_scale);
     layer.o->forward(heads, out);
+  }
+
+  // RMSNorm of each head of qkv's columns [start, start + size), written back: as models/decoder.py's
+  // Attention._norm_qk (the heads gathered into rows, normed, put back), so the same values.
+  void norm_heads(const torch::Tensor& qkv, int64_t start, int64_t size, const torch::Tensor& weight) const {
+    const torch::Tensor part = qkv.narrow(1, start, size);
+    const torch::Tensor heads = part.reshape({-1, head_dim_}).contiguous();  // (one head a row: a view)
+    torch::Tensor normed = torch::empty_like(heads);
+    rms_norm(normed, heads, c10::nullopt, weight, eps_);
+    part.copy_(normed.view(part.sizes()));
   }
 
   // The MLP of normed into out (whose attention output is spent), in chunks of mlp_rows_ rows as

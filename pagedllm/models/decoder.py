@@ -136,6 +136,15 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def kernel_spec(self) -> tuple | str:
+        """Its part of a C++ decoder-stack layer (add_layer's qkv and o ops, q and k norm weights or
+        None, window, fp8 scales), or why it has none. Its linear layers' ops come from their methods."""
+        if self.logit_softcap is not None:
+            return "soft-capped attention scores have no kernel in the C++ decoder stack"
+        norms = (self.q_norm.weight.detach(), self.k_norm.weight.detach()) if self.qk_norm else (None, None)
+        ops = (self.qkv_proj.kernel_spec(), self.o_proj.kernel_spec())
+        return (*ops, *norms, self.sliding_window or 0, self.kv_scales.k, self.kv_scales.v)
+
     def _norm_qk(self, qkv: torch.Tensor) -> None:
         """Per-head RMSNorm of q and k (Qwen3), written back into qkv."""
         for norm, start, size in ((self.q_norm, 0, self.q_size), (self.k_norm, self.q_size, self.kv_size)):
@@ -172,6 +181,12 @@ class GatedMLP(nn.Module):
             out[rows] = self._rows(x[rows])
         return out
 
+    def kernel_spec(self) -> tuple | str:
+        """Its gate/up and down ops for the C++ decoder stack, or why it has none."""
+        if self.activation is not None:
+            return "the C++ decoder stack runs SiLU-gated MLPs only (not GELU)"
+        return self.gate_up_proj.kernel_spec(), self.down_proj.kernel_spec()
+
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gated = self.gate_up_proj(x)
         return self.down_proj(gated if self.activation is None else self.activation(gated))
@@ -196,6 +211,21 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else GatedMLP(cfg, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def kernel_spec(self) -> tuple | str:
+        """The C++ decoder stack's add_layer arguments for this layer (its norms, then its parts' own
+        kernel_spec: qkv, o, gate/up and down ops, q and k norms, window, fp8 scales), or why it
+        has none."""
+        mlp_spec = getattr(self.mlp, "kernel_spec", None)
+        if mlp_spec is None:
+            return f"{type(self.mlp).__name__} has no kernel in the C++ decoder stack"
+        attn, mlp = self.self_attn.kernel_spec(), mlp_spec()
+        reason = next((part for part in (attn, mlp) if isinstance(part, str)), None)
+        if reason is not None:
+            return reason
+        qkv, o, *attention_rest = attn
+        norms = self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach()
+        return (*norms, qkv, o, *mlp, *attention_rest)
 
     def forward(
         self,
@@ -338,12 +368,11 @@ class DecoderForCausalLM(CausalLM):
 
     def bind_kernels(self) -> None:
         """Hand the decoder layers to the C++ stack if every op of theirs has a kernel there (bf16
-        or fp32, linear methods with a kernel_spec, no per-head q/k norm); else say once why they
-        run op by op. The stack's results are the op-by-op path's, bit for bit; it saves that
-        path's Python between kernels, about 1 ms a step on a 16-layer model (more on slower CPUs:
-        on an AVX2 one, batch-1 decode of the 250M model's Q4_K_M file went from 0.70x to 1.09-1.15x
-        llama.cpp's, docs/benchmarks-history.md). Without attention's query tiles, steps with a fresh prompt go
-        op by op (_stack_takes_fresh)."""
+        or fp32; each layer's kernel_spec, made from its parts' own: linear methods with a
+        kernel_spec, a SiLU-gated MLP, q/k norm weights); else say once why they run op by op. The
+        stack's results are the op-by-op path's, bit for bit, without that path's Python between
+        kernels (docs/benchmarks-history.md has what it saves). Without attention's query tiles,
+        steps with a fresh prompt go op by op (_stack_takes_fresh)."""
         self._stack = None
         ops = cpu_ops()
         reason = self._stack_blocker(ops)
@@ -355,15 +384,7 @@ class DecoderForCausalLM(CausalLM):
             cfg.num_heads, cfg.head_dim, norm.eps, self.model.layers[0].self_attn.scale, norm.weight.detach(), MLP_ROWS
         )
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            stack.add_layer(
-                layer.input_layernorm.weight.detach(),
-                layer.post_attention_layernorm.weight.detach(),
-                *(linear.kernel_spec() for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                attn.sliding_window or 0,
-                attn.kv_scales.k,
-                attn.kv_scales.v,
-            )
+            stack.add_layer(*layer.kernel_spec())
         self._stack = stack
         self._stack_takes_fresh = norm.weight.dtype == torch.bfloat16 and ops.attention_has_query_tiles(
             cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
@@ -371,19 +392,19 @@ class DecoderForCausalLM(CausalLM):
 
     def _stack_blocker(self, ops: ModuleType | None) -> str | None:
         """Why the C++ stack cannot take the decoder layers; None where it can."""
-        cfg = self.decoder_config
         if ops is None:
             return "the C++ kernels are unavailable"
         if tensor_parallel().size > 1:
             return "tensor parallelism sums each layer's outputs over the ranks, between the stack's kernels"
-        if cfg.qk_norm:
-            return "per-head q/k RMSNorm has no kernel in the C++ decoder stack"
         if len(self.kv_groups.windows) > 1:
             return "the C++ decoder stack reads one block table a step; the layers keep K/V in several groups"
         if self.model.norm.weight.dtype not in (torch.bfloat16, torch.float32):
             return f"the C++ decoder stack computes in bf16 or fp32, the weights are {self.model.norm.weight.dtype}"
-        if any(not isinstance(layer.mlp, GatedMLP) or layer.mlp.activation is not None for layer in self.model.layers):
-            return "the C++ decoder stack runs only SiLU-gated MLPs (not mixtures of experts, not GELU)"
+        for layer in self.model.layers:  # each layer says whether its parts plug in, and if not why
+            spec = getattr(layer, "kernel_spec", None)
+            reason = f"{type(layer).__name__} has no kernel in the C++ decoder stack" if spec is None else spec()
+            if isinstance(reason, str):
+                return reason
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, Linear) and module.kernel_spec() is None:
                 return (

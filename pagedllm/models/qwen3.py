@@ -6,5 +6,5 @@ from pagedllm.models.decoder import DecoderForCausalLM
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
-    # The C++ decoder stack has no kernel for this norm: Qwen3's layers run op by op.
+    # Per-head RMSNorm of q and k before rotary (the C++ decoder stack takes it: Attention.kernel_spec).
     qk_norm = True
