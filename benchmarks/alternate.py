@@ -1,8 +1,13 @@
-"""benchmarks/throughput.py alternated between this tree, an older commit and vLLM CPU, in rounds:
-whether a change cost a workload, measured beside the reference in one sitting.
+"""benchmarks/throughput.py (or serve.py) alternated between this tree, an older commit and vLLM
+CPU, in rounds: whether a change cost a workload, measured beside the reference in one sitting.
 
     .venv/bin/python benchmarks/alternate.py --against 852ef17 --vllm ~/peers/vllm/bin/python \\
         --rounds 3 -- --model /tmp/llama-250m --workload fixed
+    .venv/bin/python benchmarks/alternate.py --script serve --against 1ba24a7 --rounds 3 -- \\
+        --num-prompts 64 --input-len 128 --output-len 128 --launch
+
+--script serve runs benchmarks/serve.py, whose --launch starts each contender's own server (the
+commit's through the PYTHONPATH it inherits); vLLM is not offered there.
 
 Each round runs every contender once, in turn (every other round in reverse order), each in a
 fresh process: this tree (this Python); the commit, from a `git worktree` made for it (its own
@@ -38,15 +43,16 @@ def worktree(commit: str) -> Path:
 
 def contenders(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str]]]:
     """name -> (command before the shared arguments, environment)."""
-    here = [sys.executable, str(ROOT / "benchmarks" / "throughput.py")]
+    script = f"{args.script}.py"
+    here = [sys.executable, str(ROOT / "benchmarks" / script)]
     out = {"this tree": (here, dict(os.environ))}
     if args.against:
         tree = worktree(args.against)
         out[args.against] = (
-            [sys.executable, str(tree / "benchmarks" / "throughput.py")],
+            [sys.executable, str(tree / "benchmarks" / script)],
             {**os.environ, "PYTHONPATH": str(tree)},
         )
-    if args.vllm:
+    if args.vllm and args.script == "throughput":
         iomp = (
             Path(os.path.abspath(args.vllm)).parent.parent / "lib" / "libiomp5.so"
         )  # the venv's, not its python's target
@@ -59,10 +65,13 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str,
 
 def output_tok_s(command: list[str], env: dict[str, str], shared: list[str]) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([*command, *shared, "--out", out.name], env=env, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        rows = json.load(open(out.name))
-    assert len(rows) == 1, "one workload and one request count a run"
-    return rows[0]["output_tok_s"]
+        # (--out first: a serve.py --launch takes every argument after it)
+        subprocess.run([*command, "--out", out.name, *shared], env=env, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        result = json.load(open(out.name))
+    if isinstance(result, dict):  # serve.py's
+        return result["output_throughput"]
+    assert len(result) == 1, "one workload and one request count a run"
+    return result[0]["output_tok_s"]
 
 
 def main() -> None:
@@ -70,6 +79,7 @@ def main() -> None:
     parser.add_argument("--against", default=None, help="an older commit to alternate with")
     parser.add_argument("--vllm", default=None, help="the Python of vLLM CPU's venv")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--script", choices=("throughput", "serve"), default="throughput")
     parser.add_argument("shared", nargs=argparse.REMAINDER, help="-- then throughput.py's arguments")
     args = parser.parse_args()
     shared = args.shared[1:] if args.shared[:1] == ["--"] else args.shared
@@ -80,7 +90,7 @@ def main() -> None:
         for name, (command, env) in order:
             speeds[name].append(output_tok_s(command, env, shared))
             print(f"round {r + 1}: {name} {speeds[name][-1]:.1f} output tok/s", flush=True)
-    print(f"\n`throughput.py {' '.join(shared)}`, {args.rounds} rounds alternated\n")
+    print(f"\n`{args.script}.py {' '.join(shared)}`, {args.rounds} rounds alternated\n")
     print("| contender | output tok/s, median (range) | this tree / it, median of rounds (range) |")
     print("|---|---|---|")
     for name, values in speeds.items():

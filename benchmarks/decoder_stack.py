@@ -32,7 +32,7 @@ def main() -> None:
 
     engine = LLM(args.model, enable_prefix_caching=False).engine
     model = engine.model_runner.model
-    stack = model._stack
+    stack = model.stack
     if stack is None:
         raise SystemExit("no decoder stack for this model here (it needs bf16 and the AVX512-BF16 kernels)")
     params = SamplingParams(temperature=0, max_tokens=2 * args.rounds * args.steps + 20, ignore_eos=True)
@@ -43,12 +43,12 @@ def main() -> None:
     times: dict[str, list[float]] = {"stack": [], "op by op": []}
     for _ in range(args.rounds):
         for name, path in (("stack", stack), ("op by op", None)):
-            model._stack = path
+            model.stack = path
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             times[name].append((time.perf_counter() - start) / args.steps * 1000)
-    model._stack = stack
+    model.stack = stack
     medians = {name: statistics.median(t) for name, t in times.items()}
     print(f"batch {args.batch}, {args.rounds} rounds of {args.steps} decode steps each way\n")
     print("| path | ms a step, median round | best round | rounds |")

@@ -64,8 +64,8 @@ def main() -> None:
     label_kernels()
     llm = LLM(args.model)
     model = llm.engine.model_runner.model
-    if model._stack is not None:
-        model._stack = None if args.op_by_op else LabelledStack(model._stack)
+    if model.stack is not None:
+        model.stack = None if args.op_by_op else LabelledStack(model.stack)
     vocab = min(llm.engine.model_config.vocab_size, len(load_tokenizer(llm.engine.model_config)))
     requests = WORKLOADS[args.workload](vocab)
     run_pagedllm(llm, [([5] * 8, 4)] * 2)  # warm-up: kernels built, caches touched

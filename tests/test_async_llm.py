@@ -112,11 +112,11 @@ def test_a_stream_nobody_reads_leaves_nothing_behind(engine):
         engine.add_request("unread", engine.process_inputs("Hi", PARAMS))  # its client left at once
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if not engine._streams:
+            if not engine.num_streams:
                 break
 
     asyncio.run(main())
-    assert not engine._streams and engine.stats.num_running == 0
+    assert not engine.num_streams and engine.stats.num_running == 0
     assert engine.stats.kv_blocks_free == engine.stats.kv_blocks_total
 
 

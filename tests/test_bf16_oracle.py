@@ -171,8 +171,8 @@ def _run_ours(label: str, llm: LLM, prompts: list[list[int]], expect_stack: bool
     hook = model.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape[0]))
     counting: _CountingStack | None = None
     if expect_stack:
-        assert model._stack is not None, f"{label}: the fused decoder stack was not built"
-        counting = model._stack = _CountingStack(model._stack)
+        assert model.stack is not None, f"{label}: the fused decoder stack was not built"
+        counting = model.stack = _CountingStack(model.stack)
     try:
         params = SamplingParams(
             temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K, prompt_logprobs=TOP_K
@@ -181,9 +181,9 @@ def _run_ours(label: str, llm: LLM, prompts: list[list[int]], expect_stack: bool
     finally:
         hook.remove()
         if counting is not None:
-            model._stack = counting.stack
+            model.stack = counting.stack
     if counting is None:
-        assert model._stack is None, f"{label}: the stack was built where it has no kernel for every op"
+        assert model.stack is None, f"{label}: the stack was built where it has no kernel for every op"
     else:
         assert counting.rows == forwards, f"{label}: stack calls {counting.rows} != forward passes {forwards}"
         decode_steps = sum(1 for rows in counting.rows if rows <= len(prompts))

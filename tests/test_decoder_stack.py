@@ -58,8 +58,8 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monke
         LLM(head64_models[arch], dtype="bfloat16", kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
         for _ in range(2)
     )
-    assert stacked.engine.model_runner.model._stack is not None
-    op_by_op.engine.model_runner.model._stack = None
+    assert stacked.engine.model_runner.model.stack is not None
+    op_by_op.engine.model_runner.model.stack = None
     prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=3)
     assert _generate(stacked, prompts) == _generate(op_by_op, prompts)
     for ours, theirs in zip(stacked.engine.model_runner.kv_caches, op_by_op.engine.model_runner.kv_caches):
@@ -69,9 +69,7 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monke
 @needs_stack
 def test_stack_is_left_out_where_an_op_has_no_kernel(head64_models):
     """fp32 has no packed kernel."""
-    assert (
-        LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB").engine.model_runner.model._stack is None
-    )
+    assert LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB").engine.model_runner.model.stack is None
 
 
 @pytest.fixture
@@ -108,7 +106,7 @@ def test_a_layer_part_without_a_stack_kernel_says_why_once(op_by_op_lines):
     linear.process_linear_weights(model)
     model.bind_kernels()
     lines = op_by_op_lines()
-    assert model._stack is None and len(lines) == 1 and "SiLU-gated MLPs only" in lines[0], lines
+    assert model.stack is None and len(lines) == 1 and "SiLU-gated MLPs only" in lines[0], lines
 
 
 class _PlainOnly(linear.UnquantizedLinearMethod):
@@ -139,7 +137,7 @@ def test_a_linear_method_without_a_stack_kernel_is_named_once(method, op_by_op_l
     model.bind_kernels()
     lines = op_by_op_lines()
     if method is None:
-        assert model._stack is not None and not lines, lines
+        assert model.stack is not None and not lines, lines
     else:
-        assert model._stack is None and len(lines) == 1, lines
+        assert model.stack is None and len(lines) == 1, lines
         assert "model.layers.0.self_attn.qkv_proj (QKVLinear with _PlainOnly)" in lines[0]

@@ -120,7 +120,7 @@ def test_mlp_in_chunks_changes_no_result(tmp_path, wide_models, tokenizer_dir, q
         monkeypatch.setattr(decoder, "MLP_ROWS", mlp_rows)
         llm = LLM(path, tokenizer=tokenizer_dir, dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=48)
         if not stack:
-            llm.engine.model_runner.model._stack = None
+            llm.engine.model_runner.model.stack = None
         prompts = prompts_of_mixed_lengths(len(llm.get_tokenizer()), seed=7)
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
@@ -145,9 +145,9 @@ def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokeniz
         for _ in range(2)
     )
     model = stacked.engine.model_runner.model
-    assert model._stack is not None
-    model._stack = counting = _CountingStack(model._stack)
-    op_by_op.engine.model_runner.model._stack = None
+    assert model.stack is not None
+    model.stack = counting = _CountingStack(model.stack)
+    op_by_op.engine.model_runner.model.stack = None
     prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
@@ -157,7 +157,7 @@ def test_stack_takes_quantized_layers_bit_for_bit(tmp_path, wide_models, tokeniz
 
     assert run(stacked) == run(op_by_op)
     assert counting.steps >= 11  # the decode steps at least
-    assert model._stack_takes_fresh == (dtype == "bfloat16" and ops.attention_has_query_tiles(64, 2))
+    assert model.stack_takes_fresh == (dtype == "bfloat16" and ops.attention_has_query_tiles(64, 2))
 
 
 def test_start_up_log_names_the_types(tmp_path, wide_models, tokenizer_dir, caplog):

@@ -89,7 +89,7 @@ def test_online_quantization_near_the_float_model(wide_llama, scheme, bound, wor
 @pytest.mark.skipif(ops is None or not ops.packed_linear_available(), reason="the stack needs AVX512-BF16")
 def test_online_quantized_layers_run_in_the_stack(wide_llama):
     llm = LLM(wide_llama, quantization="int4", kv_cache_memory="32MiB", dtype="bfloat16")
-    assert llm.engine.model_runner.model._stack is not None
+    assert llm.engine.model_runner.model.stack is not None
     out = llm.generate(
         [{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False
     )

@@ -143,6 +143,11 @@ class AsyncLLM:
         self._loop = loop
 
     @property
+    def num_streams(self) -> int:
+        """Requests whose stream is still open (neither finished nor aborted)."""
+        return len(self._streams)
+
+    @property
     def is_dead(self) -> bool:
         return self.error is not None or not self._thread.is_alive()
 

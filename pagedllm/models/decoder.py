@@ -289,8 +289,9 @@ class DecoderForCausalLM(CausalLM):
     )
 
     # The decoder layers as one C++ call (kernels/decoder_stack.cpp), where bind_kernels found a
-    # kernel for every op of theirs; else None, and forward runs them op by op.
-    _stack = None
+    # kernel for every op of theirs; else None, and forward runs them op by op. A documented test
+    # hook: tests set it to None to run the op-by-op path, or wrap it to count its calls.
+    stack = None
     # Whether the family's layers split over tensor-parallel ranks (the shared decoder's do; a
     # family with layers of its own says so where they do).
     supports_tensor_parallel: ClassVar[bool] = True
@@ -298,7 +299,7 @@ class DecoderForCausalLM(CausalLM):
     # Whether the stack takes steps with prompts computed whole (no cached context): its attention
     # computes them itself only with query tiles (bf16, AVX512-BF16); elsewhere the op-by-op path
     # hands them to PyTorch's fused attention, so those steps go op by op.
-    _stack_takes_fresh = True
+    stack_takes_fresh = True
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -345,9 +346,9 @@ class DecoderForCausalLM(CausalLM):
     ) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary.tables(positions)  # once per step, shared by every layer
-        if self._stack is not None and (self._stack_takes_fresh or not attn_metadata.has_fresh_prompt()):
+        if self.stack is not None and (self.stack_takes_fresh or not attn_metadata.has_fresh_prompt()):
             meta = attn_metadata
-            return self._stack.forward(
+            return self.stack.forward(
                 x,
                 rope.cos,
                 rope.sin,
@@ -372,8 +373,8 @@ class DecoderForCausalLM(CausalLM):
         kernel_spec, a SiLU-gated MLP, q/k norm weights); else say once why they run op by op. The
         stack's results are the op-by-op path's, bit for bit, without that path's Python between
         kernels (docs/benchmarks-history.md has what it saves). Without attention's query tiles,
-        steps with a fresh prompt go op by op (_stack_takes_fresh)."""
-        self._stack = None
+        steps with a fresh prompt go op by op (stack_takes_fresh)."""
+        self.stack = None
         ops = cpu_ops()
         reason = self._stack_blocker(ops)
         if reason is not None:
@@ -385,8 +386,8 @@ class DecoderForCausalLM(CausalLM):
         )
         for layer in self.model.layers:
             stack.add_layer(*layer.kernel_spec())
-        self._stack = stack
-        self._stack_takes_fresh = norm.weight.dtype == torch.bfloat16 and ops.attention_has_query_tiles(
+        self.stack = stack
+        self.stack_takes_fresh = norm.weight.dtype == torch.bfloat16 and ops.attention_has_query_tiles(
             cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
         )
 
