@@ -1,6 +1,7 @@
 """Write a random-weight Hugging Face Llama folder of a realistic shape, loadable by every engine.
 
     python benchmarks/make_model.py --out /tmp/llama-250m
+    python benchmarks/make_model.py --arch qwen3 --out /tmp/qwen3-250m   # the same shape, per-head q/k norms
 
 Default shape: hidden 1024, 16 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 32000,
 bf16 (about 250M parameters). The tokenizer is the default model's (SmolLM2's, read from its
@@ -44,16 +45,19 @@ def main() -> None:
     parser.add_argument("--max-position-embeddings", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from pagedllm.models.loader import default_model_path
 
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    config = LlamaConfig(
+    qwen3 = args.arch == "qwen3"
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
+    config = config_class(
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
@@ -69,7 +73,7 @@ def main() -> None:
     )
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
-    model = LlamaForCausalLM(config).to(dtype)
+    model = model_class(config).to(dtype)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     cut_tokenizer(os.path.join(args.out, "tokenizer.json"), args.vocab_size)
