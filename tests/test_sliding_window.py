@@ -52,10 +52,7 @@ def test_long_requests_hold_a_window_of_blocks_and_match_transformers(mistral):
         step()
         if not held.append(
             max(
-                (
-                    len(core.scheduler.kv.req_blocks[r.request_id]) - core.scheduler.kv._num_freed.get(r.request_id, 0)
-                    for r in core.scheduler.running
-                ),
+                (core.scheduler.kv.num_held_blocks(r.request_id) for r in core.scheduler.running),
                 default=0,
             )
         )
@@ -93,13 +90,7 @@ def test_gemma3_groups_hold_their_own_blocks(gemma3):
     step = core.step
     core.step = lambda: (
         step()
-        if not held.append(
-            [
-                len(g.req_blocks[r.request_id]) - g._num_freed.get(r.request_id, 0)
-                for g in kv.groups
-                for r in core.scheduler.running
-            ]
-        )
+        if not held.append([g.num_held_blocks(r.request_id) for g in kv.groups for r in core.scheduler.running])
         else None
     )
     llm.generate(

@@ -291,6 +291,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """The blocks the request holds: its table's, less those freed behind its window."""
+        return len(self.req_blocks.get(request_id, ())) - self._num_freed.get(request_id, 0)
+
     def free(self, request: Request) -> None:
         # Free the tail first: freed blocks are evicted in that order, so a shared prefix, which
         # later requests are likeliest to hit, stays cached longest.
