@@ -755,12 +755,17 @@ async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
     return parse_metrics((await client.get("/metrics")).text)
 
 
-async def wait_idle(client: httpx.AsyncClient, wait: float) -> tuple[dict[str, float], float | None]:
-    """Metrics once nothing runs or waits, and the seconds that took (None: not within `wait` s)."""
+async def wait_idle(
+    client: httpx.AsyncClient, wait: float, kv_usage: float | None = None
+) -> tuple[dict[str, float], float | None]:
+    """Metrics once nothing runs or waits (and, given `kv_usage`, the KV usage is back at it), and
+    the seconds that took (None: not within `wait` s). An engine replica's stats come with its
+    next message: the release of held blocks that ends a beam search shows a step later."""
     start = time.monotonic()
     while True:
         values = await metrics(client)
         idle = values["pagedllm:num_requests_running"] == 0 and values["pagedllm:num_requests_waiting"] == 0
+        idle &= kv_usage is None or values["pagedllm:kv_cache_usage_perc"] == kv_usage
         elapsed = time.monotonic() - start
         if idle or elapsed > wait:
             return values, elapsed if idle else None
@@ -899,7 +904,7 @@ def checks(
         ("zero hangs", t["hangs"] == 0, f"{t['hangs']}"),
         ("every kept request complete", t["kept_complete"] == t["kept"], f"{t['kept_complete']}/{t['kept']}"),
         (
-            "idle afterwards (running 0, waiting 0)",
+            "idle afterwards (running 0, waiting 0, KV usage back)",
             idle_s is not None,
             "never" if idle_s is None else f"after {idle_s:.2f} s",
         ),
@@ -1064,7 +1069,7 @@ async def run(
         with RssSampler(pid, args.rss_interval) as sampler:
             results = await soak(clients, specs, args.concurrency, args.timeout)
         wall = time.monotonic() - start
-        after, idle_s = await wait_idle(client, args.idle_wait)
+        after, idle_s = await wait_idle(client, args.idle_wait, before["pagedllm:kv_cache_usage_perc"])
         embed_idle = (await wait_idle(embed_client, args.idle_wait))[1] if embed_url else 0.0
         picked = pick_replays(results, args.replay, args.seed)
         answered, mismatches = await replay(clients, picked, args.timeout)
