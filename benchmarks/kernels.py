@@ -71,7 +71,7 @@ def best_seconds(fn, repeats: int = 5, inner: int = 20) -> float:
 
 def verification(ops) -> None:
     """A speculative verification at batch 1 on the default model's heads (9, 3 KV heads, 64
-    dims): its k + 1 query tokens walking their context together (one call, walk_max_q = k + 1),
+    dims): its k + 1 query tokens walking their context together (one call),
     against each token walking alone (a decode call each, as a run's tokens were computed before)."""
     print(
         "| verification, 9 heads (3 KV), 700 tokens of context | tokens | together ms a layer | "
@@ -87,11 +87,9 @@ def verification(ops) -> None:
         one = torch.tensor([0, 1], dtype=torch.int32)
         rows = [(q[t : t + 1], out[t : t + 1].clone()) for t in range(tokens)]
         ways = [
-            lambda: ops.paged_attention(
-                out, q, k, v, meta.block_tables, qsl, meta.seq_lens, 0.125, 0, False, tokens, 1.0, 1.0
-            ),
+            lambda: ops.paged_attention(out, q, k, v, meta.block_tables, qsl, meta.seq_lens, 0.125, 0, 1.0, 1.0),
             lambda: [
-                ops.paged_attention(o, r, k, v, meta.block_tables, one, end, 0.125, 0, False, 1, 1.0, 1.0)
+                ops.paged_attention(o, r, k, v, meta.block_tables, one, end, 0.125, 0, 1.0, 1.0)
                 for (r, o), end in zip(rows, ends)
             ],
         ]
@@ -113,7 +111,7 @@ def main() -> None:
         out = torch.empty_like(q)
         seconds = best_seconds(
             lambda: ops.paged_attention(
-                out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125, 0, True, 1, 1.0, 1.0
+                out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125, 0, 1.0, 1.0
             )
         )
         kv_bytes = 2 * 64 * context * k.shape[2] * k.shape[3] * k.element_size()
@@ -139,8 +137,6 @@ def main() -> None:
                         meta.seq_lens,
                         0.125,
                         0,
-                        True,
-                        1,
                         1.0,
                         1.0,
                     )
@@ -159,7 +155,7 @@ def main() -> None:
         out = torch.empty_like(q)
         seconds = best_seconds(
             lambda: ops.paged_attention(
-                out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125, 0, True, 1, 1.0, 1.0
+                out, q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125, 0, 1.0, 1.0
             ),
             inner=3,
         )

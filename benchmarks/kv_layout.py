@@ -88,7 +88,7 @@ def kernel(layers: int, rounds: int) -> dict:
         for entry in result.values():
             start = time.perf_counter()
             for k, v in caches:
-                ops.paged_attention(out, q, k, v, entry["table"], starts, seq_lens, d**-0.5, 0, False, 1, 1.0, 1.0)
+                ops.paged_attention(out, q, k, v, entry["table"], starts, seq_lens, d**-0.5, 0, 1.0, 1.0)
             entry["rates"].append(kv_bytes / (time.perf_counter() - start) / 1e9)
     return {
         name: {"run_share": e["run_share"], "kv_gbs": statistics.median(e["rates"]), "rounds": e["rates"]}

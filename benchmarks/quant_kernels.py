@@ -5,8 +5,8 @@
     .venv/bin/python benchmarks/quant_kernels.py --types Q4_1 Q8_0 --rows --stream --stream-rows 1 4 5 8
 
 Per type and row count: GFLOP/s of the int8 path (activations quantized per 32, VNNI dot
-products), of the bf16 tile path (weights dequantized to bf16 tiles, packed_linear's dot
-products), and of the bf16 linear layer (PackedBF16LinearMethod) on the same shape; the weights
+products; the one path at every row count) and of the bf16 linear layer (PackedBF16LinearMethod)
+on the same shape; the weights
 stay in cache between calls, so this is arithmetic, not bandwidth. Then, with --stream, batch-1
 decode's case (with --stream-rows, also a speculative verification's few rows a call; --rows
 with no values skips the first table): a 16-layer stack of the 250M model's four layer shapes,
@@ -46,11 +46,8 @@ def random_packed(name: str, rows: int, cols: int, seed: int = 0) -> torch.Tenso
     return pack(decode(blocks.reshape(rows, -1), fmt))
 
 
-def quant_layer(name: str, rows: int, cols: int, tile_rows: int | None = None, seed: int = 0):
-    layer = cpu_ops().QuantLinear([(random_packed(name, rows, cols, seed), FORMATS[name].format_id, rows)], cols, None)
-    if tile_rows is not None:
-        layer.set_tile_rows(tile_rows)
-    return layer
+def quant_layer(name: str, rows: int, cols: int, seed: int = 0):
+    return cpu_ops().QuantLinear([(random_packed(name, rows, cols, seed), FORMATS[name].format_id, rows)], cols, None)
 
 
 def bf16_layer(rows: int, cols: int) -> Linear:
@@ -69,22 +66,22 @@ def seconds(fn, x: torch.Tensor, reps: int) -> float:
 
 def arithmetic(types: list[str], rows_list: list[int], rounds: int, n: int, k: int) -> None:
     print(f"Arithmetic, a {n} x {k} layer in cache, GFLOP/s (medians of {rounds} alternated rounds)\n")
-    print("| type | rows | int8 path | bf16 tiles | bf16 layer | best quantized / bf16 |")
-    print("|---|---|---|---|---|---|")
+    print("| type | rows | int8 path | bf16 layer | quantized / bf16 |")
+    print("|---|---|---|---|---|")
     dense = bf16_layer(n, k)
     for name in types:
-        int8, tiles = quant_layer(name, n, k, tile_rows=2**62), quant_layer(name, n, k, tile_rows=1)
+        int8 = quant_layer(name, n, k)
         for rows in rows_list:
             x = torch.randn(rows, k).bfloat16()
             reps = max(3, 400 // rows)
-            times = {"int8": [], "tiles": [], "bf16": []}
+            times = {"int8": [], "bf16": []}
             for _ in range(rounds):
-                for key, fn in (("int8", int8), ("tiles", tiles), ("bf16", dense)):
+                for key, fn in (("int8", int8), ("bf16", dense)):
                     times[key].append(seconds(fn, x, reps))
             gflops = {key: 2 * n * k * rows / statistics.median(v) / 1e9 for key, v in times.items()}
             print(
-                f"| {name} | {rows} | {gflops['int8']:.0f} | {gflops['tiles']:.0f} | {gflops['bf16']:.0f} | "
-                f"{max(gflops['int8'], gflops['tiles']) / gflops['bf16']:.2f} |"
+                f"| {name} | {rows} | {gflops['int8']:.0f} | {gflops['bf16']:.0f} | "
+                f"{gflops['int8'] / gflops['bf16']:.2f} |"
             )
 
 

@@ -39,7 +39,7 @@ def test_the_avx2_build_passes_the_kernel_tests():
             sys.executable,
             "-c",
             "from pagedllm.kernels import cpu_ops; o = cpu_ops(); "
-            "print(o.quant_linear_simd(), o.attention_has_query_tiles(64, 2))",
+            "print(o.quant_linear_simd(), o.packed_linear_available())",
         ],
         env=env,
         capture_output=True,

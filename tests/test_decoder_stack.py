@@ -85,7 +85,7 @@ def op_by_op_lines(caplog):
 @pytest.mark.parametrize(
     "arch, dtype, reason",
     [
-        ("llama", "float32", "with UnquantizedLinearMethod) has no kernel"),
+        ("llama", "float32", "with PackedFP32LinearMethod) has no kernel"),
     ],
 )
 def test_a_model_the_stack_cannot_take_says_why_once(arch, dtype, reason, head64_models, op_by_op_lines):

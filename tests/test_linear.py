@@ -20,6 +20,7 @@ from pagedllm.layers.linear import (
     Linear,
     LinearMethodBase,
     PackedBF16LinearMethod,
+    PackedFP32LinearMethod,
     QKVLinear,
     SiluAndMulLinear,
     UnquantizedLinearMethod,
@@ -79,12 +80,26 @@ def test_rows_kernel_sums_in_fp32(rows, out_features, in_features, bias, monkeyp
     torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=1e-5)
 
 
-def test_float32_weights_stay_plain():
-    layer = _layer(64, 16, torch.float32, True)
+@pytest.mark.skipif(cpu_ops() is None, reason="the fp32 kernel is C++")
+@pytest.mark.parametrize("out_features, in_features", [(16, 64), (200, 96), (1030, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_weights_packed_sum_each_row_alike(out_features, in_features, bias):
+    """fp32 layers: close to F.linear (fp64 reference sums), and a row's output bit for bit the
+    same whatever rows share its call (F.linear's GEMM is not: 1, 2, 3 and 7 rows differ)."""
+    layer = _layer(in_features, out_features, torch.float32, bias)
+    plain_weight, plain_bias = layer.weight.detach().clone(), layer.bias
     layer.process_weights_after_loading()
-    assert layer.weight.layout == torch.strided
-    x = torch.randn(5, 64)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert isinstance(layer.method, PackedFP32LinearMethod)
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(out_features))
+    got = layer(x)
+    want = F.linear(x.double(), plain_weight.double(), None if plain_bias is None else plain_bias.double())
+    tolerance = (x.double().abs() @ plain_weight.double().abs().T) * in_features * 2.0**-24 + 1e-30
+    assert ((got.double() - want).abs() <= tolerance + (0 if plain_bias is None else 2.0**-23)).all()
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+    for rows in (1, 2, 3, 5, 7, 9, 40):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    assert torch.equal(got[:40], alone)
+    assert torch.equal(layer(x[None, :7])[0], alone[:7])  # leading dims flattened
 
 
 def test_packing_a_tied_head_leaves_the_embedding_alone():
@@ -163,7 +178,7 @@ class _Uint8Method(LinearMethodBase):
 _bf16_packs = can_pack(torch.zeros(1, dtype=torch.bfloat16))
 # (the method a layer is built with, the weights' dtype, the method that serves them once loaded)
 _METHODS = [
-    (UnquantizedLinearMethod, torch.float32, UnquantizedLinearMethod),
+    (UnquantizedLinearMethod, torch.float32, PackedFP32LinearMethod if cpu_ops() else UnquantizedLinearMethod),
     pytest.param(
         UnquantizedLinearMethod,
         torch.bfloat16,
@@ -201,8 +216,9 @@ def test_gate_up_shards_loaded_up_first_give_silu_and_mul_of_f_linear(method, dt
     assert type(layer.method) is serving
     assert layer._interleaved == (serving is PackedBF16LinearMethod and _rows_kernel_built())
     x = torch.randn(5, 96).to(dtype)
-    with torch.inference_mode():
-        torch.testing.assert_close(layer(x), silu_and_mul_reference(F.linear(x, torch.cat([gate, up]))))
+    with torch.inference_mode():  # (our kernels sum in their own order: fp32 within 96 roundings)
+        want = silu_and_mul_reference(F.linear(x, torch.cat([gate, up])))
+        torch.testing.assert_close(layer(x), want, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {}))
 
 
 def test_a_method_owns_parameters_of_its_own_dtype_and_shape():

@@ -51,7 +51,7 @@ def _gather(cache: torch.Tensor, meta: AttentionMetadata, b: int, seq_len: int, 
 # Groups of 2, 3, 4 and 5 (5: one head a call); bf16 with head size 64 or 128 takes the AVX-512 path.
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (9, 3), (8, 2), (5, 1)])
 def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim, heads, kv_heads):
-    # Decodes (q_len 1), whole prefills (the fused path), and a prefill chunk on cached context.
+    # Decodes (q_len 1), whole prefills, and a prefill chunk on cached context.
     q, k, v, meta = _case(
         seq_lens=[1, 37, 200, 64, 9],
         query_lens=[1, 1, 200, 20, 9],
@@ -61,17 +61,13 @@ def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim, head
         heads=heads,
         kv_heads=kv_heads,
     )
-    # This step's K/V of each sequence, as the model passes them (the fresh prompt's own keys).
-    lens = list(enumerate(zip(meta.seq_lens_list, meta.query_lens_list)))
-    fresh_k = torch.cat([_gather(k, meta, b, n, q_len) for b, (n, q_len) in lens])
-    fresh_v = torch.cat([_gather(v, meta, b, n, q_len) for b, (n, q_len) in lens])
     scale = head_dim**-0.5
-    got = paged_attention(q, fresh_k, fresh_v, k, v, meta, scale, window)
+    got = paged_attention(q, k, v, meta, scale, window)
     want = paged_attention_reference(q.float(), k.float(), v.float(), meta, scale, window)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def _run_kernel(q, k, v, meta, walk_max_q: int, window: int = 0, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+def _run_kernel(q, k, v, meta, window: int = 0, kv_scales=(1.0, 1.0)) -> torch.Tensor:
     out = torch.empty_like(q)
     cpu_ops().paged_attention(
         out,
@@ -83,8 +79,6 @@ def _run_kernel(q, k, v, meta, walk_max_q: int, window: int = 0, kv_scales=(1.0,
         meta.seq_lens,
         q.shape[-1] ** -0.5,
         window,
-        False,
-        walk_max_q,
         *kv_scales,
     )
     return out
@@ -98,23 +92,26 @@ def _run_kernel(q, k, v, meta, walk_max_q: int, window: int = 0, kv_scales=(1.0,
         (128, 8, 1, [40, 77, 130], [5, 3, 5]),
         (32, 4, 2, [40, 77, 130], [5, 3, 5]),
         (64, 9, 3, [300], [7]),  # the default model's heads at batch 1: the run's walks split its tokens
-        (64, 4, 2, [33, 120], [11, 2]),
+        (64, 4, 2, [33, 120], [11, 2]),  # a run longer than one walk takes (8 tokens)
+        (64, 4, 2, [250, 90, 1], [250, 40, 1]),  # a whole prompt, a chunk on cached context, a decode
+        (128, 8, 2, [170], [170]),
     ],
-)  # a run longer than one walk takes (8 tokens)
-@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+)
+@pytest.mark.parametrize("dtype, cache", [("bf16", "bf16"), ("bf16", "fp8"), ("fp32", "fp32"), ("fp32", "fp8")])
 @pytest.mark.parametrize("window", [0, 50, 400])  # 50: the runs' tokens start apart, each walks alone
-def test_short_query_runs_compute_what_decodes_would(head_dim, heads, kv_heads, seq_lens, query_lens, cache, window):
-    """A speculative verification's k + 1 query tokens (walk_max_q) attend as decodes do, walking
-    their context together: each row is bit for bit the one a decode step at that position
-    computes; the query tiles, which longer runs take, round otherwise (bf16, head sizes 64 and 128)."""
+def test_every_query_token_is_its_decode(head_dim, heads, kv_heads, seq_lens, query_lens, dtype, cache, window):
+    """Batch invariance: each query row of a step, whatever the step (a prefill chunk of any size, a
+    whole prompt, a verification's run, beside other sequences), is bit for bit the row a decode
+    step at that position computes alone."""
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     q, k, v, meta = _case(
-        seq_lens, query_lens, block_size=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=torch.bfloat16
+        seq_lens, query_lens, block_size=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=torch_dtype
     )
     scales = (1.0, 1.0)
     if cache == "fp8":
         k, v, scales = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), (0.5, 2.0)
     run = functools.partial(_run_kernel, window=window, kv_scales=scales)
-    walked, tiled = run(q, k, v, meta, walk_max_q=max(query_lens)), run(q, k, v, meta, walk_max_q=1)
+    together = run(q, k, v, meta)
     row = 0
     for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         for t in range(q_len):
@@ -126,9 +123,5 @@ def test_short_query_runs_compute_what_decodes_would(head_dim, heads, kv_heads, 
                 [seq_len - q_len + t + 1],
                 [1],
             )
-            assert torch.equal(walked[row], run(q[row : row + 1].contiguous(), k, v, decode, walk_max_q=1)[0])
+            assert torch.equal(together[row], run(q[row : row + 1].contiguous(), k, v, decode)[0]), (b, t)
             row += 1
-    torch.testing.assert_close(walked.float(), tiled.float(), atol=2e-2, rtol=2e-2)
-    tiles = cpu_ops().attention_has_query_tiles(head_dim, heads // kv_heads)  # AVX512-BF16 only
-    if tiles and cache == "bf16" and window == 0:  # the tiles' own order of sums: why verification needs the walks
-        assert not torch.equal(walked, tiled)

@@ -108,15 +108,18 @@ def test_kernel_equals_the_reference(name, portable, rows):
 
 @needs_kernels
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_a_row_is_the_same_whatever_rows_share_its_call(name):
-    """Speculative verification's exactness rests on it: a row's output, bit for bit, does not
-    depend on how many rows its call has (a decode's 1, a verification's up to 9: passes of
-    several rows, one pass of 5-8 while weights stream from memory, two of 4 beyond)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_is_the_same_whatever_rows_share_its_call(name, dtype):
+    """Batch invariance and speculative verification's exactness rest on it: a row's output, bit
+    for bit, does not depend on how many rows its call has (a decode's 1, a verification's up to
+    9, a prefill's hundreds: passes of several rows, one pass of 5-8 while weights stream from
+    memory, two of 4 beyond, rows shared out among the threads) nor on where in the call it is."""
     fields = fields_of(name, 40, cols_for(name, 3 if FORMATS[name].k_quant else 5), seed=11)
-    x = torch.randn(12, fields.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
-    alone = torch.cat([kernel_linear([fields], x[i : i + 1]) for i in range(12)])
-    for rows in (2, 4, 5, 6, 7, 8, 9, 12):
+    x = torch.randn(300, fields.shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
+    alone = torch.cat([kernel_linear([fields], x[i : i + 1]) for i in range(300)])
+    for rows in (2, 4, 5, 6, 7, 8, 9, 12, 33, 257, 300):
         assert torch.equal(kernel_linear([fields], x[:rows]), alone[:rows]), rows
+    assert torch.equal(kernel_linear([fields], x[5:300]), alone[5:300])
 
 
 @needs_kernels
@@ -182,50 +185,10 @@ def test_bad_shapes_are_refused():
 
 
 @needs_kernels
-@pytest.mark.skipif(ops is None or not ops.packed_linear_available(), reason="needs AVX512-BF16")
-@pytest.mark.parametrize("name", sorted(FORMATS))
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_tiles_are_the_bf16_kernel_on_the_dequantized_weights(name, rows):
-    """bf16 activations of many rows: the weights dequantized to bf16 tiles and multiplied by the
-    packed bf16 kernel, bit for bit what the bf16 linear layer gives on those weights."""
-    from pagedllm.layers.linear import Linear
-
-    fields = fields_of(name, 70, cols_for(name, 2), seed=rows)
-    x = torch.randn(rows, fields.shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
-    bias = torch.randn(70).bfloat16()
-    layer = ops.QuantLinear([(pack(fields), fields.format.format_id, 70)], fields.shape[1], bias)
-    layer.set_tile_rows(1)
-    dense = Linear(fields.shape[1], 70, bias=True).bfloat16()
-    with torch.no_grad():
-        dense.weight.copy_(dequantize(fields))
-        dense.bias.copy_(bias)
-    dense.process_weights_after_loading()
-    assert torch.equal(layer(x), dense(x))
-
-
-def tiled(segments: list[formats.Fields], k: int, silu_mul: bool = False):
-    layer = ops.QuantLinear([(pack(f), f.format.format_id, f.shape[0]) for f in segments], k, None, silu_mul)
-    layer.set_tile_rows(1)
-    return layer
-
-
-@needs_kernels
-@pytest.mark.skipif(ops is None or not ops.packed_linear_available(), reason="needs AVX512-BF16")
-def test_tiles_of_segments_and_silu_mul():
-    gate, up = fields_of("Q4_K", 80, 256, 1), fields_of("Q6_K", 80, 256, 2)
-    x = torch.randn(37, 256).bfloat16()
-    both = tiled([gate, up], 256)(x)
-    assert torch.equal(both, torch.cat([tiled([gate], 256)(x), tiled([up], 256)(x)], dim=1))
-    expected = torch.empty(37, 80).bfloat16()
-    ops.silu_and_mul(expected, both)
-    assert torch.equal(tiled([gate, up], 256, silu_mul=True)(x), expected)
-
-
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, tile_rows", [(1, None), (5, None), (70, None), (70, 1)])
+@pytest.mark.parametrize("rows", [1, 5, 70, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_silu_mul_as_the_results_are_stored(dtype, rows, tile_rows, bias):
+def test_silu_mul_as_the_results_are_stored(dtype, rows, bias):
     """gate and up in one segment (one type, split in two at construction) or two: SiLU-and-mul
     applied as the sums are stored, bit for bit what silu_and_mul gives on the unfused output."""
     for segments in ([fields_of("Q4_0", 96, 64, 3)], [fields_of("Q4_K", 48, 256, 4), fields_of("Q6_K", 48, 256, 5)]):
@@ -234,9 +197,6 @@ def test_silu_mul_as_the_results_are_stored(dtype, rows, tile_rows, bias):
         b = torch.randn(96).to(dtype) if bias else None
         packed = [(pack(f), f.format.format_id, f.shape[0]) for f in segments]
         fused, plain = (ops.QuantLinear(packed, k, b, silu) for silu in (True, False))
-        if tile_rows is not None:
-            fused.set_tile_rows(tile_rows)
-            plain.set_tile_rows(tile_rows)
         expected = torch.empty(rows, 48, dtype=dtype)
         ops.silu_and_mul(expected, plain(x))
         assert torch.equal(fused(x), expected)

@@ -18,9 +18,9 @@ void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> d
               double eps);
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, double k_scale, double v_scale);
-bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                     int64_t sliding_window, bool skip_fresh, int64_t walk_max_q, double k_scale, double v_scale);
+                     int64_t sliding_window, double k_scale, double v_scale);
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 
@@ -92,7 +92,7 @@ class DecoderStack {
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                        const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, int64_t walk_max_q) const {
+                        const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (K, V) cache per layer expected");
     TORCH_CHECK(x.is_contiguous(), "contiguous embeddings expected");
     const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -102,8 +102,7 @@ class DecoderStack {
       const Layer& layer = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
       rms_norm(normed, residual, i == 0 ? c10::nullopt : c10::optional<torch::Tensor>(delta), layer.input_norm, eps_);
-      attend(layer, normed, delta, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens,
-             walk_max_q);
+      attend(layer, normed, delta, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens);
       rms_norm(normed, residual, delta, layer.post_attention_norm, eps_);
       mlp(layer, normed, delta);
     }
@@ -131,7 +130,7 @@ class DecoderStack {
   void attend(const Layer& layer, const torch::Tensor& normed, const torch::Tensor& out, const torch::Tensor& cos,
               const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
               const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-              const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, int64_t walk_max_q) const {
+              const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
     const int64_t tokens = normed.size(0), q_size = num_heads_ * head_dim_;
     const torch::Tensor qkv = layer.qkv->forward(normed, buffer(kQkv, normed, tokens, layer.qkv->out_features()));
     if (layer.q_norm) norm_heads(qkv, 0, q_size, *layer.q_norm);
@@ -141,7 +140,7 @@ class DecoderStack {
     q.copy_(qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}));
     const torch::Tensor heads = buffer(kHeads, normed, tokens, q_size);
     paged_attention(heads.view({tokens, num_heads_, head_dim_}), q, k_cache, v_cache, block_tables, query_start_loc,
-                    seq_lens, scale_, layer.sliding_window, false, walk_max_q, layer.k_scale, layer.v_scale);
+                    seq_lens, scale_, layer.sliding_window, layer.k_scale, layer.v_scale);
     layer.o->forward(heads, out);
   }
 

@@ -2,6 +2,11 @@
 // place from the block-table-addressed KV cache (no gather into a contiguous tensor).
 // Serves prefill chunks and decodes alike: a sequence contributes `q_len` query tokens that sit
 // at the end of its `seq_len` tokens of context (causal within the chunk).
+// Batch invariance: a query token's result is one fixed order of operations over its context
+// (the keys from its first position in tiles of fixed size, each tile's arithmetic the same), so
+// it is bit for bit the same as a decode, a prefill chunk's token (whatever the chunk), a
+// recompute after preemption or a speculative verification's, alone or beside any others. A
+// faster kernel for many query rows must keep that order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -48,12 +53,10 @@ inline float kv_value(C x, float scale) {
 constexpr int64_t kMaxHeadDim = 512;
 
 // Per-thread buffers a walk may use: scores of one block per head, the row offsets of a whole
-// context, fp32 output rows of a query tile, and a query tile's bf16 rows widened from fp8.
+// context.
 struct Scratch {
   float* scores;
   int64_t* rows;
-  float* acc;
-  at::BFloat16* widened;
 };
 
 // exp(x) for x <= 0 as plain arithmetic, so that loops of it vectorize (std::exp does not here):
@@ -141,18 +144,8 @@ void attend(T* out, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>*
 
 // The vector kernels' sizes (used by the dispatch below in every build).
 constexpr int64_t kTile = 16;         // keys a step of the vector walks
-constexpr int64_t kMaxTileRows = 32;  // query rows (tokens x group heads) of a query tile
-constexpr int64_t kRowBlock = 4;      // query rows computed together
 constexpr int64_t kMaxWalkHeads = 8;  // KV heads one decode walk serves
 
-// A query tile: rows of several query tokens of one sequence, for the G heads of one KV head.
-struct QueryTile {
-  int64_t token0;     // first query token (row of q/out) of the tile
-  int64_t pos0;       // its position in the sequence
-  int64_t tokens;     // query tokens in the tile
-  int64_t h0;         // first query head (the group of one KV head)
-  int64_t window;     // sliding window, 0 for none
-};
 
 #if defined(__AVX512BF16__)
 // The same walk for bf16 caches in AVX-512 (BF16) intrinsics. Keys are taken 16 at a time (a
@@ -417,16 +410,8 @@ inline void prefetch_rows(const C* k_cache, const C* v_cache, const int64_t* row
   }
 }
 
-// fp8 rows rows[0..n) of an fp8 cache, `width` values each, widened to bf16 rows j * width of dst
-// (value x scale), for query tiles: their packing then reads them as a bf16 cache's.
-template <KvKind K>
-inline void widen_rows(at::BFloat16* dst, const uint8_t* cache, const int64_t* rows, int64_t n, int64_t width,
-                       float scale) {
-  for (int64_t j = 0; j < n; ++j) fp8_to_bf16<K>(dst + j * width, cache + rows[j], width, scale);
-}
-
 // Query tokens against their context for the query heads of `kv_count` KV heads: `tokens` of
-// them (a speculative verification's run; else 1) at positions pos .. pos + tokens - 1, rows
+// them (a run of one sequence's tokens: a prefill chunk's, a verification's; or 1) at positions pos .. pos + tokens - 1, rows
 // `q_stride` apart, all from position `first`. The tile loop is outside the head loop, so that the
 // K/V rows of all those heads (adjacent in the cache) are read together, as a stream, rather than
 // one head's slice of each row at a time; and outside the token loop, so that a run's tokens take
@@ -476,224 +461,6 @@ void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFl
       walks[r * kv_count + h].template finish<K>(out + r * q_stride + h * G * D, K == KvKind::kSame ? 1.f : kv.v);
 }
 
-// -- Query tiles: many query rows (tokens x the heads of one KV head) against the same keys ------
-// Prefill chunks take this path. Per tile of 16 keys (four to a step), K and V are repacked once
-// so that every query row reaches them with bf16 pair dot products and no horizontal sums: K
-// transposed to [dim pair][key] (a score vector of 16 keys per row), V interleaved by key pairs
-// (the probabilities, rounded to bf16 as fused attention kernels do, weight two keys per product).
-
-// r[j] <- column j of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15].
-inline void transpose16(__m512i* r) {
-  __m512i t[16], s[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // s[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
-    s[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    s[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    s[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    s[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // then a 4 x 4 transpose of 128-bit lanes
-    const __m512i x0 = _mm512_shuffle_i32x4(s[k], s[4 + k], 0x44), x1 = _mm512_shuffle_i32x4(s[k], s[4 + k], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(s[8 + k], s[12 + k], 0x44);
-    const __m512i y1 = _mm512_shuffle_i32x4(s[8 + k], s[12 + k], 0xEE);
-    r[k] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[4 + k] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    r[8 + k] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
-}
-
-alignas(64) const at::BFloat16 kZeroRow[kMaxHeadDim] = {};
-
-template <int64_t D>
-struct PackedTile {
-  __m512i k[D / 2];              // k[c], lane j: dims 2c and 2c + 1 of key j
-  __m512i v[kTile / 2][D / 16];  // v[p][c], lane i: dim 16c + i of keys 2p and 2p + 1
-
-  void pack(const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* rows, int64_t n) {
-    const at::BFloat16* kr[kTile];
-    const at::BFloat16* vr[kTile];
-    for (int64_t j = 0; j < kTile; ++j) {  // missing keys read zeros (masked out, weight 0)
-      kr[j] = j < n ? k_cache + rows[j] : kZeroRow;
-      vr[j] = j < n ? v_cache + rows[j] : kZeroRow;
-    }
-    for (int64_t h = 0; h < D / 32; ++h) {
-      __m512i r[16];
-      for (int64_t j = 0; j < kTile; ++j) r[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(kr[j] + 32 * h));
-      transpose16(r);
-      for (int64_t c = 0; c < 16; ++c) k[16 * h + c] = r[c];
-    }
-    for (int64_t p = 0; p < kTile / 2; ++p) {
-      for (int64_t c = 0; c < D / 16; ++c) {
-        const __m512i even = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * p] + 16 * c)));
-        const __m512i odd = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * p + 1] + 16 * c)));
-        v[p][c] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
-      }
-    }
-  }
-};
-
-constexpr int64_t kQuarters = 4;  // 16-key packed tiles a query tile's key step takes
-
-// One key step (up to 64 keys, in packed quarters) for a block of kRowBlock query rows: scores,
-// the online softmax, and the probability-weighted V added into the rows' fp32 accumulators.
-// Q: the quarters some row of the block sees, known at compile time so that the accumulators
-// stay in registers.
-template <int64_t D>
-struct KeyStep {
-  const PackedTile<D>* packed;
-  float* acc;  // [rows][D]
-  float* running_max;
-  float* denom;
-  float scale;
-  int64_t r0;
-  __mmask16 valid[kRowBlock][kQuarters] = {};
-  const uint32_t* q[kRowBlock] = {};
-
-  template <int Q>
-  void run() {
-    __m512 dots[kRowBlock][Q];
-    for (int64_t rr = 0; rr < kRowBlock; ++rr)
-      for (int h = 0; h < Q; ++h) dots[rr][h] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D / 2; ++c) {
-      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-        const __m512bh qc = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[rr][c]));
-        for (int h = 0; h < Q; ++h) dots[rr][h] = _mm512_dpbf16_ps(dots[rr][h], qc, (__m512bh)packed[h].k[c]);
-      }
-    }
-    alignas(64) uint32_t pairs[kRowBlock][Q * kTile / 2];  // each row's probabilities, by key pairs
-    __m512 corr[kRowBlock];
-    for (int64_t rr = 0; rr < kRowBlock; ++rr) corr[rr] = softmax_row(rr, dots[rr], pairs[rr]);
-    // Up to 64 dims at a time (16 accumulators), so that each probability pair is broadcast once
-    // for all of them.
-    constexpr int64_t kDimGroup = std::min<int64_t>(4, D / 16);
-    static_assert(D % (16 * kDimGroup) == 0, "whole groups of dims");
-    for (int64_t c0 = 0; c0 < D / 16; c0 += kDimGroup) {
-      __m512 sum[kRowBlock][kDimGroup];
-      for (int64_t rr = 0; rr < kRowBlock; ++rr)
-        for (int64_t c = 0; c < kDimGroup; ++c)
-          sum[rr][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + rr) * D + 16 * (c0 + c)), corr[rr]);
-      for (int64_t pp = 0; pp < Q * kTile / 2; ++pp) {
-        const __m512i* v = packed[pp / (kTile / 2)].v[pp % (kTile / 2)] + c0;
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[rr][pp]));
-          for (int64_t c = 0; c < kDimGroup; ++c) sum[rr][c] = _mm512_dpbf16_ps(sum[rr][c], p, (__m512bh)v[c]);
-        }
-      }
-      for (int64_t rr = 0; rr < kRowBlock; ++rr)
-        for (int64_t c = 0; c < kDimGroup; ++c) _mm512_storeu_ps(acc + (r0 + rr) * D + 16 * (c0 + c), sum[rr][c]);
-    }
-  }
-
-  // Row r0 + rr's probabilities for this step, rounded to bf16 pairs; returns its accumulators'
-  // rescaling (1 for a row that sees none of these keys: weight 0, no rescale).
-  template <int Q>
-  __m512 softmax_row(int64_t rr, const __m512 (&dots)[Q], uint32_t* pairs) {
-    __mmask16 any = 0;
-    for (int h = 0; h < Q; ++h) any |= valid[rr][h];
-    if (any == 0) {
-      for (int h = 0; h < Q; ++h) _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + 8 * h), _mm256_setzero_si256());
-      return _mm512_set1_ps(1.f);
-    }
-    const int64_t r = r0 + rr;
-    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s = _mm512_set1_ps(scale);
-    __m512 scores[Q], top = minus_inf;
-    for (int h = 0; h < Q; ++h) {
-      scores[h] = _mm512_mask_mov_ps(minus_inf, valid[rr][h], _mm512_mul_ps(dots[h], s));
-      top = _mm512_max_ps(top, scores[h]);
-    }
-    const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(top));
-    const float correction = fast_exp(running_max[r] - new_max);
-    __m512 total = _mm512_setzero_ps();
-    for (int h = 0; h < Q; ++h) {
-      const __m512 p = _mm512_maskz_mov_ps(valid[rr][h], exp_neg(_mm512_sub_ps(scores[h], _mm512_set1_ps(new_max))));
-      total = _mm512_add_ps(total, p);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + 8 * h), (__m256i)_mm512_cvtneps_pbh(p));
-    }
-    denom[r] = denom[r] * correction + _mm512_reduce_add_ps(total);
-    running_max[r] = new_max;
-    return _mm512_set1_ps(correction);
-  }
-};
-
-// One query tile of `tokens` x G rows against keys from the earliest any row sees to the last.
-template <int64_t D, int64_t G, KvKind K>
-void attend_tile_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFloat16>* k_cache,
-                      const CacheT<K, at::BFloat16>* v_cache, const int32_t* blocks, const QueryTile& tile,
-                      int64_t num_heads, int64_t block_size, int64_t token_stride, float scale, KvScales kv,
-                      Scratch& scratch) {
-  const int64_t m = tile.tokens * G;
-  const int64_t last = tile.pos0 + tile.tokens - 1;
-  const int64_t first = tile.window > 0 ? std::max<int64_t>(0, tile.pos0 - tile.window + 1) : 0;
-  const int64_t n = context_rows(scratch.rows, blocks, first, last, block_size, token_stride);
-  float* acc = scratch.acc;  // [kMaxTileRows][D]: rows past m (to a whole row block) are never read out
-  float running_max[kMaxTileRows], denom[kMaxTileRows];
-  for (int64_t r = 0; r < kMaxTileRows; ++r) {
-    running_max[r] = -std::numeric_limits<float>::infinity();
-    denom[r] = 0.f;
-    for (int64_t i = 0; i < D; ++i) acc[r * D + i] = 0.f;
-  }
-  auto row_of = [&](int64_t r) { return ((tile.token0 + r / G) * num_heads + tile.h0 + r % G) * D; };
-  // Keys 64 at a time, as four packed quarters of 16: each row's softmax bookkeeping (maxima, exp,
-  // sums, rescaling its accumulators) is paid once per 64 keys, and the score products take four
-  // rows x 64 keys per load of q, as the linear kernel takes its blocks: loads, not dot products,
-  // bound these loops. A row block computes only the quarters some row of it sees (Q of them).
-  PackedTile<D> packed[kQuarters];
-  int64_t widened_rows[kTile];  // an fp8 cache's quarter is widened to bf16 rows first
-  for (int64_t j = 0; j < kTile; ++j) widened_rows[j] = j * D;
-  for (int64_t t = 0; t < n; t += kQuarters * kTile) {
-    prefetch_rows(k_cache, v_cache, scratch.rows, std::min(n, t + 2 * kQuarters * kTile),
-                  std::min(n, t + 3 * kQuarters * kTile), D * static_cast<int64_t>(sizeof(*k_cache)));
-    const int64_t nk = std::min(kQuarters * kTile, n - t), key0 = first + t;
-    for (int64_t h = 0; h < kQuarters; ++h) {
-      const int64_t count = std::clamp<int64_t>(nk - h * kTile, 0, kTile);
-      const int64_t* rows = scratch.rows + t + h * kTile;
-      if constexpr (K == KvKind::kSame) {
-        packed[h].pack(k_cache, v_cache, rows, count);
-      } else {
-        at::BFloat16* widened_v = scratch.widened + kTile * D;
-        widen_rows<K>(scratch.widened, k_cache, rows, count, D, kv.k);
-        widen_rows<K>(widened_v, v_cache, rows, count, D, kv.v);
-        packed[h].pack(scratch.widened, widened_v, widened_rows, count);
-      }
-    }
-    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-      KeyStep<D> step{packed, acc, running_max, denom, scale, r0};
-      int64_t quarters = 0;
-      for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-        const int64_t r = std::min(r0 + rr, m - 1), pos = tile.pos0 + r / G;
-        const int64_t lo = tile.window > 0 ? pos - tile.window + 1 : 0;
-        // Keys key0 + j this row may see: j < nk, key0 + j <= pos, key0 + j >= lo.
-        const int64_t j_end = std::min(nk, pos - key0 + 1), j_begin = std::max<int64_t>(0, lo - key0);
-        uint64_t seen = 0;
-        if (r0 + rr < m && j_end > j_begin)
-          seen = (j_end == 64 ? ~0ull : (1ull << j_end) - 1) & ~((1ull << j_begin) - 1);
-        for (int64_t h = 0; h < kQuarters; ++h) {
-          step.valid[rr][h] = static_cast<__mmask16>(seen >> (16 * h));
-          if (step.valid[rr][h] != 0) quarters = std::max(quarters, h + 1);
-        }
-        step.q[rr] = reinterpret_cast<const uint32_t*>(q + row_of(r));
-      }
-      switch (quarters) {
-        case 1: step.template run<1>(); break;
-        case 2: step.template run<2>(); break;
-        case 3: step.template run<3>(); break;
-        case 4: step.template run<4>(); break;
-        default: break;  // no row of the block sees any of these keys
-      }
-    }
-  }
-  for (int64_t r = 0; r < m; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
-    for (int64_t c = 0; c < D / 16; ++c) {
-      const __m256bh packed_out = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row_of(r) + 16 * c), (__m256i)packed_out);
-    }
-  }
-}
 #endif
 
 template <typename T, KvKind K>
@@ -722,28 +489,17 @@ AttendFn<T, K> pick(int64_t d, int64_t group, int64_t& served) {
 }
 
 template <typename T, KvKind K>
-using TileFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, const QueryTile&,
-                        int64_t, int64_t, int64_t, float, KvScales, Scratch&);
-template <typename T, KvKind K>
 using WalkFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, int64_t, int64_t,
                         int64_t, int64_t, int64_t, int64_t, int64_t, float, KvScales, Scratch&);
 
-// The AVX-512 BF16 query-tile and walk variants; both null where there are none (other dtypes,
-// head sizes or groups, or a build without AVX512-BF16).
-template <typename T, KvKind K>
-struct Bf16Variants {
-  TileFn<T, K> tile = nullptr;
-  WalkFn<T, K> walk = nullptr;
-};
-
-#define BF16_G(DD)                                                            \
-  switch (group) {                                                            \
-    case 1: return {attend_tile_bf16<DD, 1, K>, walk_of<DD, 1, K>()};         \
-    case 2: return {attend_tile_bf16<DD, 2, K>, walk_of<DD, 2, K>()};         \
-    case 3: return {attend_tile_bf16<DD, 3, K>, walk_of<DD, 3, K>()};         \
-    case 4: return {attend_tile_bf16<DD, 4, K>, walk_of<DD, 4, K>()};         \
-    case 8: return {attend_tile_bf16<DD, 8, K>, walk_of<DD, 8, K>()};         \
-    default: return {};                                                       \
+#define WALK_G(DD)                                \
+  switch (group) {                                \
+    case 1: return walk_of<DD, 1, K>();           \
+    case 2: return walk_of<DD, 2, K>();           \
+    case 3: return walk_of<DD, 3, K>();           \
+    case 4: return walk_of<DD, 4, K>();           \
+    case 8: return walk_of<DD, 8, K>();           \
+    default: return nullptr;                      \
   }
 
 #if defined(__AVX512BF16__)
@@ -758,30 +514,32 @@ constexpr WalkFn<at::BFloat16, K> walk_of() {
 }
 #endif
 
+// The AVX-512 BF16 walk for this head size and group; null where there is none (other dtypes,
+// head sizes or groups, or a build without AVX512-BF16).
 template <typename T, KvKind K>
-Bf16Variants<T, K> pick_bf16(int64_t d, int64_t group) {
+WalkFn<T, K> pick_walk(int64_t d, int64_t group) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (d == 64) { BF16_G(64) }
-    if (d == 128) { BF16_G(128) }
+    if (d == 64) { WALK_G(64) }
+    if (d == 128) { WALK_G(128) }
   }
 #endif
-  return {};
+  return nullptr;
 }
-#undef BF16_G
+#undef WALK_G
 
-// A piece of work: one query token and the heads of `kv_count` KV heads (a walk), or a query tile.
+// A piece of work: `tokens` query tokens of one sequence from q's row token0 (at position pos0),
+// for the query heads of `kv_count` KV heads from query head h0.
 struct Unit {
-  int64_t seq;
-  QueryTile tile;  // tokens == 0: a walk of token tile.token0 from query head tile.h0
-  int64_t kv_count;
-  int64_t cost;    // rough: keys read x query rows served
-  int64_t walked = 1;  // a walk's query tokens, from tile.token0 (a verification's run: several)
+  int64_t seq, token0, pos0, h0, kv_count;
+  int64_t cost;  // rough: keys read x query rows served
+  int64_t tokens = 1;
 };
 
-// How many of a verification run's q_len tokens each walk takes together: all of them (each K/V
-// tile read once for the run) but at most kMaxWalkHeads, and fewer where the runs' walks would
-// otherwise be too few to keep the threads busy (a batch-1 verification over a few KV heads).
+// How many of a sequence's q_len tokens each walk takes together: all of them (each K/V tile read
+// once for the run) but at most kMaxWalkHeads, and fewer where the runs' walks would otherwise be
+// too few to keep the threads busy (a batch-1 verification over a few KV heads). Each token's
+// arithmetic is its own walk's, however the tokens are grouped.
 inline int64_t run_tokens(int64_t q_len, int64_t runs, int64_t kv_heads, int64_t threads) {
   const int64_t wanted = (2 * threads + runs * kv_heads - 1) / (runs * kv_heads);  // walks a run
   const int64_t parts = std::clamp<int64_t>(wanted, (q_len + kMaxWalkHeads - 1) / kMaxWalkHeads, q_len);
@@ -789,9 +547,9 @@ inline int64_t run_tokens(int64_t q_len, int64_t runs, int64_t kv_heads, int64_t
 }
 
 template <typename T, KvKind K>
-bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-         double scale, int64_t sliding_window, bool skip_fresh, int64_t walk_max_q, KvScales kv) {
+         double scale, int64_t sliding_window, KvScales kv) {
   using C = CacheT<K, T>;
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -804,10 +562,7 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   TORCH_CHECK(d <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   int64_t served = 1;
   const AttendFn<T, K> attend_fn = pick<T, K>(d, group, served);
-  const Bf16Variants<T, K> bf16 = pick_bf16<T, K>(d, group);
-  const TileFn<T, K> tile_fn = bf16.tile;
-  const WalkFn<T, K> walk_fn = bf16.walk;
-  const int64_t tile_tokens = kMaxTileRows / group;
+  const WalkFn<T, K> walk_fn = pick_walk<T, K>(d, group);
   const int64_t threads = at::get_num_threads();
   // A walk serves every KV head of its token when there are enough tokens to keep the threads
   // busy; a few decodes split their heads instead.
@@ -815,16 +570,12 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                                   ? num_kv_heads : 1;
   const int64_t heads_per_walk = walk_fn != nullptr ? kv_per_walk * group : served;
 
-  // Sequences with more than walk_max_q query tokens go by query tiles where a tile kernel exists;
-  // else each token walks its context, as a decode does, so that a speculative verification's
-  // tokens (walk_max_q: its k + 1) come out bit for bit as decode steps would compute them (the
-  // tiles sum scores and rescale the softmax in another order). A verification's tokens walk
-  // together (walk_bf16 reads each K/V tile once for them) where the vector walk serves them and
-  // no sliding window moves their first position apart. Without tiles, prompts computed whole in
-  // this step (no cached context) are left to the caller when skip_fresh is set.
+  // Every query token walks its context as a decode does. A sequence's tokens walk together
+  // (walk_bf16 reads each K/V tile once for them) where the vector walk serves them and no
+  // sliding window moves their first positions apart; else one token a walk.
   auto is_run = [&](int64_t b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
-    return walk_fn != nullptr && q_len > 1 && q_len <= walk_max_q && (sliding_window == 0 || lens[b] <= sliding_window);
+    return walk_fn != nullptr && q_len > 1 && (sliding_window == 0 || lens[b] <= sliding_window);
   };
   int64_t runs = 0;
   for (int64_t b = 0; b < num_seqs; ++b) runs += is_run(b);
@@ -834,30 +585,20 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     const int64_t q_len = qsl[b + 1] - qsl[b], pos0 = lens[b] - q_len;
     longest = std::max<int64_t>(longest, lens[b]);
     auto walked = [&](int64_t last) { return sliding_window > 0 ? std::min(last + 1, sliding_window) : last + 1; };
-    if (tile_fn != nullptr && q_len > std::max<int64_t>(1, walk_max_q)) {
-      for (int64_t t = 0; t < q_len; t += tile_tokens) {
-        const int64_t tokens = std::min(tile_tokens, q_len - t);
-        for (int64_t h0 = 0; h0 < num_heads; h0 += group)
-          units.push_back({b, {qsl[b] + t, pos0 + t, tokens, h0, sliding_window}, 1,
-                           walked(pos0 + t + tokens - 1) * tokens * group / 2 + 16});
-      }
-    } else if (is_run(b)) {
+    if (is_run(b)) {
       const int64_t per_walk = run_tokens(q_len, runs, num_kv_heads, threads);
       for (int64_t t = 0; t < q_len; t += per_walk) {
         const int64_t tokens = std::min(per_walk, q_len - t);
         for (int64_t h0 = 0; h0 < num_heads; h0 += group)
-          units.push_back({b, {qsl[b] + t, pos0 + t, 0, h0, sliding_window}, 1,
-                           walked(pos0 + t + tokens - 1) * group * tokens + 16, tokens});
+          units.push_back({b, qsl[b] + t, pos0 + t, h0, 1, walked(pos0 + t + tokens - 1) * group * tokens + 16, tokens});
       }
-    } else if (!(tile_fn == nullptr && skip_fresh && q_len > 1 && pos0 == 0)) {
+    } else {
       for (int64_t t = 0; t < q_len; ++t)
         for (int64_t h0 = 0; h0 < num_heads; h0 += heads_per_walk)
-          units.push_back({b, {qsl[b] + t, pos0 + t, 0, h0, sliding_window}, kv_per_walk,
-                           walked(pos0 + t) * heads_per_walk + 16});
+          units.push_back({b, qsl[b] + t, pos0 + t, h0, kv_per_walk, walked(pos0 + t) * heads_per_walk + 16});
     }
   }
-  const bool left_fresh = tile_fn == nullptr && skip_fresh;
-  if (units.empty()) return left_fresh;
+  if (units.empty()) return;
   const T* qp = q.data_ptr<T>();
   const C* kp = static_cast<const C*>(k_cache.data_ptr());
   const C* vp = static_cast<const C*>(v_cache.data_ptr());
@@ -866,52 +607,41 @@ bool run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 
   // Units are shared out by cost, so that one long sequence does not leave the other threads idle
   // at the end, and a thread that is done takes units from the others' shares (work_split.h): the
-  // costs are rough (a walk's keys come from memory, a tile's from cache), and a thread the OS
-  // preempts (a server's HTTP thread) would otherwise hold the step up.
+  // costs are rough, and a thread the OS preempts (a server's HTTP thread) would otherwise hold
+  // the step up.
   std::vector<int64_t> costs(units.size());
   for (size_t u = 0; u < units.size(); ++u) costs[u] = units[u].cost;
   WorkSplit split(costs, static_cast<int>(std::min<int64_t>(threads, units.size())));
 #pragma omp parallel num_threads(split.threads())
   {
-    std::vector<float> scores(served * block_size), acc(kMaxTileRows * d);
+    std::vector<float> scores(served * block_size);
     std::vector<int64_t> rows(longest);
-    std::vector<at::BFloat16> widened(K == KvKind::kSame ? 0 : 2 * kTile * d);  // a query tile's K, V rows
-    Scratch scratch{scores.data(), rows.data(), acc.data(), widened.data()};
+    Scratch scratch{scores.data(), rows.data()};
     for (int64_t u = split.take(omp_get_thread_num()); u >= 0; u = split.take(omp_get_thread_num())) {
       const Unit& unit = units[u];
-      const QueryTile& tile = unit.tile;
       const int32_t* table = tables + unit.seq * table_stride;
-      const int64_t kv_head = tile.h0 / group;
-      if (tile.tokens > 0) {
-        tile_fn(op, qp, kp + kv_head * d, vp + kv_head * d, table, tile, num_heads, block_size, token_stride,
-                static_cast<float>(scale), kv, scratch);
-        continue;
-      }
-      const int64_t pos = tile.pos0;
+      const int64_t kv_head = unit.h0 / group;
+      const int64_t pos = unit.pos0;
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
-      const int64_t offset = (tile.token0 * num_heads + tile.h0) * d;
+      const int64_t offset = (unit.token0 * num_heads + unit.h0) * d;
       if (walk_fn != nullptr) {
         walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
-                unit.walked, num_heads * d, block_size, token_stride, static_cast<float>(scale), kv, scratch);
+                unit.tokens, num_heads * d, block_size, token_stride, static_cast<float>(scale), kv, scratch);
         continue;
       }
       attend_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, block_size,
                 token_stride, d, static_cast<float>(scale), kv, scratch);
     }
   }
-  return left_fresh;
 }
 
 }  // namespace
 
-// Returns whether prompts computed whole in this step were left to the caller (skip_fresh and no
-// query-tile kernel for this dtype and shape). Sequences of at most walk_max_q query tokens are
-// computed token by token, as decodes (run's comment). The caches hold q's dtype, or fp8 (fp32 and bf16
-// queries) whose values are scaled by k_scale and v_scale.
-bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor block_tables,
-                     torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                     int64_t sliding_window, bool skip_fresh, int64_t walk_max_q, double k_scale, double v_scale) {
+// The caches hold q's dtype, or fp8 (fp32 and bf16 queries) whose values are scaled by k_scale
+// and v_scale.
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                     int64_t sliding_window, double k_scale, double v_scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs expected");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
@@ -920,7 +650,7 @@ bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(kv_kind(v_cache, q.scalar_type()) == kind, "K and V caches of one dtype expected");
   const KvScales kv{static_cast<float>(k_scale), static_cast<float>(v_scale)};
 #define RUN(T, K) return run<T, K>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, \
-                                   sliding_window, skip_fresh, walk_max_q, kv)
+                                   sliding_window, kv)
   switch (q.scalar_type()) {
     case torch::kFloat:
       if (kind == KvKind::kE4M3) RUN(float, KvKind::kE4M3);
@@ -936,13 +666,6 @@ bool paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
 #undef RUN
-  return false;
-}
-
-// Whether bf16 attention has its query-tile kernel for this head size and group (then prompts
-// are never left to the caller).
-bool attention_has_query_tiles(int64_t head_dim, int64_t group) {
-  return pick_bf16<at::BFloat16, KvKind::kSame>(head_dim, group).tile != nullptr;
 }
 
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
@@ -954,6 +677,7 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 bool packed_linear_available();
+void fp32_linear_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 std::vector<std::pair<int64_t, int64_t>> work_split_trace(int64_t items, int64_t threads, int64_t delay_us,
                                                           const std::vector<int64_t>& weights);
 void argmax_rows(torch::Tensor out, torch::Tensor x);
@@ -978,7 +702,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_mask", &apply_token_mask, "logits[rows[j], t] = -inf where bit t of mask row j is clear",
         release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
-  m.def("attention_has_query_tiles", &attention_has_query_tiles, "whether bf16 attention has query tiles for (d, group)");
+  m.def("fp32_linear_rows", &fp32_linear_rows, "x W^T (+ bias) over fp32 weights packed [N / 16, K, 16]", release());
   bind_decoder_stack(m);  // first: it binds LinearOp, which quant_linear's class derives from
   bind_quant_linear(m);
   bind_shm_collectives(m);

@@ -13,9 +13,11 @@
 // block on int16 activation sums (Q4_K and Q6_K at 64 rows 4-10% faster than a multiply each).
 // Every weight is read once a call and unpacked once for up to 4 rows of activations (8 for Q6_K,
 // whose unpacking costs most; a K record's float sums then wait in memory); where a layer is many
-// rows, a group's records (a few KiB) stay in L1 across the row passes. For bf16 activations of many rows
-// of Q5_0/Q5_1, tiles of 64 rows are dequantized to bf16 and
-// multiplied by packed_linear.cpp's bf16 kernel instead (matmul_tiles).
+// rows, a group's records (a few KiB) stay in L1 across the row passes.
+// Batch invariance: a row's sums are the same whatever rows share its call (the integer sums are
+// exact and each row's float sums run in record order, in a pass of any size), and there is one
+// path per format whatever the step's rows (bf16 dot products on dequantized tiles, once taken
+// from 256 bf16 rows of Q5_0/Q5_1, no longer ran faster than the int8 passes: removed).
 //
 // CPUs without AVX-512 take an AVX2 path over the same records (group_avx2: 8 rows a register,
 // maddubs for dpbusd). The portable path computes the same sums in plain C++, for CPUs with
@@ -45,16 +47,11 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);  // fused_ops.cpp
 #if defined(__AVX512BF16__)
 void silu_mul_sums_bf16(at::BFloat16* out, const float* g, const float* u, int64_t n);  // fused_ops.cpp
 #endif
-#if defined(__AVX512BF16__)
-void bf16_block_rows(const uint32_t* const* x_pairs, int rows, const at::BFloat16* block, int64_t k_pairs,
-                     float* sums);  // packed_linear.cpp
-#endif
 
 namespace {
 
 constexpr int64_t kGroup = 16;  // output rows a record holds
 constexpr int64_t kBlock = 32;  // values an activation scale covers
-constexpr int kMaxRows = 4;     // activation rows a pass over a bf16 tile serves (packed_linear's)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kPassRows = 8;    // activation rows a pass over a group's records serves (int8 path)
 #else
@@ -270,7 +267,7 @@ Activations quantize_activations(const torch::Tensor& x, bool portable, int64_t 
   return {b.codes.data(), b.scales.data(), b.sums.data(), rows, k, block};
 }
 
-// -- one group of 16 output rows, for up to kMaxRows activation rows: float sums [rows][16] ------
+// -- one group of 16 output rows, for up to 4 activation rows: float sums [rows][16] -------------
 // Portable: code u of lane `lane`, value v of a block's codes (and high bits).
 template <int F>
 inline int code_at(const uint8_t* codes, const uint8_t* high, int lane, int v) {
@@ -775,74 +772,6 @@ void group_avx2(const uint8_t* group, int64_t records, const Activations& a, int
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define PAGEDLLM_QUANT_TILES 1
-// -- many rows: weights dequantized to bf16 tiles, then packed_linear's dot products ------------
-// Past a few dozen rows a layer is bound by arithmetic. For Q5_0 and Q5_1, whose int8 path scales
-// every 32-value block in float, bf16 dot products on dequantized weights (packed_linear.cpp's
-// kernel, 91-99% of the bf16 peak) run faster, and keep the activations unquantized (tile_rows
-// says from where). A tile is 64 output rows (4 groups) over all of k, laid out as packed_linear
-// reads a block: [k pairs][64 columns][2].
-
-// Per lane, bf16(lo) in the low half of a 32-bit word and bf16(hi) in the high half.
-inline __m512i pair_words(__m512 lo, __m512 hi) {
-  const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-  const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-  return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
-}
-
-// Byte i of each lane's word, as floats.
-inline __m512 code_floats(__m512i w, int i) {
-  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8 * i), _mm512_set1_epi32(0xFF)));
-}
-
-// One group's 16 rows into columns col..col + 15 of a tile: each weight s u + m, as formats.dequantize
-// computes it (exact in float32 but for one rounding, then rounded to bf16).
-template <int F>
-void dequantize_group_bf16(const uint8_t* group, int64_t records, uint32_t* tile, int64_t col) {
-  using Tr = Traits<F>;
-  __m512i w[8];
-  for (int64_t rec = 0; rec < records; ++rec) {
-    const uint8_t* p = group + rec * Tr::record_bytes;
-    for (int j = 0; j < Tr::blocks; ++j) {
-      unpack<Tr::bits>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, w);
-      __m512 scale[2], minimum[2];
-      if constexpr (!Tr::k_quant) {
-        scale[0] = scale[1] = halves(p + Tr::scales_at);
-        minimum[0] = minimum[1] = Tr::has_min ? halves(p + Tr::scales_at + 2 * kGroup)
-                                              : _mm512_mul_ps(scale[0], _mm512_set1_ps(-static_cast<float>(Tr::offset)));
-      } else if constexpr (F == kQ6_K) {
-        const __m512 d = halves(p + Tr::d_at);
-        const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + 2 * j * kGroup);
-        for (int h = 0; h < 2; ++h) {
-          scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc + h))));
-          minimum[h] = _mm512_mul_ps(scale[h], _mm512_set1_ps(-32.f));
-        }
-      } else {
-        const auto* sc = reinterpret_cast<const __m128i*>(p + Tr::scales_at + j * kGroup);
-        const auto* mn = reinterpret_cast<const __m128i*>(p + Tr::sub_min_at + j * kGroup);
-        scale[0] = scale[1] = _mm512_mul_ps(halves(p + Tr::d_at), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sc))));
-        const __m512 dmin = halves(p + Tr::d_at + 2 * kGroup);
-        minimum[0] = minimum[1] = _mm512_sub_ps(_mm512_setzero_ps(),
-                                                _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(mn)))));
-      }
-      uint32_t* pairs = tile + (rec * Tr::blocks + j) * (kBlock / 2) * 64 + col;
-      for (int t = 0; t < 8; ++t) {
-        const __m512 s = scale[t / 4], m = minimum[t / 4];
-        const __m512i even = pair_words(_mm512_fmadd_ps(code_floats(w[t], 0), s, m), _mm512_fmadd_ps(code_floats(w[t], 1), s, m));
-        const __m512i odd = pair_words(_mm512_fmadd_ps(code_floats(w[t], 2), s, m), _mm512_fmadd_ps(code_floats(w[t], 3), s, m));
-        _mm512_storeu_si512(pairs + (2 * t) * 64, even);
-        _mm512_storeu_si512(pairs + (2 * t + 1) * 64, odd);
-      }
-    }
-  }
-}
-
-using TileFn = void (*)(const uint8_t*, int64_t, uint32_t*, int64_t);
-TileFn tile_fn(int format) {
-  return by_format(format, [](auto f) -> TileFn { return dequantize_group_bf16<decltype(f)::value>; });
-}
-#endif
 
 using GroupFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, int, float*, bool);
 
@@ -933,29 +862,15 @@ struct Job {
   const uint8_t* weights;
   int64_t records, record_bytes, groups, n, col;
   GroupFn fn;
-#if PAGEDLLM_QUANT_TILES
-  TileFn tile;
-#endif
-  int64_t tile_rows;  // bf16 activations of this many rows or more take the tile path
   int64_t activation_block;  // 256 for the K types, else 32
 };
 
-// Where a flat index over every job's units (groups, or tiles of 4 groups) falls: (job, unit in it).
+// Where a flat index over every job's groups falls: (job, group in it).
 std::pair<size_t, int64_t> locate(const std::vector<int64_t>& first_unit, int64_t unit) {
   const size_t job = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
   return {job, unit - first_unit[job]};
 }
 
-// Work items (unit, chunk of rows): with units enough for every thread a chunk is all the rows, so
-// that a unit's weights are read from memory (and, for tiles, dequantized) once.
-struct Chunks {
-  int64_t count, rows;
-  Chunks(int64_t rows_total, int64_t units, int64_t pass_rows) {
-    const int64_t passes = (rows_total + pass_rows - 1) / pass_rows;
-    count = std::min(passes, std::max<int64_t>(1, (4 * omp_get_max_threads() + units - 1) / units));
-    rows = (passes + count - 1) / count * pass_rows;
-  }
-};
 
 // out[:, job.col:job.col + job.n] = x W^T (+ bias) for every job, in one parallel region.
 template <typename T>
@@ -968,7 +883,7 @@ void matmul(torch::Tensor& out, const Activations& a, const std::vector<Job>& jo
     first_group.push_back(groups);
     groups += job.groups;
   }
-  const Chunks chunks(rows, groups, kPassRows);
+  const RowChunks chunks(rows, groups, kPassRows, omp_get_max_threads());
   WorkSplit split(groups * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
   for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
@@ -992,7 +907,7 @@ template <typename T>
 void matmul_silu_mul(torch::Tensor& out, const Activations& a, const Job& gate, const Job& up, const T* bias) {
   const int64_t rows = a.rows, stride = out.size(1);
   T* y = out.data_ptr<T>();
-  const Chunks chunks(rows, gate.groups, kPassRows);
+  const RowChunks chunks(rows, gate.groups, kPassRows, omp_get_max_threads());
   WorkSplit split(gate.groups * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
   for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
@@ -1011,116 +926,6 @@ void matmul_silu_mul(torch::Tensor& out, const Activations& a, const Job& gate, 
   }
 }
 
-#if PAGEDLLM_QUANT_TILES
-constexpr int64_t kTileGroups = 4;  // a tile: 64 output rows, packed_linear's block width
-
-// out = x W^T (+ bias) for bf16 x of many rows: each thread dequantizes a tile of 64 output rows
-// into its own buffer (kept in L2 while it serves every pass of 4 rows), then runs the bf16 dot
-// products over it.
-void matmul_tiles(torch::Tensor& out, const torch::Tensor& x, const std::vector<Job>& jobs,
-                  const at::BFloat16* bias) {
-  const int64_t rows = x.size(0), k_pairs = x.size(1) / 2, stride = out.size(1);
-  int64_t units = 0;
-  std::vector<int64_t> first_unit;
-  for (const Job& job : jobs) {
-    first_unit.push_back(units);
-    units += (job.groups + kTileGroups - 1) / kTileGroups;
-  }
-  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  const Chunks chunks(rows, units, kMaxRows);
-  WorkSplit split(units * chunks.count, omp_get_max_threads());
-#pragma omp parallel num_threads(split.threads())
-  {
-    thread_local std::vector<uint32_t> tile;
-    tile.resize(std::max<size_t>(tile.size(), k_pairs * kTileGroups * kGroup));
-    const auto* block = reinterpret_cast<const at::BFloat16*>(tile.data());
-    int64_t loaded = -1;  // the unit in this thread's tile
-    alignas(64) float sums[kMaxRows * kTileGroups * kGroup];
-    const uint32_t* x_pairs[kMaxRows];
-    for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-      const int64_t unit = item / chunks.count;
-      const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
-      const auto [j, u] = locate(first_unit, unit);
-      const Job& job = jobs[j];
-      if (loaded != unit) {
-        for (int64_t g = u * kTileGroups; g < std::min(job.groups, (u + 1) * kTileGroups); ++g)
-          job.tile(job.weights + g * job.records * job.record_bytes, job.records, tile.data(),
-                   (g - u * kTileGroups) * kGroup);
-        loaded = unit;
-      }
-      const int64_t col = job.col + u * kTileGroups * kGroup;
-      const int64_t cols = std::min<int64_t>(kTileGroups * kGroup, job.n - u * kTileGroups * kGroup);
-      for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
-        const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
-        for (int r = 0; r < count; ++r) x_pairs[r] = xs + (r0 + r) * k_pairs;
-        bf16_block_rows(x_pairs, count, block, k_pairs, sums);
-        store(y + r0 * stride + col, stride, sums, kTileGroups * kGroup, count, cols,
-              bias == nullptr ? nullptr : bias + col);
-      }
-    }
-  }
-}
-#endif
-
-#if PAGEDLLM_QUANT_TILES
-// matmul_silu_mul's tile path: a thread dequantizes a unit's gate and up tiles side by side.
-void matmul_tiles_silu_mul(torch::Tensor& out, const torch::Tensor& x, const Job& gate, const Job& up,
-                           const at::BFloat16* bias) {
-  const int64_t rows = x.size(0), k_pairs = x.size(1) / 2, stride = out.size(1);
-  const int64_t units = (gate.groups + kTileGroups - 1) / kTileGroups, tile_words = k_pairs * kTileGroups * kGroup;
-  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  const Chunks chunks(rows, units, kMaxRows);
-  WorkSplit split(units * chunks.count, omp_get_max_threads());
-#pragma omp parallel num_threads(split.threads())
-  {
-    thread_local std::vector<uint32_t> tiles;
-    tiles.resize(std::max<size_t>(tiles.size(), 2 * tile_words));
-    int64_t loaded = -1;
-    alignas(64) float sums[2][kMaxRows * kTileGroups * kGroup];
-    const uint32_t* x_pairs[kMaxRows];
-    for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-      const int64_t u = item / chunks.count;
-      const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
-      if (loaded != u) {
-        int h = 0;
-        for (const Job* job : {&gate, &up}) {
-          for (int64_t g = u * kTileGroups; g < std::min(job->groups, (u + 1) * kTileGroups); ++g)
-            job->tile(job->weights + g * job->records * job->record_bytes, job->records, tiles.data() + h * tile_words,
-                      (g - u * kTileGroups) * kGroup);
-          ++h;
-        }
-        loaded = u;
-      }
-      const int64_t col = u * kTileGroups * kGroup, cols = std::min<int64_t>(kTileGroups * kGroup, gate.n - col);
-      for (int64_t r0 = first; r0 < last; r0 += kMaxRows) {
-        const int count = static_cast<int>(std::min<int64_t>(kMaxRows, last - r0));
-        for (int r = 0; r < count; ++r) x_pairs[r] = xs + (r0 + r) * k_pairs;
-        for (int h = 0; h < 2; ++h)
-          bf16_block_rows(x_pairs, count, reinterpret_cast<const at::BFloat16*>(tiles.data() + h * tile_words),
-                          k_pairs, sums[h]);
-        store_silu_mul(y + r0 * stride + col, stride, sums[0], sums[1], kTileGroups * kGroup, count, cols,
-                       bias == nullptr ? nullptr : bias + col, bias == nullptr ? nullptr : bias + gate.n + col);
-      }
-    }
-  }
-}
-#endif
-
-// Rows from which bf16 activations take the tile path: where it measured faster than the int8 path
-// (benchmarks/quant_kernels.py, 5632 x 1024 layers): Q5_0 and Q5_1 from 256 rows (since the int8
-// path's multi-row passes lost two adds a block, Q5_1 ties there and Q5_0's int8 path is 3-10%
-// ahead: left as they were); never for the K types (Q6_K's int8 path, in passes of 8 rows, 4-20%
-// ahead of the tiles at 1024 and 2048 rows; Q4_K and Q5_K's further) nor for 4 and 8 bits, whose
-// int8 path stays ahead of the bf16 kernel itself.
-constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
-int64_t tile_rows(int format) {
-  switch (format) {
-    case kQ5_0: case kQ5_1: return 256;
-    default: return kNever;
-  }
-}
 
 // A quantized linear layer: one or more packed matrices (a fused layer's shards of different
 // types), side by side in the output's columns.
@@ -1142,11 +947,7 @@ class QuantLinear : public LinearOp {
                   packed.size(1) * record_values(static_cast<int>(format)), " values, the layer takes ", in_features_);
       TORCH_CHECK(packed.size(0) == (n + kGroup - 1) / kGroup, "packed groups do not cover ", n, " rows");
       jobs_.push_back({packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2), packed.size(0), n, out_features_,
-                       group_fn(static_cast<int>(format), portable_),
-#if PAGEDLLM_QUANT_TILES
-                       tile_fn(static_cast<int>(format)),
-#endif
-                       tile_rows(static_cast<int>(format)), activation_block(static_cast<int>(format))});
+                       group_fn(static_cast<int>(format), portable_), activation_block(static_cast<int>(format))});
       out_features_ += n;
     }
     TORCH_CHECK(!silu_mul_ || out_features_ % 2 == 0, "silu_mul needs gate and up halves");
@@ -1170,14 +971,12 @@ class QuantLinear : public LinearOp {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features_, "[rows, ", in_features_, "] activations expected");
     const torch::Tensor input = x.contiguous();
     const int64_t rows = x.size(0);
-    if (fused_silu_ && takes_tiles(jobs_[0], input) == takes_tiles(jobs_[1], input))
-      return silu_forward(input, output(input, given));
+    if (fused_silu_) return silu_forward(input, output(input, given));
     // Unfused SiLU-and-mul: the [rows, 2n] product first, then the result.
     torch::Tensor out = silu_mul_ ? torch::empty({rows, out_features_}, x.options()) : output(input, given);
-    std::vector<Job> int8_jobs[2], tile_jobs;  // int8: by activation block, 32 then 256
-    for (const Job& job : jobs_)
-      (takes_tiles(job, input) ? tile_jobs : int8_jobs[job.activation_block == kBlock ? 0 : 1]).push_back(job);
-    for (const std::vector<Job>& jobs : int8_jobs) {
+    std::vector<Job> by_block[2];  // by activation block, 32 then 256
+    for (const Job& job : jobs_) by_block[job.activation_block == kBlock ? 0 : 1].push_back(job);
+    for (const std::vector<Job>& jobs : by_block) {
       if (jobs.empty()) continue;
       const Activations a = quantize_activations(input, portable_, jobs[0].activation_block);
       if (x.scalar_type() == torch::kBFloat16)
@@ -1185,39 +984,17 @@ class QuantLinear : public LinearOp {
       else
         matmul<float>(out, a, jobs, bias_data<float>());
     }
-#if PAGEDLLM_QUANT_TILES
-    if (!tile_jobs.empty()) matmul_tiles(out, input, tile_jobs, bias_data<at::BFloat16>());
-#endif
     return finish(out, given);
-  }
-
-  // The rows from which bf16 activations take the tile path, for every segment (tests check both).
-  void set_tile_rows(int64_t rows) {
-    for (Job& job : jobs_) job.tile_rows = rows;
   }
 
  private:
   torch::Tensor silu_forward(const torch::Tensor& x, torch::Tensor out) const {
-#if PAGEDLLM_QUANT_TILES
-    if (takes_tiles(jobs_[0], x)) {
-      matmul_tiles_silu_mul(out, x, jobs_[0], jobs_[1], bias_data<at::BFloat16>());
-      return out;
-    }
-#endif
     const Activations a = quantize_activations(x, portable_, jobs_[0].activation_block);
     if (x.scalar_type() == torch::kBFloat16)
       matmul_silu_mul<at::BFloat16>(out, a, jobs_[0], jobs_[1], bias_data<at::BFloat16>());
     else
       matmul_silu_mul<float>(out, a, jobs_[0], jobs_[1], bias_data<float>());
     return out;
-  }
-
-  bool takes_tiles(const Job& job, const torch::Tensor& x) const {
-#if PAGEDLLM_QUANT_TILES
-    return !portable_ && x.scalar_type() == torch::kBFloat16 && x.size(0) >= job.tile_rows;
-#else
-    return false;
-#endif
   }
 
   torch::Tensor finish(const torch::Tensor& out, const torch::Tensor& given) const {
@@ -1325,8 +1102,7 @@ void bind_quant_linear(pybind11::module& m) {
   pybind11::class_<QuantLinear, LinearOp, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(pybind11::init<std::vector<QuantLinear::Segment>, int64_t, c10::optional<torch::Tensor>, bool, bool>(),
            pybind11::arg("segments"), pybind11::arg("in_features"), pybind11::arg("bias"),
-           pybind11::arg("silu_mul") = false, pybind11::arg("portable") = false)
-      .def("set_tile_rows", &QuantLinear::set_tile_rows);
+           pybind11::arg("silu_mul") = false, pybind11::arg("portable") = false);
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("quant_embedding", &quant_embedding, "rows of a packed quantized matrix, dequantized", release());
   m.def("quantize_activations", &quantize_activations_for_test, "activations as the quantized kernels quantize them",

@@ -7,6 +7,7 @@
 // as it is away; with this, the others carry on with its items meanwhile.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -62,4 +63,17 @@ class WorkSplit {
 
   int threads_;
   std::unique_ptr<Range[]> ranges_;
+};
+
+// A linear kernel's work items: (unit of output columns, chunk of rows) pairs, `count` chunks of
+// `rows` rows (whole passes of pass_rows). With units enough for every thread a chunk is all the
+// rows, so that a unit's weights are read from memory once; with fewer (a narrow layer, many
+// cores) rows split too, so that no thread idles. A row's arithmetic does not depend on either.
+struct RowChunks {
+  int64_t count, rows;
+  RowChunks(int64_t rows_total, int64_t units, int64_t pass_rows, int threads) {
+    const int64_t passes = (rows_total + pass_rows - 1) / pass_rows;
+    count = std::min(passes, std::max<int64_t>(1, (4 * threads + units - 1) / units));
+    rows = (passes + count - 1) / count * pass_rows;
+  }
 };

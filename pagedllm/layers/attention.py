@@ -27,9 +27,6 @@ class AttentionMetadata:
     # Models with several groups of layers (config.KVCacheGroups): groups 1..'s (slot_mapping,
     # block_tables); the fields above are group 0's.
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # Sequences of at most this many query tokens attend token by token, as decode steps do: a
-    # speculative verification's k + 1 tokens then compute exactly what k + 1 decodes would.
-    walk_max_q: int = 1
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of `group` attends with: its group's slots and block tables."""
@@ -37,10 +34,6 @@ class AttentionMetadata:
             return self
         slot_mapping, block_tables = self.group_tables[group - 1]
         return dataclasses.replace(self, slot_mapping=slot_mapping, block_tables=block_tables, group_tables=[])
-
-    def has_fresh_prompt(self) -> bool:
-        """Whether a sequence computes its whole prompt this step (several tokens, none cached)."""
-        return any(1 < q_len == seq_len for seq_len, q_len in zip(self.seq_lens_list, self.query_lens_list))
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -109,8 +102,6 @@ def from_cache(cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.T
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
@@ -119,20 +110,18 @@ def paged_attention(
     scales: KVScales = KVScales(),
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> same shape; k, v: this step's keys and values.
+    """q: [num_tokens, num_heads, head_dim] -> same shape; this step's keys and values are already
+    in the cache, which the kernel reads for every token.
 
-    The kernel reads the paged cache for every token. Where it has no query-tile variant (only
-    bf16 with AVX512-BF16 has one), prompts computed whole in this step (no cached context, no
-    window) take PyTorch's fused causal attention on their own K/V instead; not where the cache is
-    fp8, whose rounded values every token reads. Scores soft-capped (Gemma 2: tanh(s / cap) * cap)
-    go the torch reference's way: the kernels have no cap."""
+    Every query token attends by one fixed order of operations, whatever its step holds (a
+    decode, a prefill chunk, a recompute, a verification), so outputs are batch- and
+    cache-invariant. Scores soft-capped (Gemma 2: tanh(s / cap) * cap) go the torch reference's
+    way: the kernels have no cap."""
     ops = cpu_ops() if q.device.type == "cpu" else None
     if ops is None or softcap:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales, softcap)
     out = torch.empty_like(q)
-    # An fp8 cache is read for every token, fresh prompts too: all paths attend to the same values.
-    skip_fresh = not sliding_window and k_cache.dtype not in FP8_DTYPES
-    left_fresh = ops.paged_attention(
+    ops.paged_attention(
         out,
         q.contiguous(),
         k_cache,
@@ -142,32 +131,10 @@ def paged_attention(
         meta.seq_lens,
         scale,
         sliding_window or 0,
-        skip_fresh,
-        meta.walk_max_q,
         scales.k,
         scales.v,
     )
-    if left_fresh:
-        start = 0
-        for seq_len, q_len in zip(meta.seq_lens_list, meta.query_lens_list):
-            if 1 < q_len == seq_len:
-                span = slice(start, start + q_len)
-                out[span] = _causal_attention(q[span], k[span], v[span], scale)
-            start += q_len
     return out
-
-
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """[L, H, D] x [L, KVH, D] -> [L, H, D], causal. K/V heads are repeated for the query groups:
-    PyTorch's fused CPU kernel takes 4-D inputs of equal head counts (enable_gqa falls back to
-    the slow math path, 5x slower here)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(
-        q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), is_causal=True, scale=scale
-    )
-    return out[0].transpose(0, 1)
 
 
 def paged_attention_reference(

@@ -58,6 +58,7 @@ def _cpu_has_amx() -> bool:
 ROWS_KERNEL_MAX = 8 if _cpu_has_amx() else 1024
 ROWS_KERNEL_CHUNKS = ROWS_KERNEL_MAX > 8
 _BLOCK_N, _BLOCK_K = 64, 32  # oneDNN's AB16b64a2b blocks, the layout the kernel reads
+_FP32_BLOCK_N = 16  # fp32_linear_rows' column blocks
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -127,7 +128,8 @@ class LinearMethodBase(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """Plain [out, in] weights in the model's dtype, applied by F.linear."""
+    """Plain [out, in] weights in the model's dtype, applied by F.linear (other devices, fp16);
+    on the CPU, bf16 and fp32 weights are packed for kernels of our own once loaded."""
 
     def create_weights(self, layer: Linear, weight_loader: WeightLoader) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
@@ -141,7 +143,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         # given its device and dtype. Elsewhere the plain weights stay.
         if can_pack(layer.weight):
             layer.method = PackedBF16LinearMethod()
-            layer.method.process_weights_after_loading(layer)
+        elif _fp32_kernel_takes(layer.weight):
+            layer.method = PackedFP32LinearMethod()
+        else:
+            return
+        layer.method.process_weights_after_loading(layer)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -203,6 +209,31 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
         ):
             return None
         return cpu_ops().PackedLinear(*rows, layer.out_features, layer._parameters["bias"], silu_mul, ROWS_KERNEL_MAX)
+
+
+class PackedFP32LinearMethod(UnquantizedLinearMethod):
+    """fp32 weights on the CPU, packed once into 16-column blocks [N / 16, K, 16] for
+    kernels/packed_linear.cpp's fp32_linear_rows: each output one chain of fused multiply-adds in
+    k order, whatever rows share the call, so that fp32 outputs are batch-invariant (F.linear's
+    GEMM sums in an order that depends on the call's rows)."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        plain = layer.weight.detach()
+        n, k = plain.shape
+        n_padded = -(-n // _FP32_BLOCK_N) * _FP32_BLOCK_N
+        packed = F.pad(plain, (0, 0, 0, n_padded - n)).view(-1, _FP32_BLOCK_N, k).transpose(1, 2).contiguous()
+        del layer.weight  # the plain copy is freed (a tied embedding keeps its own)
+        layer.register_buffer("weight", packed, persistent=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, layer.in_features).contiguous()
+        out = rows.new_empty((rows.shape[0], layer.out_features))
+        cpu_ops().fp32_linear_rows(out, rows, layer.weight, layer._parameters["bias"])
+        return out.view(*x.shape[:-1], layer.out_features)
+
+
+def _fp32_kernel_takes(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_ops() is not None
 
 
 class Linear(nn.Module):

@@ -128,11 +128,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.qk_norm:
             self._norm_qk(qkv)
-        q, k, v = rotary_and_write_kv(
+        q, _, _ = rotary_and_write_kv(
             qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads, self.kv_scales
         )
         out = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.kv_scales, self.logit_softcap
+            q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.kv_scales, self.logit_softcap
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -296,10 +296,6 @@ class DecoderForCausalLM(CausalLM):
     # family with layers of its own says so where they do).
     supports_tensor_parallel: ClassVar[bool] = True
     _head_from_embedding = False  # (set in __init__: a tensor-parallel head on a quantized tied table)
-    # Whether the stack takes steps with prompts computed whole (no cached context): its attention
-    # computes them itself only with query tiles (bf16, AVX512-BF16); elsewhere the op-by-op path
-    # hands them to PyTorch's fused attention, so those steps go op by op.
-    stack_takes_fresh = True
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -346,7 +342,7 @@ class DecoderForCausalLM(CausalLM):
     ) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary.tables(positions)  # once per step, shared by every layer
-        if self.stack is not None and (self.stack_takes_fresh or not attn_metadata.has_fresh_prompt()):
+        if self.stack is not None:
             meta = attn_metadata
             return self.stack.forward(
                 x,
@@ -357,7 +353,6 @@ class DecoderForCausalLM(CausalLM):
                 meta.block_tables,
                 meta.query_start_loc,
                 meta.seq_lens,
-                meta.walk_max_q,
             )
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
@@ -372,8 +367,7 @@ class DecoderForCausalLM(CausalLM):
         or fp32; each layer's kernel_spec, made from its parts' own: linear methods with a
         kernel_spec, a SiLU-gated MLP, q/k norm weights); else say once why they run op by op. The
         stack's results are the op-by-op path's, bit for bit, without that path's Python between
-        kernels (docs/benchmarks-history.md has what it saves). Without attention's query tiles,
-        steps with a fresh prompt go op by op (stack_takes_fresh)."""
+        kernels (docs/benchmarks-history.md has what it saves)."""
         self.stack = None
         ops = cpu_ops()
         reason = self._stack_blocker(ops)
@@ -387,9 +381,6 @@ class DecoderForCausalLM(CausalLM):
         for layer in self.model.layers:
             stack.add_layer(*layer.kernel_spec())
         self.stack = stack
-        self.stack_takes_fresh = norm.weight.dtype == torch.bfloat16 and ops.attention_has_query_tiles(
-            cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
-        )
 
     def _stack_blocker(self, ops: ModuleType | None) -> str | None:
         """Why the C++ stack cannot take the decoder layers; None where it can."""

@@ -145,14 +145,18 @@ class DraftRunner:
         return drafts
 
     def _pick(self, logits: torch.Tensor, state: RequestState, j: int) -> tuple[int, torch.Tensor | None]:
-        """The draft token at draft position j, and its distribution (None: greedy)."""
+        """The draft token at draft position j, and its distribution where rejection sampling
+        verifies it (None: verified by equality with the target's own draw)."""
         params = state.sampling_params
         if params.sampling_type == SamplingType.GREEDY:
             return int(logits.argmax()), None
         probs = processed_probs(logits[None], [state])[0]
-        index = state.num_output_tokens + j
-        u = seeded_uniform(params.seed, index, "draft") if params.seed is not None else float(torch.rand(()))
-        return draw(probs, u), probs
+        if params.seed is not None:
+            # A seeded request's tokens are the draws it makes without drafts (batch invariance):
+            # the draft draws with the target's own number for that token, so that where the two
+            # distributions agree the draws do too, and is accepted only where they are equal.
+            return draw(probs, seeded_uniform(params.seed, state.num_output_tokens + j)), None
+        return draw(probs, float(torch.rand(()))), probs
 
     def _forward(self, feed: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor:
         """The draft's logits at each fed run's last token, its K/V written into the runs' slots."""

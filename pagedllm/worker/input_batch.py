@@ -148,7 +148,6 @@ class InputBatch:
             runs.append((state, start, state.all_token_ids[start : start + s.num_new_tokens] + s.spec_token_ids))
         input_ids, positions, meta = self.prepare_runs(runs)
         meta.group_tables = self._other_group_tables(scheduled, states)
-        meta.walk_max_q = 1 + max((len(s.spec_token_ids) for s in scheduled), default=0)
         return input_ids, positions, meta
 
     def prepare_runs(

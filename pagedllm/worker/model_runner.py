@@ -20,7 +20,7 @@ from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.rejection_sampler import rejection_sample
-from pagedllm.worker.sampler import Sampler, seeded_uniform, token_logprobs
+from pagedllm.worker.sampler import Sampler, token_logprobs
 
 # Steps of at least this many tokens hand their temporaries' heap pages back afterwards (heap.trim:
 # about 1 ms, against a few hundred for such a step on the CPU).
@@ -130,8 +130,9 @@ class ModelRunner:
         and a seeded draw's index see them). Drafts that came as single tokens (n-gram lookup, or a
         greedy request's draft model) are accepted while they equal what was sampled, and the first
         token that differs (or the one after all k) is its own: every token is drawn from the
-        target's own distribution with the draw it would have had without drafts. Drafts a draft
-        model drew from its distribution go through rejection sampling (_rejection_sample)."""
+        target's own distribution with the draw it would have had without drafts (a seeded request's
+        draft-model drafts too). Other sampled drafts of a draft model go through rejection sampling
+        (_rejection_sample)."""
         exact: list[tuple[ScheduledRequest, RequestState, int]] = []  # (request, state, its last row)
         weighed: list[tuple[ScheduledRequest, RequestState, int, torch.Tensor]] = []  # (.., the drafts' q)
         ends = (meta.query_start_loc[1:] - 1).tolist()
@@ -179,7 +180,8 @@ class ModelRunner:
 
     def _draft_probs(self, r: ScheduledRequest, state: RequestState) -> torch.Tensor | None:
         """The draft model's distributions of this request's drafts, where they are verified by
-        rejection sampling (a random-sampling request); None: verified by equality (greedy, n-gram)."""
+        rejection sampling (a random-sampling request without a seed); None: verified by equality
+        (greedy, seeded, n-gram)."""
         if self.draft is None or not r.spec_token_ids or state.sampling_params.sampling_type == SamplingType.GREEDY:
             return None
         return self.draft.take_probs(r.request_id, r.num_spec_tokens)
@@ -193,20 +195,13 @@ class ModelRunner:
     ) -> None:
         """Requests whose drafts came with the draft's distributions: each draft accepted with
         probability min(1, p / q), the first rejected one replaced from the residual (layers/
-        rejection_sampler.py). Seeded requests draw every number from their seed and the token's index."""
+        rejection_sampler.py). (Seeded requests are verified by equality instead.)"""
         logits, samplers = self._positions(hidden, weighed)
         probs, raw = self.sampler.probabilities(logits, samplers, output.token_bitmask)
         at = 0
         for r, state, _, q in weighed:
             k = r.num_spec_tokens
-            seed, index = state.sampling_params.seed, state.num_output_tokens
-
-            def uniform(j: int, purpose: str, seed: int | None = seed, index: int = index) -> float:
-                if seed is None:
-                    return float(torch.rand(()))
-                return seeded_uniform(seed, index + j, "" if purpose == "sample" else purpose)
-
-            tokens = rejection_sample(probs[at : at + k + 1], q, r.spec_token_ids, uniform)
+            tokens = rejection_sample(probs[at : at + k + 1], q, r.spec_token_ids, _unseeded_uniform)
             result.sampled_token_ids[r.request_id] = tokens
             wanted = state.sampling_params.logprobs
             if raw is not None and wanted is not None:
@@ -256,3 +251,8 @@ class ModelRunner:
             targets = state.all_token_ids[start + 1 : end + 1]
             entries: list[TokenLogprobs] = token_logprobs(logprobs, targets, [k] * len(targets))
             result.prompt_logprobs[r.request_id] = (start + 1, entries)
+
+
+def _unseeded_uniform(j: int, purpose: str) -> float:
+    """Rejection sampling's numbers for requests without a seed (seeded ones never reach it)."""
+    return float(torch.rand(()))

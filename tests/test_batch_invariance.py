@@ -1,0 +1,189 @@
+"""A request's greedy tokens and their logprobs are bit for bit its run alone, whatever else runs
+(issue 44): in batches of random others, with small prefill chunks, with the prefix cache cold or
+warm, after preemption and recompute, with n-gram speculation; seeded samples likewise. bf16 and
+each quantized format (bf16 activations), and fp32, on tiny models through the C++ kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import make_model
+from gguf_writer import write_gguf
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the kernels under test are the C++ ones")
+
+# Head size 64 and groups of 2: the AVX512-BF16 attention walks; rows of 256 for the K types.
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+WIDE.update(initializer_range=0.05, max_position_embeddings=256)
+# (checkpoint, dtype): an HF folder ("hf") or a GGUF file of that type; llama ties its head.
+CASES = [
+    ("hf", "bfloat16"),
+    ("hf", "float32"),
+    ("Q8_0", "bfloat16"),
+    ("Q4_0", "bfloat16"),
+    ("Q4_1", "bfloat16"),
+    ("Q5_0", "bfloat16"),
+    ("Q5_1", "bfloat16"),
+    ("Q4_K", "bfloat16"),
+    ("Q5_K", "bfloat16"),
+    ("Q4_1", "float32"),
+]
+Q6_K_PARTS = {"Q4_K": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}}  # as llama.cpp's Q4_K_M mixes them
+MAX_TOKENS = 6
+MAX_MODEL_LEN = 160
+EXAMPLES = int(os.environ.get("PAGEDLLM_INVARIANCE_EXAMPLES", "5"))  # the slow tier runs more
+
+
+class Case:
+    """The engines of one checkpoint: `alone` runs one request at a time with no prefix cache (the
+    reference); `busy` has small prefill chunks and a KV pool that forces preemption; `spec` drafts
+    by n-gram lookup."""
+
+    def __init__(self, path: str, tokenizer: str, dtype: str) -> None:
+        common = dict(tokenizer=tokenizer, dtype=dtype, max_model_len=MAX_MODEL_LEN, seed=0)
+        kv_bytes = 2 * 2 * 64 * 2 * (4 if dtype == "float32" else 2)  # layers x KV heads x dims x (K, V)
+        self.alone = LLM(path, enable_prefix_caching=False, kv_cache_memory="16MiB", **common)
+        self.busy = LLM(path, max_num_batched_tokens=19, kv_cache_memory=kv_bytes * 2 * MAX_MODEL_LEN, **common)
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        self.spec = LLM(path, speculative_config=spec, kv_cache_memory="16MiB", **common)
+        self.references: dict[tuple, tuple] = {}
+
+    def reference(self, prompt: list[int], params: SamplingParams) -> tuple:
+        key = (tuple(prompt), params.temperature, params.seed, params.max_tokens)
+        if key not in self.references:
+            self.references[key] = run(self.alone, [prompt], [params])[0]
+        return self.references[key]
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[list[int], list[float]]]:
+    """Each request's tokens and the logprobs of those tokens."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    results = []
+    for o in outputs:
+        c = o.outputs[0]
+        results.append((list(c.token_ids), [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory, tokenizer_dir) -> str:
+    return make_model("llama", tmp_path_factory.mktemp("wide-llama"), tokenizer_dir, num_hidden_layers=2, **WIDE)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{c}-{d}" for c, d in CASES])
+def case(request, tmp_path_factory, wide_llama, tokenizer_dir) -> Case:
+    checkpoint, dtype = request.param
+    path = wide_llama
+    if checkpoint != "hf":
+        path = str(tmp_path_factory.mktemp(checkpoint) / "model.gguf")
+        write_gguf(wide_llama, path, checkpoint, None, Q6_K_PARTS.get(checkpoint))
+    return Case(path, tokenizer_dir, dtype)
+
+
+@st.composite
+def workloads(draw, vocab: int = 49152):
+    """Prompts that share some of three prefixes, each with its own sampling parameters."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(3, vocab, (80,), generator=g).tolist() for _ in range(3)]
+    count = draw(st.integers(1, 12))
+    prompts, params = [], []
+    for _ in range(count):
+        prefix = prefixes[draw(st.integers(0, 2))][: draw(st.integers(0, 80))]
+        suffix = torch.randint(3, vocab, (draw(st.integers(1, 40)),), generator=g).tolist()
+        repeat = draw(st.integers(0, 2))  # repeated pieces give the n-gram proposer drafts
+        prompts.append((prefix + suffix * (1 + repeat))[: MAX_MODEL_LEN - MAX_TOKENS])
+        sampled = draw(st.booleans()) and draw(st.booleans())  # a quarter seeded samples
+        params.append(
+            SamplingParams(
+                temperature=0.8 if sampled else 0.0,
+                seed=draw(st.integers(0, 1000)) if sampled else None,
+                max_tokens=draw(st.integers(1, MAX_TOKENS)),
+                ignore_eos=True,
+                logprobs=0,
+            )
+        )
+    engine = draw(st.sampled_from(["busy", "spec"]))
+    return prompts, params, engine
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workload=workloads())
+def test_every_request_as_if_alone(case, workload):
+    prompts, params, engine = workload
+    llm = getattr(case, engine)
+    got = run(llm, prompts, params)
+    for prompt, p, output in zip(prompts, params, got):
+        assert output == case.reference(prompt, p), (engine, len(prompt), p)
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_preemption_happens(case):
+    """The busy engine's pool is small enough that requests that grow preempt (the property above
+    covers recompute only where that happens): short prompts, long outputs."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (12,), generator=g).tolist() for _ in range(8)]
+    before = case.busy.engine.stats().num_preemptions
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    got = run(case.busy, prompts, [params] * len(prompts))
+    assert case.busy.engine.stats().num_preemptions > before
+    assert got == [case.reference(p, params) for p in prompts]
+
+
+def _fixed_workload(vocab: int = 49152) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Ten prompts on two shared prefixes, some repeating themselves (drafts), a third of them
+    seeded samples."""
+    g = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (37, 70)]
+    prompts, params = [], []
+    for i in range(10):
+        suffix = torch.randint(3, vocab, (5 + 7 * i % 23,), generator=g).tolist()
+        prompts.append(prefixes[i % 2][: 20 + 5 * i] + suffix * (1 + i % 3))
+        sampled = i % 3 == 0
+        params.append(
+            SamplingParams(
+                temperature=0.8 if sampled else 0.0,
+                seed=i if sampled else None,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                logprobs=0,
+            )
+        )
+    return prompts, params
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "topology",
+    [
+        {"engine_core_process": True},
+        {"data_parallel_size": 2},
+        {"speculative_config": {"model": "<self>", "num_speculative_tokens": 3}},
+    ],
+    ids=["core-process", "data-parallel", "draft-model"],
+)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_request_as_if_alone_in_other_topologies(wide_llama, tokenizer_dir, topology, dtype):
+    """The engine core in its own process, two data-parallel replicas (requests routed by load and
+    prefix), a draft model's speculation: each request's output is its run alone in-thread."""
+    common = dict(tokenizer=tokenizer_dir, dtype=dtype, max_model_len=MAX_MODEL_LEN, kv_cache_memory="16MiB", seed=0)
+    prompts, params = _fixed_workload()
+    alone = LLM(wide_llama, enable_prefix_caching=False, **common)
+    expected = [run(alone, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    spec = topology.get("speculative_config")
+    if spec is not None:
+        topology = {"speculative_config": {**spec, "model": wide_llama}}
+    llm = LLM(wide_llama, **topology, **common)
+    try:
+        assert run(llm, prompts, params) == expected
+        assert run(llm, prompts, params) == expected  # the prefixes now cached
+    finally:
+        llm.engine.shutdown()
