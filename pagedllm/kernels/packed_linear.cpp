@@ -203,31 +203,42 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 
 // -- fp32 ------------------------------------------------------------------------------------------
 // y = x W^T (+ bias) for fp32 rows over weights packed [N/16][K][16] (layers/linear.py's
-// PackedFP32LinearMethod): threads take 16-column blocks, rows go in passes of up to 4, and each
+// PackedFP32LinearMethod): threads take 16-column blocks, rows go in passes of up to 6, and each
 // output is one chain of fused multiply-adds over k in order, then + bias: the same operations for
 // a row whatever rows share its call or how the threads split them, so fp32 outputs are batch-
 // invariant (MKL's GEMM orders its sums by the call's rows: 1, 2, 3 and 7 rows give other bits).
 // AVX2 and AVX-512 machines run the same 256-bit code (the same bits everywhere, std::fma's too).
 namespace {
 constexpr int64_t kF32BlockN = 16;
-constexpr int kF32Rows = 4;
+constexpr int kF32Rows = 6;  // 12 accumulators of AVX2's 16 registers (f32_block_rows' names)
 
 template <int R>
 void f32_block_rows(const float* const* xr, const float* block, int64_t k, float* sums) {
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  // Named accumulators: GCC kept an array of them on the stack, storing all 12 every k.
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 a0 = zero, b0 = zero, a1 = zero, b1 = zero, a2 = zero, b2 = zero;
+  __m256 a3 = zero, b3 = zero, a4 = zero, b4 = zero, a5 = zero, b5 = zero;
+#define PAGEDLLM_F32_ROW(r, a, b)                               \
+  if constexpr (R > r) {                                        \
+    const __m256 xv = _mm256_broadcast_ss(xr[r] + p);           \
+    a = _mm256_fmadd_ps(xv, w0, a);                             \
+    b = _mm256_fmadd_ps(xv, w1, b);                             \
+  }
   for (int64_t p = 0; p < k; ++p) {
     const __m256 w0 = _mm256_loadu_ps(block + p * kF32BlockN), w1 = _mm256_loadu_ps(block + p * kF32BlockN + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(xr[r] + p);
-      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-    }
+    PAGEDLLM_F32_ROW(0, a0, b0)
+    PAGEDLLM_F32_ROW(1, a1, b1)
+    PAGEDLLM_F32_ROW(2, a2, b2)
+    PAGEDLLM_F32_ROW(3, a3, b3)
+    PAGEDLLM_F32_ROW(4, a4, b4)
+    PAGEDLLM_F32_ROW(5, a5, b5)
   }
+#undef PAGEDLLM_F32_ROW
+  const __m256 out[6][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(sums + r * kF32BlockN, acc[r][0]);
-    _mm256_storeu_ps(sums + r * kF32BlockN + 8, acc[r][1]);
+    _mm256_storeu_ps(sums + r * kF32BlockN, out[r][0]);
+    _mm256_storeu_ps(sums + r * kF32BlockN + 8, out[r][1]);
   }
 #else
   for (int r = 0; r < R; ++r)
@@ -240,8 +251,8 @@ void f32_block_rows(const float* const* xr, const float* block, int64_t k, float
 }
 
 using F32BlockFn = void (*)(const float* const*, const float*, int64_t, float*);
-constexpr F32BlockFn kF32Fns[kF32Rows + 1] = {nullptr, f32_block_rows<1>, f32_block_rows<2>, f32_block_rows<3>,
-                                              f32_block_rows<4>};
+constexpr F32BlockFn kF32Fns[kF32Rows + 1] = {nullptr,           f32_block_rows<1>, f32_block_rows<2>, f32_block_rows<3>,
+                                              f32_block_rows<4>, f32_block_rows<5>, f32_block_rows<6>};
 }  // namespace
 
 // out: [M, N] fp32; x: [M, K] fp32; packed: [ceil(N / 16), K, 16] fp32 (zeros past N).
