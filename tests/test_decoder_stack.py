@@ -18,7 +18,7 @@ from pagedllm.logger import LOGGER_NAME
 from pagedllm.models import decoder
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 
-# Head size 64: attention's query tiles exist for it, so the stack can take every op.
+# Head size 64: attention's AVX512-BF16 walks exist for it.
 _SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=128)
 
 

@@ -126,7 +126,7 @@ def test_cache_write_gives_the_bytes_torch_writes(kind, dtype):
 
 @pytest.fixture(scope="module")
 def head64_llama(tmp_path_factory, tokenizer_dir) -> str:
-    """Head size 64, so that bf16 takes the AVX-512 walks and query tiles (and the C++ stack)."""
+    """Head size 64, so that bf16 takes the AVX-512 walks (and the C++ stack)."""
     return make_model(
         "llama",
         tmp_path_factory.mktemp("llama64"),

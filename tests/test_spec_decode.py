@@ -203,7 +203,7 @@ def test_constrained_requests_take_drafts_their_grammar_allows(engines, sampling
 
 @pytest.fixture(scope="module")
 def bf16_engines(tmp_path_factory, tokenizer_dir):
-    """bf16 engines on a model of head size 64, whose attention has the C++ query tiles (AVX512-BF16)."""
+    """bf16 engines on a model of head size 64, whose attention has the C++ AVX512-BF16 walks."""
     from conftest import make_model
     from pagedllm import LLM
 
@@ -215,8 +215,8 @@ def bf16_engines(tmp_path_factory, tokenizer_dir):
 
 
 def test_bf16_verification_changes_no_greedy_output(bf16_engines):
-    """In bf16 a verification's positions go through the kernels' decode paths (attention token by
-    token: AttentionMetadata.walk_max_q), so near-ties tip as they do without drafts."""
+    """In bf16 a verification's positions compute as decode rows do (batch invariance), so
+    near-ties tip as they do without drafts."""
     prompts = [list(range(5 + 3 * i, 60 + 5 * i)) for i in range(6)]
     compare_with_scripted_drafts(*bf16_engines, prompts, dict(temperature=0, max_tokens=48, ignore_eos=True))
 

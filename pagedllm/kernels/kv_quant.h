@@ -1,7 +1,6 @@
 // The KV cache's 8-bit float formats (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): one byte per value,
 // value = fp8 x the layer's scale. Written as K/V enter the cache (fused_ops.cpp), read by the
-// attention kernels (paged_attention.cpp), which widen a tile of rows to bf16 and run their bf16
-// arithmetic on it.
+// attention kernels (paged_attention.cpp), whose walks widen the bytes in registers.
 #pragma once
 
 #include <torch/extension.h>
@@ -69,25 +68,3 @@ template <KvKind K>
 inline float from_fp8(uint8_t b, float scale) {
   return static_cast<float>(c10::Half(fp8_as_half_bits<K>(b), c10::Half::from_bits())) * (fp8_half_factor<K>() * scale);
 }
-
-#if defined(__AVX512BF16__)
-// n values (a multiple of 32) of fp8 bytes -> bf16 = value x scale. Where value x scale fits bf16
-// (a power-of-two scale: always), the bf16 kernels then compute exactly what they compute on a
-// bf16 cache holding those values.
-template <KvKind K>
-inline void fp8_to_bf16(at::BFloat16* dst, const uint8_t* src, int64_t n, float scale) {
-  const __m512 s = _mm512_set1_ps(fp8_half_factor<K>() * scale);
-  for (int64_t i = 0; i < n; i += 32) {
-    __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    if constexpr (K == KvKind::kE4M3) {
-      h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi16(0x80)), 8),
-                          _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi16(0x7F)), 7));
-    } else {
-      h = _mm512_slli_epi16(h, 8);
-    }
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), s);
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), s);
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-#endif

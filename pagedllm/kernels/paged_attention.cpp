@@ -411,8 +411,8 @@ inline void prefetch_rows(const C* k_cache, const C* v_cache, const int64_t* row
 }
 
 // Query tokens against their context for the query heads of `kv_count` KV heads: `tokens` of
-// them (a run of one sequence's tokens: a prefill chunk's, a verification's; or 1) at positions pos .. pos + tokens - 1, rows
-// `q_stride` apart, all from position `first`. The tile loop is outside the head loop, so that the
+// them (a run of one sequence's tokens: a prefill chunk's, a verification's; or 1) at positions
+// pos .. pos + tokens - 1, rows `q_stride` apart, all from position `first`. The tile loop is outside the head loop, so that the
 // K/V rows of all those heads (adjacent in the cache) are read together, as a stream, rather than
 // one head's slice of each row at a time; and outside the token loop, so that a run's tokens take
 // each tile from L1, read once for all of them. Each token's tiles and their arithmetic are those
