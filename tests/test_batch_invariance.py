@@ -1,7 +1,8 @@
 """A request's greedy tokens and their logprobs are bit for bit its run alone, whatever else runs
 (issue 44): in batches of random others, with small prefill chunks, with the prefix cache cold or
 warm, after preemption and recompute, with n-gram speculation; seeded samples likewise. bf16 and
-each quantized format (bf16 activations), and fp32, on tiny models through the C++ kernels."""
+each quantized format (bf16 activations), and fp32, on tiny models through the C++ kernels; a
+Qwen3 with one KV head (its per-head k norms of a step's tokens) in bf16 and fp32."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the kernels under tes
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 WIDE.update(initializer_range=0.05, max_position_embeddings=256)
 # (checkpoint, dtype): an HF folder ("hf") or a GGUF file of that type; llama ties its head.
+# "qwen3": an HF folder of a Qwen3 (per-head q/k norms) with one KV head.
 CASES = [
     ("hf", "bfloat16"),
     ("hf", "float32"),
@@ -32,6 +34,8 @@ CASES = [
     ("Q4_K", "bfloat16"),
     ("Q5_K", "bfloat16"),
     ("Q4_1", "float32"),
+    ("qwen3", "bfloat16"),
+    ("qwen3", "float32"),
 ]
 Q6_K_PARTS = {"Q4_K": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}}  # as llama.cpp's Q4_K_M mixes them
 MAX_TOKENS = 6
@@ -44,9 +48,9 @@ class Case:
     reference); `busy` has small prefill chunks and a KV pool that forces preemption; `spec` drafts
     by n-gram lookup."""
 
-    def __init__(self, path: str, tokenizer: str, dtype: str) -> None:
+    def __init__(self, path: str, tokenizer: str, dtype: str, kv_heads: int = 2) -> None:
         common = dict(tokenizer=tokenizer, dtype=dtype, max_model_len=MAX_MODEL_LEN, seed=0)
-        kv_bytes = 2 * 2 * 64 * 2 * (4 if dtype == "float32" else 2)  # layers x KV heads x dims x (K, V)
+        kv_bytes = 2 * kv_heads * 64 * 2 * (4 if dtype == "float32" else 2)  # layers x KV heads x dims x (K, V)
         self.alone = LLM(path, enable_prefix_caching=False, kv_cache_memory="16MiB", **common)
         self.busy = LLM(path, max_num_batched_tokens=19, kv_cache_memory=kv_bytes * 2 * MAX_MODEL_LEN, **common)
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -79,6 +83,10 @@ def wide_llama(tmp_path_factory, tokenizer_dir) -> str:
 def case(request, tmp_path_factory, wide_llama, tokenizer_dir) -> Case:
     checkpoint, dtype = request.param
     path = wide_llama
+    if checkpoint == "qwen3":
+        one_kv_head = {**WIDE, "num_key_value_heads": 1}
+        path = make_model("qwen3", tmp_path_factory.mktemp("qwen3"), tokenizer_dir, num_hidden_layers=2, **one_kv_head)
+        return Case(path, tokenizer_dir, dtype, kv_heads=1)
     if checkpoint != "hf":
         path = str(tmp_path_factory.mktemp(checkpoint) / "model.gguf")
         write_gguf(wide_llama, path, checkpoint, None, Q6_K_PARTS.get(checkpoint))

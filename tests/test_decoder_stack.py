@@ -44,18 +44,23 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs]
 
 
-@needs_stack
+needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="needs the C++ kernels")
+_DTYPES = [pytest.param("bfloat16", marks=needs_stack), pytest.param("float32", marks=needs_kernels)]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monkeypatch):
+def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, dtype, head64_models, monkeypatch):
     """Mixed prompt lengths in chunked prefill steps (cached context, several sequences a step),
     then decodes; Mistral's window is smaller than the prompts, Qwen2 has qkv biases, Qwen3 per-head
     q/k norms (its attention's kernel_spec hands the stack their weights), Llama's embeddings are
-    tied. The linear calls go 8 rows at a time (1024 otherwise) and the MLP 24 (512 otherwise), so
-    that the stack's chunking of long batches is checked too."""
+    tied. The bf16 linear calls go 8 rows at a time (1024 otherwise) and the MLP 24 (512
+    otherwise), so that the stack's chunking of long batches is checked too. In fp32 the linear
+    layers are PackedFP32LinearMethod's (Fp32Linear in the stack)."""
     monkeypatch.setattr(linear, "ROWS_KERNEL_MAX", 8)
     monkeypatch.setattr(decoder, "MLP_ROWS", 24)
     stacked, op_by_op = (
-        LLM(head64_models[arch], dtype="bfloat16", kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
+        LLM(head64_models[arch], dtype=dtype, kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
         for _ in range(2)
     )
     assert stacked.engine.model_runner.model.stack is not None
@@ -64,12 +69,6 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, head64_models, monke
     assert _generate(stacked, prompts) == _generate(op_by_op, prompts)
     for ours, theirs in zip(stacked.engine.model_runner.kv_caches, op_by_op.engine.model_runner.kv_caches):
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
-
-
-@needs_stack
-def test_stack_is_left_out_where_an_op_has_no_kernel(head64_models):
-    """fp32 has no packed kernel."""
-    assert LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB").engine.model_runner.model.stack is None
 
 
 @pytest.fixture
@@ -82,16 +81,14 @@ def op_by_op_lines(caplog):
     logger.removeHandler(caplog.handler)
 
 
-@pytest.mark.parametrize(
-    "arch, dtype, reason",
-    [
-        ("llama", "float32", "with PackedFP32LinearMethod) has no kernel"),
-    ],
-)
-def test_a_model_the_stack_cannot_take_says_why_once(arch, dtype, reason, head64_models, op_by_op_lines):
-    LLM(head64_models[arch], dtype=dtype, kv_cache_memory="16MiB")
+def test_a_model_the_stack_cannot_take_says_why_once(head64_models, op_by_op_lines, monkeypatch):
+    """fp32 weights left plain (as where the kernels' fp32 path is not taken): F.linear has no
+    kernel in the stack, and the engine's log says so once."""
+    monkeypatch.setattr(linear, "_fp32_kernel_takes", lambda weight: False)
+    llm = LLM(head64_models["llama"], dtype="float32", kv_cache_memory="16MiB")
     lines = op_by_op_lines()
-    assert len(lines) == 1 and (reason if cpu_ops() is not None else "C++ kernels are unavailable") in lines[0], lines
+    reason = "with UnquantizedLinearMethod) has no kernel" if cpu_ops() is not None else "C++ kernels are unavailable"
+    assert llm.engine.model_runner.model.stack is None and len(lines) == 1 and reason in lines[0], lines
 
 
 @needs_stack

@@ -24,6 +24,7 @@
 #endif
 #include <omp.h>
 
+#include "linear_op.h"
 #include "work_split.h"
 
 namespace {
@@ -286,6 +287,47 @@ void fp32_linear_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed, 
           y[(r0 + r) * n + n0 + j] = sums[r * kF32BlockN + j] + (b != nullptr ? b[n0 + j] : 0.f);
     }
   }
+}
+
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);  // fused_ops.cpp
+
+namespace {
+// An fp32 linear layer as the decoder stack runs it (layers/linear.py's PackedFP32LinearMethod's
+// kernel_spec): fp32_linear_rows, and for a gated MLP's gate_up, silu_and_mul on the product, the
+// op-by-op path's two kernels, so the same bits.
+class Fp32Linear : public LinearOp {
+ public:
+  Fp32Linear(torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias, bool silu_mul)
+      : packed_(std::move(packed)), n_(out_features), bias_(std::move(bias)), silu_mul_(silu_mul) {
+    TORCH_CHECK(!silu_mul_ || n_ % 2 == 0, "silu_mul needs gate and up halves");
+  }
+
+  int64_t out_features() const override { return silu_mul_ ? n_ / 2 : n_; }
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& given) const override {
+    torch::Tensor out = output(x, given);
+    if (!silu_mul_) {
+      fp32_linear_rows(out, x, packed_, bias_);
+      return out;
+    }
+    torch::Tensor product = torch::empty({x.size(0), n_}, x.options());
+    fp32_linear_rows(product, x, packed_, bias_);
+    silu_and_mul(out, product);
+    return out;
+  }
+
+ private:
+  torch::Tensor packed_;
+  int64_t n_;
+  c10::optional<torch::Tensor> bias_;
+  bool silu_mul_;
+};
+}  // namespace
+
+void bind_fp32_linear(pybind11::module& m) {
+  pybind11::class_<Fp32Linear, LinearOp, std::shared_ptr<Fp32Linear>>(m, "Fp32Linear")
+      .def(pybind11::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>, bool>(), pybind11::arg("packed"),
+           pybind11::arg("out_features"), pybind11::arg("bias"), pybind11::arg("silu_mul") = false);
 }
 
 // For the tests of work_split.h: the items in the order they were taken, each with the thread that

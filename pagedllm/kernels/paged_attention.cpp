@@ -684,6 +684,7 @@ void argmax_rows(torch::Tensor out, torch::Tensor x);
 void apply_token_mask(torch::Tensor logits, torch::Tensor rows, torch::Tensor words);
 void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
 void bind_quant_linear(pybind11::module& m);   // quant_linear.cpp
+void bind_fp32_linear(pybind11::module& m);    // packed_linear.cpp
 void bind_shm_collectives(pybind11::module& m);  // shm_collectives.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -705,6 +706,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_linear_rows", &fp32_linear_rows, "x W^T (+ bias) over fp32 weights packed [N / 16, K, 16]", release());
   bind_decoder_stack(m);  // first: it binds LinearOp, which quant_linear's class derives from
   bind_quant_linear(m);
+  bind_fp32_linear(m);
   bind_shm_collectives(m);
   m.def("work_split_trace", &work_split_trace, "for tests: (item, thread) in the order taken, thread 0 late",
         py::arg("items"), py::arg("threads"), py::arg("delay_us"), py::arg("weights") = std::vector<int64_t>(),

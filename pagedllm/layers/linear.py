@@ -231,6 +231,11 @@ class PackedFP32LinearMethod(UnquantizedLinearMethod):
         cpu_ops().fp32_linear_rows(out, rows, layer.weight, layer._parameters["bias"])
         return out.view(*x.shape[:-1], layer.out_features)
 
+    def kernel_spec(self, layer: Linear) -> KernelSpec | None:
+        """The same kernel; on a SiluAndMulLinear, followed by silu_and_mul, as apply_silu_and_mul."""
+        silu_mul = isinstance(layer, SiluAndMulLinear)
+        return cpu_ops().Fp32Linear(layer.weight, layer.out_features, layer._parameters["bias"], silu_mul)
+
 
 def _fp32_kernel_takes(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_ops() is not None

@@ -146,10 +146,12 @@ class Attention(nn.Module):
         return (*ops, *norms, self.sliding_window or 0, self.kv_scales.k, self.kv_scales.v)
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
-        """Per-head RMSNorm of q and k (Qwen3), written back into qkv."""
+        """Per-head RMSNorm of q and k (Qwen3), written back into qkv. The heads are gathered into
+        contiguous rows, as the fused kernel needs: one KV head's k of several tokens reshapes to a
+        strided view, which went to the torch norm (other bits) where a lone token's went fused."""
         for norm, start, size in ((self.q_norm, 0, self.q_size), (self.k_norm, self.q_size, self.kv_size)):
             heads = qkv[:, start : start + size]
-            heads.copy_(norm(heads.reshape(-1, self.head_dim)).view(heads.shape))
+            heads.copy_(norm(heads.reshape(-1, self.head_dim).contiguous()).view(heads.shape))
 
 
 class GatedMLP(nn.Module):
