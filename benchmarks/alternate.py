@@ -41,16 +41,19 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def contenders(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """name -> (command before the shared arguments, environment)."""
+def contenders(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str], Path]]:
+    """name -> (command before the shared arguments, environment, working directory). Each runs in
+    the tree whose code it measures: a server that serve.py --launch starts (`python -m pagedllm...`)
+    imports pagedllm from its working directory before PYTHONPATH."""
     script = f"{args.script}.py"
     here = [sys.executable, str(ROOT / "benchmarks" / script)]
-    out = {"this tree": (here, dict(os.environ))}
+    out = {"this tree": (here, dict(os.environ), ROOT)}
     if args.against:
         tree = worktree(args.against)
         out[args.against] = (
             [sys.executable, str(tree / "benchmarks" / script)],
             {**os.environ, "PYTHONPATH": str(tree)},
+            tree,
         )
     if args.vllm and args.script == "throughput":
         iomp = (
@@ -59,14 +62,15 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str,
         out["vLLM CPU"] = (
             [args.vllm, *here[1:], "--engine", "vllm"],
             {**os.environ, **VLLM_ENV, "LD_PRELOAD": f"{TCMALLOC}:{iomp}"},
+            ROOT,
         )
     return out
 
 
-def output_tok_s(command: list[str], env: dict[str, str], shared: list[str]) -> float:
+def output_tok_s(command: list[str], env: dict[str, str], cwd: Path, shared: list[str]) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         # (--out first: a serve.py --launch takes every argument after it)
-        subprocess.run([*command, "--out", out.name, *shared], env=env, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run([*command, "--out", out.name, *shared], env=env, check=True, cwd=cwd, stdout=subprocess.DEVNULL)
         result = json.load(open(out.name))
     if isinstance(result, dict):  # serve.py's
         return result["output_throughput"]
@@ -87,8 +91,8 @@ def main() -> None:
     speeds: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.rounds):
         order = list(runs.items()) if r % 2 == 0 else list(runs.items())[::-1]  # no contender always first
-        for name, (command, env) in order:
-            speeds[name].append(output_tok_s(command, env, shared))
+        for name, (command, env, cwd) in order:
+            speeds[name].append(output_tok_s(command, env, cwd, shared))
             print(f"round {r + 1}: {name} {speeds[name][-1]:.1f} output tok/s", flush=True)
     print(f"\n`{args.script}.py {' '.join(shared)}`, {args.rounds} rounds alternated\n")
     print("| contender | output tok/s, median (range) | this tree / it, median of rounds (range) |")

@@ -86,7 +86,6 @@ def test_online_quantization_near_the_float_model(wide_llama, scheme, bound, wor
 
 
 @needs_kernels
-@pytest.mark.skipif(ops is None or not ops.packed_linear_available(), reason="the stack needs AVX512-BF16")
 def test_online_quantized_layers_run_in_the_stack(wide_llama):
     llm = LLM(wide_llama, quantization="int4", kv_cache_memory="32MiB", dtype="bfloat16")
     assert llm.engine.model_runner.model.stack is not None

@@ -85,8 +85,7 @@ def _processes(llm: LLM) -> list:
 # (Llama in fp32 runs in the fault tests below; Qwen2's q/k/v biases are split in the uneven test's
 # biased Llama: each case starts two rank processes, ~9 s.)
 _BF16_SHARES_IN_FP32 = pytest.mark.skipif(
-    cpu_ops() is None or not cpu_ops().packed_linear_available(),
-    reason="without AVX512-BF16, F.linear rounds each rank's bf16 share before the sum: tokens may differ",
+    cpu_ops() is None, reason="without the C++ kernels, F.linear rounds each rank's bf16 share before the sum"
 )
 
 
@@ -103,7 +102,7 @@ def test_two_ranks_give_one_rank_greedy_tokens(tiny_models, arch, dtype):
     """The heads, K/V heads, MLP features and vocabulary split over 2 worker processes, with qkv
     biases (Qwen2), per-head q/k norms (Qwen3), a sliding window (Mistral), a tied head (Llama).
     In bf16 the row-parallel layers' shares are added in fp32 and rounded once, as one rank's sum
-    is (our rows kernel's; not F.linear's); they still add in another order, which on a larger
+    is (our kernels'; not F.linear's); they still add in another order, which on a larger
     model can tip a bf16 rounding and, many layers on, a token (docs/benchmarks-history.md, issue
     25): tensor parallelism is batch-invariant but not rank-count-invariant in bf16."""
     prompts = prompts_of_mixed_lengths(49152)

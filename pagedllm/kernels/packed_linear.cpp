@@ -202,102 +202,139 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 #endif
 }
 
-// -- fp32 ------------------------------------------------------------------------------------------
-// y = x W^T (+ bias) for fp32 rows over weights packed [N/16][K][16] (layers/linear.py's
-// PackedFP32LinearMethod): threads take 16-column blocks, rows go in passes of up to 6, and each
-// output is one chain of fused multiply-adds over k in order, then + bias: the same operations for
-// a row whatever rows share its call or how the threads split them, so fp32 outputs are batch-
-// invariant (MKL's GEMM orders its sums by the call's rows: 1, 2, 3 and 7 rows give other bits).
-// AVX2 and AVX-512 machines run the same 256-bit code (the same bits everywhere, std::fma's too).
+// -- 16-column blocks: fp32, and bf16 where oneDNN cannot pack -----------------------------------
+// y = x W^T (+ bias) for fp32 or bf16 rows over weights of the same dtype packed [N/16][K][16]
+// (layers/linear.py's BlockedLinearMethod): threads take 16-column blocks, rows go in passes of up
+// to 6, and each output is one chain of fused multiply-adds in fp32 over k in order (bf16 inputs
+// widened exactly), then + bias, rounded once to the output's dtype: the same operations for a row
+// whatever rows share its call or how the threads split them, so outputs are batch-invariant
+// (MKL's GEMM orders its sums by the call's rows: 1, 2, 3 and 7 rows give other bits). AVX2 and
+// AVX-512 machines run the same 256-bit code (the same bits everywhere, std::fma's too). bf16
+// comes here only where oneDNN refuses to pack it (AVX2 CPUs), in place of F.linear's emulation.
 namespace {
-constexpr int64_t kF32BlockN = 16;
-constexpr int kF32Rows = 6;  // 12 accumulators of AVX2's 16 registers (f32_block_rows' names)
+constexpr int64_t kColBlock = 16;
+constexpr int kPassRows = 6;  // 12 accumulators of AVX2's 16 registers (block_fma_rows' names)
 
-template <int R>
-void f32_block_rows(const float* const* xr, const float* block, int64_t k, float* sums) {
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up 16
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+template <typename T, int R>
+void block_fma_rows(const T* const* xr, const T* block, int64_t k, float* sums) {
 #if defined(__AVX2__) && defined(__FMA__)
   // Named accumulators: GCC kept an array of them on the stack, storing all 12 every k.
   const __m256 zero = _mm256_setzero_ps();
   __m256 a0 = zero, b0 = zero, a1 = zero, b1 = zero, a2 = zero, b2 = zero;
   __m256 a3 = zero, b3 = zero, a4 = zero, b4 = zero, a5 = zero, b5 = zero;
-#define PAGEDLLM_F32_ROW(r, a, b)                               \
+#define PAGEDLLM_FMA_ROW(r, a, b)                               \
   if constexpr (R > r) {                                        \
-    const __m256 xv = _mm256_broadcast_ss(xr[r] + p);           \
+    const __m256 xv = _mm256_set1_ps(widen(xr[r][p]));          \
     a = _mm256_fmadd_ps(xv, w0, a);                             \
     b = _mm256_fmadd_ps(xv, w1, b);                             \
   }
   for (int64_t p = 0; p < k; ++p) {
-    const __m256 w0 = _mm256_loadu_ps(block + p * kF32BlockN), w1 = _mm256_loadu_ps(block + p * kF32BlockN + 8);
-    PAGEDLLM_F32_ROW(0, a0, b0)
-    PAGEDLLM_F32_ROW(1, a1, b1)
-    PAGEDLLM_F32_ROW(2, a2, b2)
-    PAGEDLLM_F32_ROW(3, a3, b3)
-    PAGEDLLM_F32_ROW(4, a4, b4)
-    PAGEDLLM_F32_ROW(5, a5, b5)
+    const __m256 w0 = load8(block + p * kColBlock), w1 = load8(block + p * kColBlock + 8);
+    PAGEDLLM_FMA_ROW(0, a0, b0)
+    PAGEDLLM_FMA_ROW(1, a1, b1)
+    PAGEDLLM_FMA_ROW(2, a2, b2)
+    PAGEDLLM_FMA_ROW(3, a3, b3)
+    PAGEDLLM_FMA_ROW(4, a4, b4)
+    PAGEDLLM_FMA_ROW(5, a5, b5)
   }
-#undef PAGEDLLM_F32_ROW
+#undef PAGEDLLM_FMA_ROW
   const __m256 out[6][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(sums + r * kF32BlockN, out[r][0]);
-    _mm256_storeu_ps(sums + r * kF32BlockN + 8, out[r][1]);
+    _mm256_storeu_ps(sums + r * kColBlock, out[r][0]);
+    _mm256_storeu_ps(sums + r * kColBlock + 8, out[r][1]);
   }
 #else
   for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kF32BlockN; ++c) {
+    for (int64_t c = 0; c < kColBlock; ++c) {
       float acc = 0.f;
-      for (int64_t p = 0; p < k; ++p) acc = std::fma(xr[r][p], block[p * kF32BlockN + c], acc);
-      sums[r * kF32BlockN + c] = acc;
+      for (int64_t p = 0; p < k; ++p) acc = std::fma(widen(xr[r][p]), widen(block[p * kColBlock + c]), acc);
+      sums[r * kColBlock + c] = acc;
     }
 #endif
 }
 
-using F32BlockFn = void (*)(const float* const*, const float*, int64_t, float*);
-constexpr F32BlockFn kF32Fns[kF32Rows + 1] = {nullptr,           f32_block_rows<1>, f32_block_rows<2>, f32_block_rows<3>,
-                                              f32_block_rows<4>, f32_block_rows<5>, f32_block_rows<6>};
-}  // namespace
+template <typename T>
+using FmaBlockFn = void (*)(const T* const*, const T*, int64_t, float*);
+template <typename T>
+constexpr FmaBlockFn<T> kFmaFns[kPassRows + 1] = {nullptr,
+                                                  block_fma_rows<T, 1>,
+                                                  block_fma_rows<T, 2>,
+                                                  block_fma_rows<T, 3>,
+                                                  block_fma_rows<T, 4>,
+                                                  block_fma_rows<T, 5>,
+                                                  block_fma_rows<T, 6>};
 
-// out: [M, N] fp32; x: [M, K] fp32; packed: [ceil(N / 16), K, 16] fp32 (zeros past N).
-void fp32_linear_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat &&
-              packed.scalar_type() == torch::kFloat, "fp32 rows, weights and output expected");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && packed.is_contiguous(),
-              "contiguous [rows, k] activations expected");
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), units = packed.size(0);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kF32BlockN && units * kF32BlockN >= n &&
-              out.size(0) == rows, "weights packed [N / 16, K, 16] for these shapes expected");
-  const float* weight = packed.data_ptr<float>();
-  const float* xs = x.data_ptr<float>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* y = out.data_ptr<float>();
-  const RowChunks chunks(rows, units, kF32Rows, omp_get_max_threads());
+// T: the rows' and weights' dtype; O: the output's (T, or fp32 for a tensor-parallel share).
+template <typename T, typename O>
+void blocked_rows(O* y, const T* xs, const T* weight, const T* b, int64_t rows, int64_t k, int64_t n, int64_t units) {
+  const RowChunks chunks(rows, units, kPassRows, omp_get_max_threads());
   WorkSplit split(units * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
   for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-    alignas(64) float sums[kF32Rows * kF32BlockN];
-    const float* xr[kF32Rows];
+    alignas(64) float sums[kPassRows * kColBlock];
+    const T* xr[kPassRows];
     const int64_t nb = item / chunks.count, first = item % chunks.count * chunks.rows;
-    const int64_t n0 = nb * kF32BlockN, cols = std::min<int64_t>(kF32BlockN, n - n0);
+    const int64_t n0 = nb * kColBlock, cols = std::min<int64_t>(kColBlock, n - n0);
     const int64_t last = std::min(rows, first + chunks.rows);
-    for (int64_t r0 = first; r0 < last; r0 += kF32Rows) {
-      const int count = static_cast<int>(std::min<int64_t>(kF32Rows, last - r0));
+    for (int64_t r0 = first; r0 < last; r0 += kPassRows) {
+      const int count = static_cast<int>(std::min<int64_t>(kPassRows, last - r0));
       for (int r = 0; r < count; ++r) xr[r] = xs + (r0 + r) * k;
-      kF32Fns[count](xr, weight + nb * k * kF32BlockN, k, sums);
+      kFmaFns<T>[count](xr, weight + nb * k * kColBlock, k, sums);
       for (int r = 0; r < count; ++r)
         for (int64_t j = 0; j < cols; ++j)
-          y[(r0 + r) * n + n0 + j] = sums[r * kF32BlockN + j] + (b != nullptr ? b[n0 + j] : 0.f);
+          y[(r0 + r) * n + n0 + j] = static_cast<O>(sums[r * kColBlock + j] + (b != nullptr ? widen(b[n0 + j]) : 0.f));
     }
   }
+}
+}  // namespace
+
+// out: [M, N] of x's dtype, or fp32; x: [M, K] fp32 or bf16; packed: [ceil(N / 16), K, 16] of x's
+// dtype (zeros past N); bias: N of x's dtype.
+void blocked_linear_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && packed.scalar_type() == dtype &&
+                  (out.scalar_type() == dtype || out.scalar_type() == torch::kFloat) &&
+                  (!bias.has_value() || bias->scalar_type() == dtype),
+              "fp32 or bf16 rows and weights of one dtype, output of theirs or fp32 expected");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && packed.is_contiguous(),
+              "contiguous [rows, k] activations expected");
+  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), units = packed.size(0);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kColBlock && units * kColBlock >= n &&
+                  out.size(0) == rows && (!bias.has_value() || bias->numel() == n),
+              "weights packed [N / 16, K, 16] for these shapes expected");
+  if (dtype == torch::kFloat) {
+    const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    blocked_rows(out.data_ptr<float>(), x.data_ptr<float>(), packed.data_ptr<float>(), b, rows, k, n, units);
+    return;
+  }
+  using bf16 = at::BFloat16;
+  const bf16* b = bias.has_value() ? bias->data_ptr<bf16>() : nullptr;
+  if (out.scalar_type() == torch::kFloat)
+    blocked_rows(out.data_ptr<float>(), x.data_ptr<bf16>(), packed.data_ptr<bf16>(), b, rows, k, n, units);
+  else
+    blocked_rows(out.data_ptr<bf16>(), x.data_ptr<bf16>(), packed.data_ptr<bf16>(), b, rows, k, n, units);
 }
 
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);  // fused_ops.cpp
 
 namespace {
-// An fp32 linear layer as the decoder stack runs it (layers/linear.py's PackedFP32LinearMethod's
-// kernel_spec): fp32_linear_rows, and for a gated MLP's gate_up, silu_and_mul on the product, the
-// op-by-op path's two kernels, so the same bits.
-class Fp32Linear : public LinearOp {
+// A linear layer of 16-column blocks as the decoder stack runs it (layers/linear.py's
+// BlockedLinearMethod's kernel_spec): blocked_linear_rows, and for a gated MLP's gate_up,
+// silu_and_mul on the product, the op-by-op path's two kernels, so the same bits.
+class BlockedLinear : public LinearOp {
  public:
-  Fp32Linear(torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias, bool silu_mul)
+  BlockedLinear(torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias, bool silu_mul)
       : packed_(std::move(packed)), n_(out_features), bias_(std::move(bias)), silu_mul_(silu_mul) {
     TORCH_CHECK(!silu_mul_ || n_ % 2 == 0, "silu_mul needs gate and up halves");
   }
@@ -307,11 +344,11 @@ class Fp32Linear : public LinearOp {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& given) const override {
     torch::Tensor out = output(x, given);
     if (!silu_mul_) {
-      fp32_linear_rows(out, x, packed_, bias_);
+      blocked_linear_rows(out, x, packed_, bias_);
       return out;
     }
     torch::Tensor product = torch::empty({x.size(0), n_}, x.options());
-    fp32_linear_rows(product, x, packed_, bias_);
+    blocked_linear_rows(product, x, packed_, bias_);
     silu_and_mul(out, product);
     return out;
   }
@@ -324,8 +361,8 @@ class Fp32Linear : public LinearOp {
 };
 }  // namespace
 
-void bind_fp32_linear(pybind11::module& m) {
-  pybind11::class_<Fp32Linear, LinearOp, std::shared_ptr<Fp32Linear>>(m, "Fp32Linear")
+void bind_blocked_linear(pybind11::module& m) {
+  pybind11::class_<BlockedLinear, LinearOp, std::shared_ptr<BlockedLinear>>(m, "BlockedLinear")
       .def(pybind11::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>, bool>(), pybind11::arg("packed"),
            pybind11::arg("out_features"), pybind11::arg("bias"), pybind11::arg("silu_mul") = false);
 }

@@ -677,14 +677,14 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 bool packed_linear_available();
-void fp32_linear_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+void blocked_linear_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 std::vector<std::pair<int64_t, int64_t>> work_split_trace(int64_t items, int64_t threads, int64_t delay_us,
                                                           const std::vector<int64_t>& weights);
 void argmax_rows(torch::Tensor out, torch::Tensor x);
 void apply_token_mask(torch::Tensor logits, torch::Tensor rows, torch::Tensor words);
 void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
 void bind_quant_linear(pybind11::module& m);   // quant_linear.cpp
-void bind_fp32_linear(pybind11::module& m);    // packed_linear.cpp
+void bind_blocked_linear(pybind11::module& m);  // packed_linear.cpp
 void bind_shm_collectives(pybind11::module& m);  // shm_collectives.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -703,10 +703,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_mask", &apply_token_mask, "logits[rows[j], t] = -inf where bit t of mask row j is clear",
         release());
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
-  m.def("fp32_linear_rows", &fp32_linear_rows, "x W^T (+ bias) over fp32 weights packed [N / 16, K, 16]", release());
+  m.def("blocked_linear_rows", &blocked_linear_rows, "x W^T (+ bias) over fp32 or bf16 weights packed [N / 16, K, 16]",
+        release());
   bind_decoder_stack(m);  // first: it binds LinearOp, which quant_linear's class derives from
   bind_quant_linear(m);
-  bind_fp32_linear(m);
+  bind_blocked_linear(m);
   bind_shm_collectives(m);
   m.def("work_split_trace", &work_split_trace, "for tests: (item, thread) in the order taken, thread 0 late",
         py::arg("items"), py::arg("threads"), py::arg("delay_us"), py::arg("weights") = std::vector<int64_t>(),

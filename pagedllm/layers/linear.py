@@ -13,9 +13,10 @@ rows (of each of q, k and v, of gate and up), a "row" layer its rank's share of 
 columns, and sums its output over the ranks (all-reduce); its bias is added once, by rank 0.
 Sizes given to a layer are the whole model's; `in_features` and `out_features` are the rank's.
 
-UnquantizedLinearMethod keeps plain [out, in] weights and calls F.linear: fp32, other devices.
-Where oneDNN can take them (bf16 on the CPU), it hands the layer to PackedBF16LinearMethod once
-they are loaded. A quantized format is one more LinearMethodBase, given to the layers as `method`.
+UnquantizedLinearMethod keeps plain [out, in] weights and calls F.linear (other devices, fp16).
+On the CPU it hands the layer, once loaded, to PackedBF16LinearMethod where oneDNN can pack its
+bf16 weights, else to BlockedLinearMethod (fp32, and bf16 on AVX2 CPUs). A quantized format is
+one more LinearMethodBase, given to the layers as `method`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _cpu_has_amx() -> bool:
 ROWS_KERNEL_MAX = 8 if _cpu_has_amx() else 1024
 ROWS_KERNEL_CHUNKS = ROWS_KERNEL_MAX > 8
 _BLOCK_N, _BLOCK_K = 64, 32  # oneDNN's AB16b64a2b blocks, the layout the kernel reads
-_FP32_BLOCK_N = 16  # fp32_linear_rows' column blocks
+_COLUMN_BLOCK = 16  # blocked_linear_rows' column blocks
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -143,8 +144,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         # given its device and dtype. Elsewhere the plain weights stay.
         if can_pack(layer.weight):
             layer.method = PackedBF16LinearMethod()
-        elif _fp32_kernel_takes(layer.weight):
-            layer.method = PackedFP32LinearMethod()
+        elif _blocked_kernel_takes(layer.weight):
+            layer.method = BlockedLinearMethod()
         else:
             return
         layer.method.process_weights_after_loading(layer)
@@ -211,34 +212,37 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
         return cpu_ops().PackedLinear(*rows, layer.out_features, layer._parameters["bias"], silu_mul, ROWS_KERNEL_MAX)
 
 
-class PackedFP32LinearMethod(UnquantizedLinearMethod):
-    """fp32 weights on the CPU, packed once into 16-column blocks [N / 16, K, 16] for
-    kernels/packed_linear.cpp's fp32_linear_rows: each output one chain of fused multiply-adds in
-    k order, whatever rows share the call, so that fp32 outputs are batch-invariant (F.linear's
-    GEMM sums in an order that depends on the call's rows)."""
+class BlockedLinearMethod(UnquantizedLinearMethod):
+    """fp32 weights on the CPU, and bf16 ones where oneDNN will not pack them (AVX2 CPUs), packed
+    once into 16-column blocks [N / 16, K, 16] for kernels/packed_linear.cpp's blocked_linear_rows:
+    each output one chain of fused multiply-adds in fp32, in k order, whatever rows share the call,
+    so that outputs are batch-invariant (F.linear's GEMM sums in an order that depends on the
+    call's rows). A row-parallel layer's share comes out in fp32, rounded once the ranks' shares
+    are added (Linear.forward)."""
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         plain = layer.weight.detach()
         n, k = plain.shape
-        n_padded = -(-n // _FP32_BLOCK_N) * _FP32_BLOCK_N
-        packed = F.pad(plain, (0, 0, 0, n_padded - n)).view(-1, _FP32_BLOCK_N, k).transpose(1, 2).contiguous()
+        n_padded = -(-n // _COLUMN_BLOCK) * _COLUMN_BLOCK
+        packed = F.pad(plain, (0, 0, 0, n_padded - n)).view(-1, _COLUMN_BLOCK, k).transpose(1, 2).contiguous()
         del layer.weight  # the plain copy is freed (a tied embedding keeps its own)
         layer.register_buffer("weight", packed, persistent=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, layer.in_features).contiguous()
-        out = rows.new_empty((rows.shape[0], layer.out_features))
-        cpu_ops().fp32_linear_rows(out, rows, layer.weight, layer._parameters["bias"])
+        dtype = torch.float32 if layer.reduce_results else x.dtype
+        out = rows.new_empty((rows.shape[0], layer.out_features), dtype=dtype)
+        cpu_ops().blocked_linear_rows(out, rows, layer.weight, layer._parameters["bias"])
         return out.view(*x.shape[:-1], layer.out_features)
 
     def kernel_spec(self, layer: Linear) -> KernelSpec | None:
         """The same kernel; on a SiluAndMulLinear, followed by silu_and_mul, as apply_silu_and_mul."""
         silu_mul = isinstance(layer, SiluAndMulLinear)
-        return cpu_ops().Fp32Linear(layer.weight, layer.out_features, layer._parameters["bias"], silu_mul)
+        return cpu_ops().BlockedLinear(layer.weight, layer.out_features, layer._parameters["bias"], silu_mul)
 
 
-def _fp32_kernel_takes(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_ops() is not None
+def _blocked_kernel_takes(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and cpu_ops() is not None
 
 
 class Linear(nn.Module):

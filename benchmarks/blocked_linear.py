@@ -1,8 +1,10 @@
-"""fp32 linear layers: our batch-invariant kernel (PackedFP32LinearMethod, fp32_linear_rows) against
-F.linear (MKL's GEMM) on the same weights, in the same process.
+"""Linear layers of 16-column blocks: our batch-invariant kernel (BlockedLinearMethod,
+blocked_linear_rows) against F.linear on the same weights, in the same process: fp32 (against
+MKL's GEMM), or bf16 (against F.linear's bf16 path, which on a CPU without AVX-512 is all that
+serves bf16 weights besides ours).
 
-    .venv/bin/python benchmarks/fp32_linear.py
-    .venv/bin/python benchmarks/fp32_linear.py --rows 1 64 512 --rounds 9
+    .venv/bin/python benchmarks/blocked_linear.py
+    .venv/bin/python benchmarks/blocked_linear.py --dtype bfloat16 --rows 1 64 512 --rounds 9
 
 The 250M model's four layer shapes (qkv, o, gate_up, down), four of each (176 MB of fp32 weights,
 more than the caches hold, so each layer's weights come from memory as in the model), in turn;
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.linear import Linear, PackedFP32LinearMethod
+from pagedllm.layers.linear import BlockedLinearMethod, Linear
 
 SHAPES_250M = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # (out, in): qkv, o, gate_up, down
 
@@ -29,22 +31,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     if cpu_ops() is None:
         raise SystemExit("the C++ kernels are not available here")
     shapes = SHAPES_250M * 4
-    plain = [Linear(i, o, bias=False) for o, i in shapes]
-    ours = [Linear(i, o, bias=False) for o, i in shapes]
+    plain = [Linear(i, o, bias=False).to(dtype) for o, i in shapes]
+    ours = [Linear(i, o, bias=False).to(dtype) for o, i in shapes]
     for a, b in zip(plain, ours):
         b.weight.data.copy_(a.weight.data)
+        b.method = BlockedLinearMethod()  # (bf16: even where oneDNN would pack it)
         b.process_weights_after_loading()
-        assert isinstance(b.method, PackedFP32LinearMethod)
     params = sum(o * i for o, i in shapes)
-    print(f"fp32 linear, 16 layers of the 250M model's shapes, {torch.get_num_threads()} threads, {args.rounds} rounds")
+    threads = torch.get_num_threads()
+    print(f"{args.dtype} linear, 16 layers of the 250M model's shapes, {threads} threads, {args.rounds} rounds")
     print("| input rows | ours GFLOP/s | F.linear GFLOP/s | ours / F.linear (range) |")
     print("|---|---|---|---|")
     for rows in args.rows:
-        xs = {i: torch.randn(rows, i) for i in {i for _, i in shapes}}
+        xs = {i: torch.randn(rows, i).to(dtype) for i in {i for _, i in shapes}}
         ways = [
             lambda: [layer(xs[layer.in_features]) for layer in ours],
             lambda: [F.linear(xs[layer.in_features], layer.weight) for layer in plain],
