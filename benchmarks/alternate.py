@@ -7,7 +7,8 @@ CPU, in rounds: whether a change cost a workload, measured beside the reference 
         --num-prompts 64 --input-len 128 --output-len 128 --launch
 
 --script serve runs benchmarks/serve.py, whose --launch starts each contender's own server (the
-commit's through the PYTHONPATH it inherits); vLLM is not offered there.
+commit's through the PYTHONPATH it inherits); vLLM is not offered there. Each contender runs in
+its own tree's folder (a launched server imports pagedllm from there): give paths after `--` in full.
 
 Each round runs every contender once, in turn (every other round in reverse order), each in a
 fresh process: this tree (this Python); the commit, from a `git worktree` made for it (its own

@@ -54,7 +54,7 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, dtype, head64_models
     q/k norms (its attention's kernel_spec hands the stack their weights), Llama's embeddings are
     tied. The linear calls packed for oneDNN go 8 rows at a time (1024 otherwise) and the MLP 24
     (512 otherwise), so that the stack's chunking of long batches is checked too. fp32 layers, and
-    bf16 ones where oneDNN does not pack, are BlockedLinearMethod's (BlockedLinear in the stack)."""
+    bf16 ones without AVX512-BF16, are BlockedLinearMethod's (BlockedLinear in the stack)."""
     monkeypatch.setattr(linear, "ROWS_KERNEL_MAX", 8)
     monkeypatch.setattr(decoder, "MLP_ROWS", 24)
     stacked, op_by_op = (

@@ -1,7 +1,7 @@
 // A linear layer as the C++ decoder stack runs it: whatever holds its weights (bf16 packed for
-// oneDNN's layout, quantized records) and computes [rows, in] -> [rows, out] (after SiLU-and-mul,
-// for a gated MLP's gate_up). Python builds one per layer through its linear method
-// (layers/linear.py's kernel_spec) and may call it too.
+// oneDNN's layout, fp32 or bf16 in 16-column blocks, quantized records) and computes
+// [rows, in] -> [rows, out] (after SiLU-and-mul, for a gated MLP's gate_up). Python builds one per
+// layer through its linear method (layers/linear.py's kernel_spec) and may call it too.
 #pragma once
 
 #include <torch/extension.h>

@@ -202,7 +202,7 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 #endif
 }
 
-// -- 16-column blocks: fp32, and bf16 where oneDNN cannot pack -----------------------------------
+// -- 16-column blocks: fp32, and bf16 without AVX512-BF16 -----------------------------------------
 // y = x W^T (+ bias) for fp32 or bf16 rows over weights of the same dtype packed [N/16][K][16]
 // (layers/linear.py's BlockedLinearMethod): threads take 16-column blocks, rows go in passes of up
 // to 6, and each output is one chain of fused multiply-adds in fp32 over k in order (bf16 inputs
@@ -210,7 +210,7 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 // whatever rows share its call or how the threads split them, so outputs are batch-invariant
 // (MKL's GEMM orders its sums by the call's rows: 1, 2, 3 and 7 rows give other bits). AVX2 and
 // AVX-512 machines run the same 256-bit code (the same bits everywhere, std::fma's too). bf16
-// comes here only where oneDNN refuses to pack it (AVX2 CPUs), in place of F.linear's emulation.
+// comes here only where the AVX512-BF16 kernel above is not built, in place of F.linear's GEMM.
 namespace {
 constexpr int64_t kColBlock = 16;
 constexpr int kPassRows = 6;  // 12 accumulators of AVX2's 16 registers (block_fma_rows' names)

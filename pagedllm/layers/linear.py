@@ -14,8 +14,9 @@ columns, and sums its output over the ranks (all-reduce); its bias is added once
 Sizes given to a layer are the whole model's; `in_features` and `out_features` are the rank's.
 
 UnquantizedLinearMethod keeps plain [out, in] weights and calls F.linear (other devices, fp16).
-On the CPU it hands the layer, once loaded, to PackedBF16LinearMethod where oneDNN can pack its
-bf16 weights, else to BlockedLinearMethod (fp32, and bf16 on AVX2 CPUs). A quantized format is
+On the CPU it hands the layer, once loaded, to PackedBF16LinearMethod where our rows kernel can
+read oneDNN's packed bf16 weights (AVX512-BF16), else to BlockedLinearMethod (fp32; bf16 on other
+CPUs). A quantized format is
 one more LinearMethodBase, given to the layers as `method`.
 """
 
@@ -69,7 +70,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 @functools.cache
 def _mkldnn_packs_bf16() -> bool:
     """Whether oneDNN takes bf16 weights here: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and
-    refuses on AVX2-only CPUs, where the plain weights stay (F.linear)."""
+    refuses on AVX2-only CPUs (where BlockedLinearMethod serves them)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -142,7 +143,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: Linear) -> None:
         # Decided here, not at construction: the model is built on the meta device and only then
         # given its device and dtype. Elsewhere the plain weights stay.
-        if can_pack(layer.weight):
+        # bf16 goes to oneDNN's layout where our rows kernel reads it (AVX512-BF16), or where no
+        # kernels of ours are built (oneDNN's GEMM alone); elsewhere, like fp32, to the blocked kernel.
+        ops = cpu_ops()
+        if can_pack(layer.weight) and (ops is None or ops.packed_linear_available()):
             layer.method = PackedBF16LinearMethod()
         elif _blocked_kernel_takes(layer.weight):
             layer.method = BlockedLinearMethod()
@@ -179,6 +183,11 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
             layer._interleaved = True
         packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_BATCH_HINT)
         layer._rows = _rows_kernel_view(packed, plain)
+        if layer._rows is None and _blocked_kernel_takes(plain):  # oneDNN chose a layout we do not read
+            layer._interleaved = False
+            layer.method = BlockedLinearMethod()
+            layer.method.process_weights_after_loading(layer)
+            return
         del layer.weight  # the plain copy is freed (a tied embedding keeps its own)
         layer.register_buffer("weight", packed, persistent=False)
 
@@ -213,7 +222,7 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
 
 
 class BlockedLinearMethod(UnquantizedLinearMethod):
-    """fp32 weights on the CPU, and bf16 ones where oneDNN will not pack them (AVX2 CPUs), packed
+    """fp32 weights on the CPU, and bf16 ones where our AVX512-BF16 rows kernel is not built, packed
     once into 16-column blocks [N / 16, K, 16] for kernels/packed_linear.cpp's blocked_linear_rows:
     each output one chain of fused multiply-adds in fp32, in k order, whatever rows share the call,
     so that outputs are batch-invariant (F.linear's GEMM sums in an order that depends on the
