@@ -189,7 +189,12 @@ _METHODS = [
     (
         UnquantizedLinearMethod,
         torch.bfloat16,
-        PackedBF16LinearMethod if _bf16_packs else BlockedLinearMethod if cpu_ops() else UnquantizedLinearMethod,
+        # (oneDNN's layout where our rows kernel reads it, or where no kernels of ours are built)
+        PackedBF16LinearMethod
+        if _rows_kernel_built() or (_bf16_packs and cpu_ops() is None)
+        else BlockedLinearMethod
+        if cpu_ops()
+        else UnquantizedLinearMethod,
     ),
 ]
 

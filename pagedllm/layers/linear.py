@@ -143,10 +143,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: Linear) -> None:
         # Decided here, not at construction: the model is built on the meta device and only then
         # given its device and dtype. Elsewhere the plain weights stay.
-        # bf16 goes to oneDNN's layout where our rows kernel reads it (AVX512-BF16), or where no
-        # kernels of ours are built (oneDNN's GEMM alone); elsewhere, like fp32, to the blocked kernel.
-        ops = cpu_ops()
-        if can_pack(layer.weight) and (ops is None or ops.packed_linear_available()):
+        # bf16 goes to oneDNN's layout (which hands it on to the blocked kernel where our rows
+        # kernel cannot read it); fp32, and bf16 where oneDNN will not pack, to the blocked kernel.
+        if can_pack(layer.weight):
             layer.method = PackedBF16LinearMethod()
         elif _blocked_kernel_takes(layer.weight):
             layer.method = BlockedLinearMethod()
@@ -183,7 +182,9 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
             layer._interleaved = True
         packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_BATCH_HINT)
         layer._rows = _rows_kernel_view(packed, plain)
-        if layer._rows is None and _blocked_kernel_takes(plain):  # oneDNN chose a layout we do not read
+        # No AVX512-BF16 rows kernel, or a layout it does not read: the blocked kernel, where built
+        # (oneDNN's GEMM alone is not batch-invariant and has no place in the C++ stack).
+        if layer._rows is None and _blocked_kernel_takes(plain):
             layer._interleaved = False
             layer.method = BlockedLinearMethod()
             layer.method.process_weights_after_loading(layer)
