@@ -35,15 +35,12 @@ from common import gguf_weight_bytes_per_token, measure_bandwidth_gbs, weight_by
 
 
 class Ours:
-    def __init__(self, path: str, quantization: str | None, max_model_len: int) -> None:
+    def __init__(self, path: str, quantization: str | None, max_model_len: int, **options) -> None:
         from pagedllm import LLM
 
+        options.setdefault("kv_cache_memory", "1GiB")
         self.llm = LLM(
-            path,
-            quantization=quantization,
-            max_model_len=max_model_len,
-            kv_cache_memory="1GiB",
-            enable_prefix_caching=False,
+            path, quantization=quantization, max_model_len=max_model_len, enable_prefix_caching=False, **options
         )
         self.engine = self.llm.engine
         self.weight_bytes = weight_bytes_per_token(self.engine.model_runner.model)

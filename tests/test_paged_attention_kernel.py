@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, paged_attention_reference
 
 
 def _case(seq_lens, query_lens, block_size, heads=4, kv_heads=2, head_dim=32, dtype=torch.float32, seed=0):
@@ -95,6 +95,8 @@ def _run_kernel(q, k, v, meta, window: int = 0, kv_scales=(1.0, 1.0)) -> torch.T
         (64, 4, 2, [33, 120], [11, 2]),  # a run longer than one walk takes (8 tokens)
         (64, 4, 2, [250, 90, 1], [250, 40, 1]),  # a whole prompt, a chunk on cached context, a decode
         (128, 8, 2, [170], [170]),
+        (64, 9, 3, [1100], [9]),  # a verification past several partitions of the context (256 tokens)
+        (64, 4, 2, [700, 600, 1], [1, 300, 1]),  # decodes and a chunk, the chunk's tokens across partitions
     ],
 )
 @pytest.mark.parametrize("dtype, cache", [("bf16", "bf16"), ("bf16", "fp8"), ("fp32", "fp32"), ("fp32", "fp8")])
@@ -125,3 +127,58 @@ def test_every_query_token_is_its_decode(head_dim, heads, kv_heads, seq_lens, qu
             )
             assert torch.equal(together[row], run(q[row : row + 1].contiguous(), k, v, decode)[0]), (b, t)
             row += 1
+
+
+def _decode_batch(seq_lens, block_size, dtype=torch.float32, heads=9, kv_heads=3, head_dim=64, cache=None):
+    q, k, v, meta = _case(seq_lens, [1] * len(seq_lens), block_size, heads, kv_heads, head_dim, dtype)
+    scales = (1.0, 1.0)
+    if cache is not None:
+        k, v, scales = k.to(cache), v.to(cache), (0.5, 2.0)
+    return q, k, v, meta, scales
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("block_size", [1, 16, 48])  # 48: partitions of 288 tokens (256 rounded up to blocks)
+@pytest.mark.parametrize("cache", [None, torch.float8_e5m2])
+def test_long_decodes_same_bits_on_any_threads(block_size, cache):
+    """A long context is cut into partitions that threads may share out (a few decodes) or walk whole
+    (many): the bits are the same on 1, 2 or 3 threads and alone or beside 31 other decodes."""
+    q, k, v, meta, scales = _decode_batch([1500, 700, 300, 40] * 8, block_size, cache=cache)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(_run_kernel(q, k, v, meta, kv_scales=scales))
+            alone = [
+                _run_kernel(q[b : b + 1].contiguous(), k, v, _one_seq(meta, b), kv_scales=scales)[0] for b in range(4)
+            ]
+            assert all(torch.equal(runs[-1][b], alone[b]) for b in range(4)), n
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    want = paged_attention_reference(q, k, v, meta, 64**-0.5, None, KVScales(*scales))
+    torch.testing.assert_close(runs[0], want, atol=1e-5, rtol=1e-5)
+
+
+def _one_seq(meta: AttentionMetadata, b: int) -> AttentionMetadata:
+    n = int(meta.seq_lens[b])
+    return AttentionMetadata(
+        meta.slot_mapping,
+        meta.block_tables[b : b + 1],
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32),
+        [n],
+        [1],
+    )
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 300])
+def test_long_context_matches_reference(dtype, tol, window):
+    """Contexts of several partitions, a whole prompt among them, against the torch reference."""
+    q, k, v, meta = _case([1300, 600, 777], [1, 600, 5], 16, 9, 3, 64, dtype)
+    got = paged_attention(q, k, v, meta, 0.125, window)
+    want = paged_attention_reference(q.float(), k.float(), v.float(), meta, 0.125, window)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

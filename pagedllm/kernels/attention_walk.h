@@ -1,0 +1,450 @@
+// The attention walk of every build, dtype and head size that the AVX-512 BF16 walk does not
+// serve (paged_attention.cpp): fp32, fp16 and bf16 queries over caches of their own dtype or fp8,
+// in 8 fp32 lanes (AVX2 with FMA, or plain arrays elsewhere).
+//
+// Each query token's result is one fixed sequence of operations that depends only on its position:
+// its context [first, pos] is cut into partitions of `part` tokens aligned to absolute positions
+// (0, part, 2 part, ...; a multiple of the block size), each partition walked block by block as
+// an online softmax of its own, and the partitions' states folded in order. So a decode, a
+// prefill chunk's token, a verification's or a recompute's give the same bits, alone or beside
+// others, on one thread or many, whether one thread walks all of a token's partitions (many
+// query tokens: threads take tokens) or each partition is a task of its own (a few long decodes:
+// threads take partitions, the states wait in a buffer, then fold).
+//
+// The arithmetic lives in a few functions kept out of line (block_step, fold, finish), so that no
+// caller's inlining can fuse a multiply and an add differently in one place than another.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "kv_quant.h"
+
+namespace attention_walk {
+
+// exp(x) for x <= 0: 2^(x log2 e) split into an integer power, set in the exponent bits, and a
+// fraction, by a degree-6 polynomial (relative error below 3e-7; x below -87 gives exp(-87)).
+// std::fma, so that the scalar and the vector form give the same bits.
+inline float exp1(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.44269504f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.5353362e-4f;
+  p = std::fma(p, f, 1.3398874e-3f);
+  p = std::fma(p, f, 9.6181291e-3f);
+  p = std::fma(p, f, 5.5504109e-2f);
+  p = std::fma(p, f, 2.4022652e-1f);
+  p = std::fma(p, f, 6.9314718e-1f);
+  p = std::fma(p, f, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof power);
+  return p * power;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct F8 {
+  __m256 v;
+};
+inline F8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store8(float* p, F8 a) { _mm256_storeu_ps(p, a.v); }
+inline F8 set8(float x) { return {_mm256_set1_ps(x)}; }
+inline F8 fma8(F8 a, F8 b, F8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline F8 mul8(F8 a, F8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline F8 add8(F8 a, F8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline F8 sub8(F8 a, F8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+// The first `n` lanes of a, the rest 0.
+inline F8 first8(F8 a, int64_t n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return {_mm256_and_ps(a.v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes)))};
+}
+// Lane i: the sum of a[i]'s lanes, as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)).
+inline F8 sums8(const F8* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0].v, a[1].v), t1 = _mm256_hadd_ps(a[2].v, a[3].v);
+  const __m256 t2 = _mm256_hadd_ps(a[4].v, a[5].v), t3 = _mm256_hadd_ps(a[6].v, a[7].v);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return {_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31))};
+}
+inline F8 max8(F8 a, F8 b) { return {_mm256_max_ps(a.v, b.v)}; }
+// The first `n` lanes of a, the rest x.
+inline F8 first8_or(F8 a, int64_t n, float x) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
+  return {_mm256_blendv_ps(_mm256_set1_ps(x), a.v, keep)};
+}
+inline float max_of(F8 a) {
+  const __m128 m = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  const __m128 m2 = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+}
+// out[i]: the sum of a[i]'s lanes (i < 4), in sums8's order.
+inline void sums4(float* out, const F8* a) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0].v, a[1].v), _mm256_hadd_ps(a[2].v, a[3].v));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+inline F8 exp8(F8 a) {
+  const __m256 x = _mm256_max_ps(a.v, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 fi = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, fi);
+  __m256 p = _mm256_set1_ps(1.5353362e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+  return {_mm256_mul_ps(p, _mm256_castsi256_ps(bits))};
+}
+#else
+struct F8 {
+  float v[8];
+};
+inline F8 load8(const float* p) {
+  F8 a;
+  std::memcpy(a.v, p, sizeof a.v);
+  return a;
+}
+inline void store8(float* p, F8 a) { std::memcpy(p, a.v, sizeof a.v); }
+inline F8 set8(float x) {
+  F8 a;
+  std::fill(a.v, a.v + 8, x);
+  return a;
+}
+#define PAGEDLLM_LANES(EXPR) \
+  F8 r;                      \
+  for (int i = 0; i < 8; ++i) r.v[i] = EXPR; \
+  return r
+inline F8 fma8(F8 a, F8 b, F8 c) { PAGEDLLM_LANES(std::fma(a.v[i], b.v[i], c.v[i])); }
+inline F8 mul8(F8 a, F8 b) { PAGEDLLM_LANES(a.v[i] * b.v[i]); }
+inline F8 add8(F8 a, F8 b) { PAGEDLLM_LANES(a.v[i] + b.v[i]); }
+inline F8 sub8(F8 a, F8 b) { PAGEDLLM_LANES(a.v[i] - b.v[i]); }
+inline F8 first8(F8 a, int64_t n) { PAGEDLLM_LANES(i < n ? a.v[i] : 0.f); }
+inline F8 exp8(F8 a) { PAGEDLLM_LANES(exp1(a.v[i])); }
+inline F8 sums8(const F8* a) {
+  PAGEDLLM_LANES(((a[i].v[0] + a[i].v[1]) + (a[i].v[2] + a[i].v[3])) + ((a[i].v[4] + a[i].v[5]) + (a[i].v[6] + a[i].v[7])));
+}
+inline F8 max8(F8 a, F8 b) { PAGEDLLM_LANES(std::max(a.v[i], b.v[i])); }
+inline F8 first8_or(F8 a, int64_t n, float x) { PAGEDLLM_LANES(i < n ? a.v[i] : x); }
+#undef PAGEDLLM_LANES
+inline float max_of(F8 a) { return *std::max_element(a.v, a.v + 8); }
+inline void sums4(float* out, const F8* a) {
+  for (int i = 0; i < 4; ++i)
+    out[i] = ((a[i].v[0] + a[i].v[1]) + (a[i].v[2] + a[i].v[3])) + ((a[i].v[4] + a[i].v[5]) + (a[i].v[6] + a[i].v[7]));
+}
+#endif
+
+// The sum of a's lanes, in sums8's order.
+inline float sum8(F8 a) {
+  alignas(32) float x[8];
+  store8(x, a);
+  return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+// n cached values as fp32 (exact, or an fp8 byte's value times its scale: one rounding).
+template <KvKind K, typename C>
+inline void widen_row(float* dst, const C* src, int64_t n, float scale) {
+  int64_t i = 0;
+  if constexpr (K != KvKind::kSame) {
+    const float factor = fp8_half_factor<K>() * scale;
+#if defined(__F16C__) && defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+      const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+      __m128i h;
+      if constexpr (K == KvKind::kE4M3) {  // fp8_as_half_bits: sign to bit 15, the rest 7 bits up
+        h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                         _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+      } else {
+        h = _mm_slli_epi16(b, 8);
+      }
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(factor)));
+    }
+#endif
+    for (; i < n; ++i)
+      dst[i] = static_cast<float>(c10::Half(fp8_as_half_bits<K>(src[i]), c10::Half::from_bits())) * factor;
+  } else if constexpr (std::is_same_v<C, at::BFloat16>) {
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  } else if constexpr (std::is_same_v<C, at::Half>) {
+#if defined(__F16C__) && defined(__AVX2__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  } else {
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// A query head's online-softmax state: acc[0 .. dd), then the running max and the denominator.
+inline int64_t state_stride(int64_t dd) { return dd + 8; }
+
+inline void reset_state(float* s, int64_t dd) {
+  std::fill(s, s + dd, 0.f);
+  s[dd] = -std::numeric_limits<float>::infinity();
+  s[dd + 1] = 0.f;
+}
+
+// One block's keys j < n (rows `ks` floats apart; V rows `vs`) for G query heads (rows dd apart)
+// into their states (state_stride apart). `scores`: room for G x (n rounded up to 8). The heads
+// go together, so that each K and V row is loaded once for all of them and the FMAs of several
+// heads and keys are in flight at once; each head's arithmetic is its own all the same.
+template <int64_t D, int64_t G>
+__attribute__((noinline)) void block_step(const float* q, int64_t dd, const float* k, int64_t ks, const float* v,
+                                          int64_t vs, int64_t n, float* states, float* scores) {
+  if constexpr (D > 0) dd = D;
+  const int64_t S = state_stride(dd), n8 = (n + 7) / 8 * 8;
+  // Scores, 4 keys at a time (8 for one head): a chain of FMAs per key and head over the row, then
+  // each chain's lanes summed in sums8's order.
+  constexpr int64_t KJ = G == 1 ? 8 : 4, GC = G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
+  for (int64_t j0 = 0; j0 < n; j0 += KJ) {
+    const float* rows[KJ];
+    for (int64_t jj = 0; jj < KJ; ++jj) rows[jj] = k + std::min(j0 + jj, n - 1) * ks;  // past n: unused
+    for (int64_t g0 = 0; g0 < G; g0 += GC) {
+      F8 dots[GC][KJ];
+      for (int64_t g = 0; g < GC; ++g)
+        for (int64_t jj = 0; jj < KJ; ++jj) dots[g][jj] = set8(0.f);
+      for (int64_t c = 0; c < dd; c += 8)
+        for (int64_t jj = 0; jj < KJ; ++jj) {
+          const F8 key = load8(rows[jj] + c);
+          for (int64_t g = 0; g < GC; ++g) dots[g][jj] = fma8(load8(q + (g0 + g) * dd + c), key, dots[g][jj]);
+        }
+      for (int64_t g = 0; g < GC; ++g) {
+        if constexpr (KJ == 8) {
+          store8(scores + (g0 + g) * n8 + j0, sums8(dots[g]));
+        } else {
+          sums4(scores + (g0 + g) * n8 + j0, dots[g]);
+        }
+      }
+    }
+  }
+  float correction[G];
+  for (int64_t g = 0; g < G; ++g) {
+    float* st = states + g * S;
+    float* sc = scores + g * n8;
+    F8 tops = set8(st[dd]);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) tops = max8(tops, first8_or(load8(sc + j0), n - j0, st[dd]));
+    const float top = max_of(tops);
+    correction[g] = exp1(st[dd] - top);
+    F8 total = set8(0.f);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const F8 p = first8(exp8(sub8(load8(sc + j0), set8(top))), n - j0);
+      store8(sc + j0, p);
+      total = add8(total, p);
+    }
+    st[dd + 1] = std::fma(st[dd + 1], correction[g], sum8(total));
+    st[dd] = top;
+  }
+  // acc = acc x correction + sum over keys of p x V, in key order: CW chunks of 8 dims of every
+  // head at a time, a chain of FMAs each.
+  constexpr int64_t CW = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;  // G x CW <= 12 chains: registers
+  int64_t c = 0;
+  auto chains = [&](auto width) {
+    constexpr int64_t W = decltype(width)::value;
+    F8 acc[G][W];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t w = 0; w < W; ++w) acc[g][w] = mul8(load8(states + g * S + c + 8 * w), set8(correction[g]));
+    for (int64_t j = 0; j < n; ++j) {
+      F8 row[W];
+      for (int64_t w = 0; w < W; ++w) row[w] = load8(v + j * vs + c + 8 * w);
+      for (int64_t g = 0; g < G; ++g) {
+        const F8 p = set8(scores[g * n8 + j]);
+        for (int64_t w = 0; w < W; ++w) acc[g][w] = fma8(p, row[w], acc[g][w]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t w = 0; w < W; ++w) store8(states + g * S + c + 8 * w, acc[g][w]);
+  };
+  for (; c + 8 * CW <= dd; c += 8 * CW) chains(std::integral_constant<int64_t, CW>());
+  for (; c < dd; c += 8) chains(std::integral_constant<int64_t, 1>());
+}
+
+template <int64_t D>
+using StepFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float*, float*);
+
+// block_step for g heads (1 to 8).
+template <int64_t D>
+StepFn<D> step_for(int64_t g) {
+  static constexpr StepFn<D> steps[] = {block_step<D, 1>, block_step<D, 2>, block_step<D, 3>, block_step<D, 4>,
+                                        block_step<D, 5>, block_step<D, 6>, block_step<D, 7>, block_step<D, 8>};
+  return steps[g - 1];
+}
+
+// total = total (+) part: two online-softmax states of adjacent ranges, in that order.
+__attribute__((noinline)) inline void fold(float* total, const float* part, int64_t dd) {
+  const float top = std::max(total[dd], part[dd]);
+  const float ct = exp1(total[dd] - top), cp = exp1(part[dd] - top);
+  total[dd + 1] = std::fma(total[dd + 1], ct, part[dd + 1] * cp);
+  const F8 a = set8(ct), b = set8(cp);
+  for (int64_t c = 0; c < dd; c += 8) store8(total + c, fma8(load8(total + c), a, mul8(load8(part + c), b)));
+  total[dd] = top;
+}
+
+template <typename T>
+__attribute__((noinline)) void finish(T* out, const float* state, int64_t d, int64_t dd) {
+  const float inv = 1.f / state[dd + 1];
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(state[i] * inv);
+}
+
+constexpr int64_t kMaxStepHeads = 8;  // query heads a block_step serves
+constexpr int64_t kAhead = 2;         // blocks between a block's prefetch (to L2) and its walk
+
+// What every unit of one call shares.
+struct Call {
+  int64_t d, dd;  // head size; rounded up to 8 (the rows walks read)
+  int64_t group, num_heads, num_kv_heads, block_size, token_stride, table_stride, part, window;
+  float scale;
+  KvScales kv;
+  const int32_t* tables;
+  float* partials;            // split units' states: [slot][query head] (state_stride(dd) floats each)
+  const int64_t* first_slot;  // a query row's first slot, or -1 (its unit finishes it)
+};
+
+// A piece of work: `tokens` query tokens of one sequence (q rows from token0, positions from
+// pos0), the query heads of KV heads h0 .. h0 + kv_count, partitions [part0, part1).
+struct Unit {
+  int64_t seq, token0, pos0, tokens, h0, kv_count, part0, part1;
+  int64_t cost;  // rough: keys read x query rows served
+};
+
+// Per-thread buffers, sized for the largest unit.
+struct Scratch {
+  std::vector<float> q, part_states, total_states, scores, k, v;
+  Scratch(const Call& c, int64_t max_rows)
+      : q(max_rows * c.dd), part_states(max_rows * state_stride(c.dd)), total_states(max_rows * state_stride(c.dd)),
+        scores(kMaxStepHeads * (c.block_size + 8)), k(c.block_size * c.dd), v(c.block_size * c.dd) {}
+};
+
+// Prefetch `count` K and V rows from row `row0`: elements [offset, offset + width) of each.
+template <typename C>
+inline void prefetch_rows(const C* k_cache, const C* v_cache, int64_t row0, int64_t count, int64_t stride,
+                          int64_t offset, int64_t width) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(C));
+  for (int64_t j = 0; j < count; ++j) {
+    const char* k = reinterpret_cast<const char*>(k_cache + (row0 + j) * stride + offset);
+    const char* v = reinterpret_cast<const char*>(v_cache + (row0 + j) * stride + offset);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(k + b, _MM_HINT_T1);
+      _mm_prefetch(v + b, _MM_HINT_T1);
+    }
+  }
+}
+
+// First position a token at `pos` attends to.
+inline int64_t first_position(const Call& c, int64_t pos) {
+  return c.window > 0 ? std::max<int64_t>(0, pos - c.window + 1) : 0;
+}
+
+template <typename T, KvKind K, int64_t D>
+void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>* v_cache,
+               T* out, Scratch& s) {
+  using C = CacheT<K, T>;
+  const int64_t dd = D > 0 ? D : c.dd, S = state_stride(dd), G = c.group;
+  const int64_t heads = u.kv_count * G;  // query heads a token serves here
+  // fp32 rows whose width is the walk's are read in place; others are widened a block at a time.
+  constexpr bool kInPlace = K == KvKind::kSame && std::is_same_v<T, float>;
+  const bool in_place = kInPlace && c.d == dd;
+  for (int64_t r = 0; r < u.tokens; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* src = q + ((u.token0 + r) * c.num_heads + u.h0 * G + h) * c.d;
+      float* dst = s.q.data() + (r * heads + h) * dd;
+      for (int64_t i = 0; i < c.d; ++i) dst[i] = static_cast<float>(src[i]) * c.scale;
+      std::fill(dst + c.d, dst + dd, 0.f);
+    }
+  const int32_t* table = c.tables + u.seq * c.table_stride;
+  const int64_t last = u.pos0 + u.tokens - 1;
+  const int64_t first = first_position(c, u.pos0);  // a run's tokens share it (run_split's rule)
+  const int64_t bs = c.block_size;
+  const int64_t end = std::min(last, u.part1 * c.part - 1);  // the unit's last key
+  for (int64_t p = u.part0; p < u.part1; ++p) {
+    const int64_t plo = std::max(first, p * c.part), phi = std::min(last, (p + 1) * c.part - 1);
+    for (int64_t i = 0; i < u.tokens * heads; ++i) reset_state(s.part_states.data() + i * S, dd);
+    for (int64_t start = plo - plo % bs; start <= phi; start += bs) {
+      const int64_t lo = std::max(start, plo), hi = std::min(start + bs - 1, phi);
+      const int64_t row0 = static_cast<int64_t>(table[start / bs]) * bs + lo - start;
+      const int64_t ahead = start + kAhead * bs;  // a later block's rows, requested head by head
+      for (int64_t h = 0; h < u.kv_count; ++h) {
+        if (ahead <= end)
+          prefetch_rows(k_cache, v_cache, static_cast<int64_t>(table[ahead / bs]) * bs, std::min(bs, end - ahead + 1),
+                        c.token_stride, (u.h0 + h) * c.d, c.d);
+        if (start == plo - plo % bs && p == u.part0)  // the unit's first blocks: no earlier one asked
+          for (int64_t b = start; b < ahead && b <= end; b += bs)
+            prefetch_rows(k_cache, v_cache, static_cast<int64_t>(table[b / bs]) * bs, std::min(bs, end - b + 1),
+                          c.token_stride, (u.h0 + h) * c.d, c.d);
+        const C* k_rows = k_cache + row0 * c.token_stride + (u.h0 + h) * c.d;
+        const C* v_rows = v_cache + row0 * c.token_stride + (u.h0 + h) * c.d;
+        const float *kp, *vp;
+        int64_t stride = dd;
+        if (in_place) {
+          kp = reinterpret_cast<const float*>(k_rows);
+          vp = reinterpret_cast<const float*>(v_rows);
+          stride = c.token_stride;
+        } else {
+          for (int64_t j = 0; j <= hi - lo; ++j) {
+            widen_row<K>(s.k.data() + j * dd, k_rows + j * c.token_stride, c.d, c.kv.k);
+            widen_row<K>(s.v.data() + j * dd, v_rows + j * c.token_stride, c.d, c.kv.v);
+            std::fill(s.k.data() + j * dd + c.d, s.k.data() + (j + 1) * dd, 0.f);
+            std::fill(s.v.data() + j * dd + c.d, s.v.data() + (j + 1) * dd, 0.f);
+          }
+          kp = s.k.data();
+          vp = s.v.data();
+        }
+        for (int64_t r = 0; r < u.tokens; ++r) {
+          const int64_t pos = u.pos0 + r;
+          if (pos < lo) continue;
+          const int64_t row = r * heads + h * G;
+          for (int64_t g0 = 0; g0 < G; g0 += kMaxStepHeads) {
+            const int64_t g = std::min(kMaxStepHeads, G - g0);
+            step_for<D>(g)(s.q.data() + (row + g0) * dd, dd, kp, stride, vp, stride, std::min(hi, pos) - lo + 1,
+                           s.part_states.data() + (row + g0) * S, s.scores.data());
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < u.tokens; ++r) {
+      if (u.pos0 + r < plo) continue;
+      const int64_t token = u.token0 + r;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* part = s.part_states.data() + (r * heads + h) * S;
+        if (c.first_slot[token] >= 0) {  // a split unit: one partition, folded later
+          const int64_t slot = c.first_slot[token] + p - first / c.part;
+          std::memcpy(c.partials + (slot * c.num_heads + u.h0 * G + h) * S, part, S * sizeof(float));
+        } else if (p == u.part0) {
+          std::memcpy(s.total_states.data() + (r * heads + h) * S, part, S * sizeof(float));
+        } else {
+          fold(s.total_states.data() + (r * heads + h) * S, part, dd);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < u.tokens && c.first_slot[u.token0 + r] < 0; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      finish(out + ((u.token0 + r) * c.num_heads + u.h0 * G + h) * c.d, s.total_states.data() + (r * heads + h) * S,
+             c.d, dd);
+}
+
+// A split token's query head: its partitions' states folded in order, then finished.
+template <typename T>
+void fold_partials(const Call& c, int64_t token, int64_t head, int64_t slots, T* out, float* total) {
+  const int64_t S = state_stride(c.dd);
+  const float* first = c.partials + (c.first_slot[token] * c.num_heads + head) * S;
+  std::memcpy(total, first, S * sizeof(float));
+  for (int64_t p = 1; p < slots; ++p) fold(total, first + p * c.num_heads * S, c.dd);
+  finish(out + (token * c.num_heads + head) * c.d, total, c.d, c.dd);
+}
+
+}  // namespace attention_walk
