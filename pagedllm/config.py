@@ -15,9 +15,15 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # --quantization: a GGUF file's own types (auto, gguf), dequantized (none), or a Hugging Face
 # checkpoint quantized as it loads (models/loader.py's resolve_quantization)
 QUANTIZATION_CHOICES = ("auto", "gguf", "none", "int8", "int4", "int4_g32")
-# --kv-cache-dtype, as vLLM spells it: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2; each
-# choice's torch dtype by name (None: the model's)
-KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# --kv-cache-dtype, as vLLM spells it: auto (the model's dtype), bfloat16 (an fp32 model's K/V in
+# half the bytes), fp8 (= fp8_e4m3), fp8_e5m2; each choice's torch dtype by name (None: the model's)
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "bfloat16": "bfloat16",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 KV_CACHE_DTYPE_CHOICES = tuple(KV_CACHE_DTYPES)
 # --runner, as vLLM spells it: auto, generate (completions and chat), pooling (embeddings)
 RUNNER_CHOICES = ("auto", "generate", "pooling")

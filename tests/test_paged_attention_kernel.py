@@ -99,7 +99,9 @@ def _run_kernel(q, k, v, meta, window: int = 0, kv_scales=(1.0, 1.0)) -> torch.T
         (64, 4, 2, [700, 600, 1], [1, 300, 1]),  # decodes and a chunk, the chunk's tokens across partitions
     ],
 )
-@pytest.mark.parametrize("dtype, cache", [("bf16", "bf16"), ("bf16", "fp8"), ("fp32", "fp32"), ("fp32", "fp8")])
+@pytest.mark.parametrize(
+    "dtype, cache", [("bf16", "bf16"), ("bf16", "fp8"), ("fp32", "fp32"), ("fp32", "fp8"), ("fp32", "bf16")]
+)
 @pytest.mark.parametrize("window", [0, 50, 400])  # 50: the runs' tokens start apart, each walks alone
 def test_every_query_token_is_its_decode(head_dim, heads, kv_heads, seq_lens, query_lens, dtype, cache, window):
     """Batch invariance: each query row of a step, whatever the step (a prefill chunk of any size, a
@@ -112,6 +114,8 @@ def test_every_query_token_is_its_decode(head_dim, heads, kv_heads, seq_lens, qu
     scales = (1.0, 1.0)
     if cache == "fp8":
         k, v, scales = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), (0.5, 2.0)
+    elif cache != dtype:
+        k, v = k.bfloat16(), v.bfloat16()
     run = functools.partial(_run_kernel, window=window, kv_scales=scales)
     together = run(q, k, v, meta)
     row = 0

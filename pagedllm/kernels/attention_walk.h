@@ -150,11 +150,25 @@ inline float sum8(F8 a) {
   return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
 }
 
+// 8 K or V values as fp32: fp32 rows read as they are, bf16 rows widened exactly in registers.
+inline F8 load_row8(const float* p) { return load8(p); }
+inline F8 load_row8(const at::BFloat16* p) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+#else
+  F8 a;
+  for (int i = 0; i < 8; ++i) a.v[i] = static_cast<float>(p[i]);
+  return a;
+#endif
+}
+
 // n cached values as fp32 (exact, or an fp8 byte's value times its scale: one rounding).
+// bf16 rows (kSame bf16 or kBF16) widen exactly, by a shift.
 template <KvKind K, typename C>
 inline void widen_row(float* dst, const C* src, int64_t n, float scale) {
   int64_t i = 0;
-  if constexpr (K != KvKind::kSame) {
+  if constexpr (is_fp8(K)) {
     const float factor = fp8_half_factor<K>() * scale;
 #if defined(__F16C__) && defined(__AVX2__)
     for (; i + 8 <= n; i += 8) {
@@ -203,16 +217,16 @@ inline void reset_state(float* s, int64_t dd) {
 // into their states (state_stride apart). `scores`: room for G x (n rounded up to 8). The heads
 // go together, so that each K and V row is loaded once for all of them and the FMAs of several
 // heads and keys are in flight at once; each head's arithmetic is its own all the same.
-template <int64_t D, int64_t G>
-__attribute__((noinline)) void block_step(const float* q, int64_t dd, const float* k, int64_t ks, const float* v,
-                                          int64_t vs, int64_t n, float* states, float* scores) {
+template <int64_t D, int64_t G, typename R>
+__attribute__((noinline)) void block_step(const float* q, int64_t dd, const R* k, int64_t ks, const R* v, int64_t vs,
+                                          int64_t n, float* states, float* scores) {
   if constexpr (D > 0) dd = D;
   const int64_t S = state_stride(dd), n8 = (n + 7) / 8 * 8;
   // Scores, 4 keys at a time (8 for one head): a chain of FMAs per key and head over the row, then
   // each chain's lanes summed in sums8's order.
   constexpr int64_t KJ = G == 1 ? 8 : 4, GC = G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
   for (int64_t j0 = 0; j0 < n; j0 += KJ) {
-    const float* rows[KJ];
+    const R* rows[KJ];
     for (int64_t jj = 0; jj < KJ; ++jj) rows[jj] = k + std::min(j0 + jj, n - 1) * ks;  // past n: unused
     for (int64_t g0 = 0; g0 < G; g0 += GC) {
       F8 dots[GC][KJ];
@@ -220,7 +234,7 @@ __attribute__((noinline)) void block_step(const float* q, int64_t dd, const floa
         for (int64_t jj = 0; jj < KJ; ++jj) dots[g][jj] = set8(0.f);
       for (int64_t c = 0; c < dd; c += 8)
         for (int64_t jj = 0; jj < KJ; ++jj) {
-          const F8 key = load8(rows[jj] + c);
+          const F8 key = load_row8(rows[jj] + c);
           for (int64_t g = 0; g < GC; ++g) dots[g][jj] = fma8(load8(q + (g0 + g) * dd + c), key, dots[g][jj]);
         }
       for (int64_t g = 0; g < GC; ++g) {
@@ -260,7 +274,7 @@ __attribute__((noinline)) void block_step(const float* q, int64_t dd, const floa
       for (int64_t w = 0; w < W; ++w) acc[g][w] = mul8(load8(states + g * S + c + 8 * w), set8(correction[g]));
     for (int64_t j = 0; j < n; ++j) {
       F8 row[W];
-      for (int64_t w = 0; w < W; ++w) row[w] = load8(v + j * vs + c + 8 * w);
+      for (int64_t w = 0; w < W; ++w) row[w] = load_row8(v + j * vs + c + 8 * w);
       for (int64_t g = 0; g < G; ++g) {
         const F8 p = set8(scores[g * n8 + j]);
         for (int64_t w = 0; w < W; ++w) acc[g][w] = fma8(p, row[w], acc[g][w]);
@@ -273,14 +287,15 @@ __attribute__((noinline)) void block_step(const float* q, int64_t dd, const floa
   for (; c < dd; c += 8) chains(std::integral_constant<int64_t, 1>());
 }
 
-template <int64_t D>
-using StepFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float*, float*);
+template <int64_t D, typename R>
+using StepFn = void (*)(const float*, int64_t, const R*, int64_t, const R*, int64_t, int64_t, float*, float*);
 
 // block_step for g heads (1 to 8).
-template <int64_t D>
-StepFn<D> step_for(int64_t g) {
-  static constexpr StepFn<D> steps[] = {block_step<D, 1>, block_step<D, 2>, block_step<D, 3>, block_step<D, 4>,
-                                        block_step<D, 5>, block_step<D, 6>, block_step<D, 7>, block_step<D, 8>};
+template <int64_t D, typename R>
+StepFn<D, R> step_for(int64_t g) {
+  static constexpr StepFn<D, R> steps[] = {block_step<D, 1, R>, block_step<D, 2, R>, block_step<D, 3, R>,
+                                           block_step<D, 4, R>, block_step<D, 5, R>, block_step<D, 6, R>,
+                                           block_step<D, 7, R>, block_step<D, 8, R>};
   return steps[g - 1];
 }
 
@@ -355,9 +370,10 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
   using C = CacheT<K, T>;
   const int64_t dd = D > 0 ? D : c.dd, S = state_stride(dd), G = c.group;
   const int64_t heads = u.kv_count * G;  // query heads a token serves here
-  // fp32 rows whose width is the walk's are read in place; others are widened a block at a time.
-  constexpr bool kInPlace = K == KvKind::kSame && std::is_same_v<T, float>;
-  const bool in_place = kInPlace && c.d == dd;
+  // fp32 and bf16 rows whose width is the walk's are read in place (bf16 widened as loaded);
+  // others are widened a block at a time into fp32 rows.
+  using R = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>, C, float>;
+  const bool in_place = std::is_same_v<R, C> && c.d == dd;
   for (int64_t r = 0; r < u.tokens; ++r)
     for (int64_t h = 0; h < heads; ++h) {
       const T* src = q + ((u.token0 + r) * c.num_heads + u.h0 * G + h) * c.d;
@@ -387,32 +403,31 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
                           c.token_stride, (u.h0 + h) * c.d, c.d);
         const C* k_rows = k_cache + row0 * c.token_stride + (u.h0 + h) * c.d;
         const C* v_rows = v_cache + row0 * c.token_stride + (u.h0 + h) * c.d;
-        const float *kp, *vp;
-        int64_t stride = dd;
+        // This block's keys for every token of the unit that sees them, a head's query heads a call.
+        auto steps = [&](const auto* kp, const auto* vp, int64_t stride) {
+          using Row = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+          for (int64_t r = 0; r < u.tokens; ++r) {
+            const int64_t pos = u.pos0 + r;
+            if (pos < lo) continue;
+            const int64_t row = r * heads + h * G;
+            for (int64_t g0 = 0; g0 < G; g0 += kMaxStepHeads) {
+              const int64_t g = std::min(kMaxStepHeads, G - g0);
+              step_for<D, Row>(g)(s.q.data() + (row + g0) * dd, dd, kp, stride, vp, stride,
+                                  std::min(hi, pos) - lo + 1, s.part_states.data() + (row + g0) * S, s.scores.data());
+            }
+          }
+        };
         if (in_place) {
-          kp = reinterpret_cast<const float*>(k_rows);
-          vp = reinterpret_cast<const float*>(v_rows);
-          stride = c.token_stride;
-        } else {
-          for (int64_t j = 0; j <= hi - lo; ++j) {
-            widen_row<K>(s.k.data() + j * dd, k_rows + j * c.token_stride, c.d, c.kv.k);
-            widen_row<K>(s.v.data() + j * dd, v_rows + j * c.token_stride, c.d, c.kv.v);
-            std::fill(s.k.data() + j * dd + c.d, s.k.data() + (j + 1) * dd, 0.f);
-            std::fill(s.v.data() + j * dd + c.d, s.v.data() + (j + 1) * dd, 0.f);
-          }
-          kp = s.k.data();
-          vp = s.v.data();
+          steps(reinterpret_cast<const R*>(k_rows), reinterpret_cast<const R*>(v_rows), c.token_stride);
+          continue;
         }
-        for (int64_t r = 0; r < u.tokens; ++r) {
-          const int64_t pos = u.pos0 + r;
-          if (pos < lo) continue;
-          const int64_t row = r * heads + h * G;
-          for (int64_t g0 = 0; g0 < G; g0 += kMaxStepHeads) {
-            const int64_t g = std::min(kMaxStepHeads, G - g0);
-            step_for<D>(g)(s.q.data() + (row + g0) * dd, dd, kp, stride, vp, stride, std::min(hi, pos) - lo + 1,
-                           s.part_states.data() + (row + g0) * S, s.scores.data());
-          }
+        for (int64_t j = 0; j <= hi - lo; ++j) {
+          widen_row<K>(s.k.data() + j * dd, k_rows + j * c.token_stride, c.d, c.kv.k);
+          widen_row<K>(s.v.data() + j * dd, v_rows + j * c.token_stride, c.d, c.kv.v);
+          std::fill(s.k.data() + j * dd + c.d, s.k.data() + (j + 1) * dd, 0.f);
+          std::fill(s.v.data() + j * dd + c.d, s.v.data() + (j + 1) * dd, 0.f);
         }
+        steps(s.k.data(), s.v.data(), dd);
       }
     }
     for (int64_t r = 0; r < u.tokens; ++r) {

@@ -230,11 +230,14 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
                                                                     gate_up.data_ptr<scalar>(), rows, n))
 }
 
-// n values of a K or V row into the cache: copied, or as fp8 bytes of value / scale.
+// n values of a K or V row into the cache: copied, rounded to bf16, or as fp8 bytes of value / scale.
 template <KvKind K, typename scalar>
 inline void store_row(void* dst, const scalar* src, int64_t n, float scale) {
   if constexpr (K == KvKind::kSame) {
     std::memcpy(dst, src, n * sizeof(scalar));
+  } else if constexpr (K == KvKind::kBF16) {
+    at::BFloat16* out = static_cast<at::BFloat16*>(dst);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<at::BFloat16>(static_cast<float>(src[i]));
   } else {
     uint8_t* out = static_cast<uint8_t*>(dst);
     const float inv = 1.f / scale;
@@ -280,6 +283,7 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
     switch (kind) {
       case KvKind::kE4M3: store_kv<KvKind::kE4M3>(x, stride, q_size, kv_size, slot, tokens, k_cache, v_cache, ks, vs); break;
       case KvKind::kE5M2: store_kv<KvKind::kE5M2>(x, stride, q_size, kv_size, slot, tokens, k_cache, v_cache, ks, vs); break;
+      case KvKind::kBF16: store_kv<KvKind::kBF16>(x, stride, q_size, kv_size, slot, tokens, k_cache, v_cache, ks, vs); break;
       default: store_kv<KvKind::kSame>(x, stride, q_size, kv_size, slot, tokens, k_cache, v_cache, ks, vs);
     }
   })

@@ -15,11 +15,14 @@
 #include <cstring>
 #include <type_traits>
 
-enum class KvKind { kSame = 0, kE4M3 = 1, kE5M2 = 2 };
+// kBF16: bf16 values for fp32 queries and K/V (--kv-cache-dtype bfloat16 on an fp32 model).
+enum class KvKind { kSame = 0, kE4M3 = 1, kE5M2 = 2, kBF16 = 3 };
 
-// A cache element: the values' own type T, or a byte of fp8.
+constexpr bool is_fp8(KvKind k) { return k == KvKind::kE4M3 || k == KvKind::kE5M2; }
+
+// A cache element: the values' own type T, a bf16, or a byte of fp8.
 template <KvKind K, typename T>
-using CacheT = std::conditional_t<K == KvKind::kSame, T, uint8_t>;
+using CacheT = std::conditional_t<K == KvKind::kSame, T, std::conditional_t<K == KvKind::kBF16, at::BFloat16, uint8_t>>;
 
 // The layer's scales: a cached K value is its byte's fp8 value x k (V: x v). Unused for kSame.
 struct KvScales {
@@ -31,9 +34,12 @@ inline KvKind kv_kind(const torch::Tensor& cache, c10::ScalarType compute) {
   switch (cache.scalar_type()) {
     case torch::kFloat8_e4m3fn: return KvKind::kE4M3;
     case torch::kFloat8_e5m2: return KvKind::kE5M2;
+    case torch::kBFloat16:
+      if (compute == torch::kFloat) return KvKind::kBF16;
+      [[fallthrough]];
     default:
       TORCH_CHECK(cache.scalar_type() == compute, "KV cache of ", cache.scalar_type(), " for ", compute,
-                  " values: expected the same dtype or fp8 (e4m3fn, e5m2)");
+                  " values: expected the same dtype, fp8 (e4m3fn, e5m2) or (fp32 values) bf16");
       return KvKind::kSame;
   }
 }

@@ -633,8 +633,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 
 }  // namespace
 
-// The caches hold q's dtype, or fp8 (fp32 and bf16 queries) whose values are scaled by k_scale
-// and v_scale.
+// The caches hold q's dtype, bf16 (fp32 queries), or fp8 (fp32 and bf16 queries) whose values
+// are scaled by k_scale and v_scale.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                      int64_t sliding_window, double k_scale, double v_scale) {
@@ -651,6 +651,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     case torch::kFloat:
       if (kind == KvKind::kE4M3) RUN(float, KvKind::kE4M3);
       if (kind == KvKind::kE5M2) RUN(float, KvKind::kE5M2);
+      if (kind == KvKind::kBF16) RUN(float, KvKind::kBF16);
       RUN(float, KvKind::kSame);
     case torch::kBFloat16:
       if (kind == KvKind::kE4M3) RUN(at::BFloat16, KvKind::kE4M3);

@@ -84,7 +84,7 @@ def write_kv(
         rows = cache.view(-1, *cache.shape[2:])
         if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernels: copy the bytes
             rows, x = rows.view(torch.uint8), to_fp8(x, cache.dtype, scale).view(torch.uint8)
-        rows.index_copy_(0, slot_mapping, x)
+        rows.index_copy_(0, slot_mapping, x.to(rows.dtype))
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -96,8 +96,8 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
 
 def from_cache(cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """Cached values in `dtype`: fp8 bytes times the scale, rounded once to dtype, as the C++
-    kernels widen them."""
-    return (cache.float() * scale).to(dtype) if cache.dtype in FP8_DTYPES else cache
+    kernels widen them; a bf16 cache of fp32 values widened."""
+    return (cache.float() * scale).to(dtype) if cache.dtype in FP8_DTYPES else cache.to(dtype)
 
 
 def paged_attention(

@@ -88,12 +88,15 @@ def resolve_dtype(spec: str | torch.dtype, config, device: str) -> str:
     return "bfloat16" if cpu_has_bf16() else "float32"
 
 
-def resolve_kv_cache_dtype(spec: str | None) -> str | None:
-    """vLLM's --kv-cache-dtype: auto (None: the model's dtype), fp8 (e4m3, as vLLM takes it),
-    fp8_e4m3 or fp8_e5m2; the torch dtype's name."""
+def resolve_kv_cache_dtype(spec: str | None, dtype: str) -> str | None:
+    """vLLM's --kv-cache-dtype: auto (None: the model's dtype), bfloat16 (for bf16 and fp32 models),
+    fp8 (e4m3, as vLLM takes it), fp8_e4m3 or fp8_e5m2; the torch dtype's name."""
     if (spec or "auto") not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {spec!r}; choose from {', '.join(KV_CACHE_DTYPE_CHOICES)}")
-    return KV_CACHE_DTYPES[spec or "auto"]
+    if spec == "bfloat16" and dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"kv_cache_dtype 'bfloat16' serves bfloat16 and float32 models, not {dtype}")
+    cache = KV_CACHE_DTYPES[spec or "auto"]
+    return None if cache == dtype else cache
 
 
 def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | None:
@@ -154,16 +157,17 @@ def load_model_config(
     generation = _generation_config(path, is_gguf)
     eos = _as_set(generation.pop("eos_token_id", None)) | _as_set(getattr(hf_config, "eos_token_id", None))
     pooler = PoolerConfig(**{**vars(st_pooler or cls.default_pooler), **_pooler_overrides(pooler_config)})
+    resolved = resolve_dtype(dtype, hf_config, device)
     return ModelConfig(
         path,
         hf_config,
-        resolve_dtype(dtype, hf_config, device),
+        resolved,
         max_model_len or limit,
         is_gguf,
         frozenset(eos),
         generation,
         resolve_quantization(quantization, is_gguf, device),
-        resolve_kv_cache_dtype(kv_cache_dtype),
+        resolve_kv_cache_dtype(kv_cache_dtype, resolved),
         resolve_tasks(runner, cls.is_causal, st_pooler is not None),
         pooler,
         cls.is_causal,
