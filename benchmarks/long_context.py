@@ -2,7 +2,7 @@
 
 Run it with the Python of llama.cpp's venv, where pagedllm is installed too (BENCHMARKS.md):
 
-    ~/peers/llamacpp/bin/python benchmarks/long_context.py --contexts 32,1024,4096 --rounds 3
+    ~/peers/llamacpp/bin/python benchmarks/long_context.py --contexts 32,1024,4096,8000 --rounds 3
 
 For each context length n (a prompt of n random tokens), each engine prefills the prompt and
 decodes --new-tokens greedy tokens; rounds alternate the engines. The table gives, per length,
@@ -43,21 +43,27 @@ def main() -> None:
     parser.add_argument("--contexts", default="32,1024,4096")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="pagedllm's --kv-cache-dtype")
-    parser.add_argument("--engines", default="pagedllm,llama.cpp")
+    parser.add_argument(
+        "--engines",
+        default="pagedllm,pagedllm:bfloat16,llama.cpp",
+        help="pagedllm[:its --kv-cache-dtype], llama.cpp; the first is the ratios' numerator",
+    )
     args = parser.parse_args()
     from pagedllm.executor.cpu_binding import physical_cores
 
     path = args.gguf or default_gguf()
     contexts = [int(n) for n in args.contexts.split(",")]
     window = max(contexts) + args.new_tokens + 16
-    make = {
-        "pagedllm": lambda: Ours(path, "gguf", window, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory="3GiB"),
-        "llama.cpp": lambda: LlamaCpp(path, physical_cores(), window),
-    }
-    engines = {name: make[name]() for name in args.engines.split(",")}
-    ours = engines.get("pagedllm")
-    vocab = next(iter(engines.values())).llm.n_vocab() if ours is None else ours.engine.model_config.vocab_size
+
+    def make(name: str):
+        if name == "llama.cpp":
+            return LlamaCpp(path, physical_cores(), window)
+        _, _, cache = name.partition(":")
+        return Ours(path, "gguf", window, kv_cache_dtype=cache or "auto", kv_cache_memory="3GiB")
+
+    engines = {name: make(name) for name in args.engines.split(",")}
+    ours = {name: e for name, e in engines.items() if name != "llama.cpp"}
+    vocab = next(iter(ours.values())).engine.model_config.vocab_size if ours else engines["llama.cpp"].llm.n_vocab()
     rng = random.Random(0)
     for engine in engines.values():
         engine.first_and_decode([rng.randrange(100, vocab - 100) for _ in range(8)], 4)  # warm-up
@@ -71,29 +77,34 @@ def main() -> None:
 
     print(f"{Path(path).name}: batch-1 decode of {args.new_tokens} tokens after n, {args.rounds} rounds\n")
     names = list(engines)
-    print("| n | " + " | ".join(f"{m} tok/s | {m} TTFT ms" for m in names) + " | / llama.cpp |")
+    print("| n | " + " | ".join(f"{m} tok/s | {m} TTFT ms" for m in names) + " | against llama.cpp (x faster) |")
     print("|---" * (2 * len(names) + 2) + "|")
     for n in contexts:
         cells = []
         for name in names:
             ttfts, rates = zip(*results[name, n])
             cells += [spread(list(rates)), spread([t * 1000 for t in ttfts], ".0f")]
-        ratio = "-"
-        if len(names) > 1 and "llama.cpp" in names:
-            ratios = [a[1] / b[1] for a, b in zip(results[names[0], n], results["llama.cpp", n])]
-            ratio = spread(ratios, ".2f")
-        print(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+        ratios = []
+        if "llama.cpp" in names:
+            for name in ours:
+                decode = [a[1] / b[1] for a, b in zip(results[name, n], results["llama.cpp", n])]
+                ttft = [b[0] / a[0] for a, b in zip(results[name, n], results["llama.cpp", n])]
+                ratios.append(f"{name}: decode {spread(decode, '.2f')}, TTFT {spread(ttft, '.2f')}")
+        print(f"| {n} | " + " | ".join(cells) + f" | {'; '.join(ratios) or '-'} |")
 
-    if ours is None:
-        return
-    w, per_token = ours.weight_bytes, kv_bytes_a_token(ours)
+    for name, engine in ours.items():
+        byte_bound(name, engine, results, contexts, args.new_tokens)
+
+
+def byte_bound(name: str, engine: Ours, results: dict, contexts: list[int], new_tokens: int) -> None:
+    w, per_token = engine.weight_bytes, kv_bytes_a_token(engine)
     short = min(contexts)
-    base = statistics.median(r for _, r in results["pagedllm", short])
-    print(f"\npagedllm against its byte bound (weights {w / 1e6:.0f} MB a token, K/V {per_token} bytes a position)\n")
+    base = statistics.median(r for _, r in results[name, short])
+    print(f"\n{name} against its byte bound (weights {w / 1e6:.0f} MB a token, K/V {per_token} bytes a position)\n")
     print("| n | K/V MB a step | bound tok/s | of bound | attention GB/s | weights GB/s |\n|---|---|---|---|---|---|")
     for n in contexts:
-        kv = per_token * (n + args.new_tokens // 2)
-        rate = statistics.median(r for _, r in results["pagedllm", n])
+        kv = per_token * (n + new_tokens // 2)
+        rate = statistics.median(r for _, r in results[name, n])
         extra = 1 / rate - 1 / base
         attention = f"{kv / extra / 1e9:.1f}" if n != short and extra > 0 else "-"
         bound = base * w / (w + kv)
