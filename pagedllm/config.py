@@ -72,7 +72,7 @@ class ModelConfig:
 
     @property
     def cache_dtype(self) -> str:
-        """What the KV cache holds: the model's dtype, or an fp8 type (--kv-cache-dtype)."""
+        """What the KV cache holds: the model's dtype, or another (--kv-cache-dtype: bfloat16, fp8)."""
         return self.kv_cache_dtype or self.dtype
 
     @property

@@ -186,3 +186,39 @@ def test_long_context_matches_reference(dtype, tol, window):
     got = paged_attention(q, k, v, meta, 0.125, window)
     want = paged_attention_reference(q.float(), k.float(), v.float(), meta, 0.125, window)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize(
+    "dtype, heads, kv_heads, head_dim, block_size",
+    [
+        (torch.float32, 12, 1, 64, 16),  # 12 query heads a KV head: block_step in chunks of 8 and 4
+        (torch.float32, 10, 2, 64, 16),  # groups of 5
+        (torch.float32, 4, 2, 64, 512),  # blocks longer than a partition: partitions of one block
+        (torch.float32, 4, 2, 40, 16),  # rows widened into the walk's width of 48
+        (torch.float16, 4, 2, 64, 16),  # fp16 rows widened a block at a time
+    ],
+)
+def test_walk_shapes_are_their_decodes_and_the_reference(dtype, heads, kv_heads, head_dim, block_size):
+    """Shapes the walk splits or pads, across partitions: each row of a chunk and a whole prompt
+    is bit for bit its decode alone, and the rows match the torch reference."""
+    seq_lens, query_lens = [1100, 700], [6, 300]
+    q, k, v, meta = _case(seq_lens, query_lens, block_size, heads, kv_heads, head_dim, dtype)
+    together = _run_kernel(q, k, v, meta)
+    row = 0
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        for t in range(0, q_len, 7):  # every seventh row, its decode alone
+            pos = seq_len - q_len + t
+            decode = AttentionMetadata(
+                meta.slot_mapping,
+                meta.block_tables[b : b + 1],
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([pos + 1], dtype=torch.int32),
+                [pos + 1],
+                [1],
+            )
+            assert torch.equal(together[row + t], _run_kernel(q[row + t : row + t + 1].contiguous(), k, v, decode)[0])
+        row += q_len
+    want = paged_attention_reference(q.float(), k.float(), v.float(), meta, head_dim**-0.5, None)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(together.float(), want, atol=tol, rtol=tol)

@@ -31,9 +31,10 @@ namespace attention_walk {
 
 // exp(x) for x <= 0: 2^(x log2 e) split into an integer power, set in the exponent bits, and a
 // fraction, by a degree-6 polynomial (relative error below 3e-7; x below -87 gives exp(-87)).
-// std::fma, so that the scalar and the vector form give the same bits.
+// std::fma, so that the scalar and the vector form give the same bits. x above 0 (only lanes past
+// a block's keys, whose results are dropped) is taken as 0: no overflow into the exponent bits.
 inline float exp1(float x) {
-  x = std::max(x, -87.f);
+  x = std::clamp(x, -87.f, 0.f);
   const float t = x * 1.44269504f;
   const float fi = std::floor(t);
   const float f = t - fi;

@@ -3,7 +3,8 @@
 // Serves prefill chunks and decodes alike: a sequence contributes `q_len` query tokens that sit
 // at the end of its `seq_len` tokens of context (causal within the chunk).
 // Batch invariance: a query token's result is one fixed order of operations over its context
-// (the keys from its first position in tiles of fixed size, each tile's arithmetic the same), so
+// (the keys from its first position in tiles of fixed size, each tile's arithmetic the same; in
+// attention_walk.h's walk, in partitions aligned to absolute positions, folded in order), so
 // it is bit for bit the same as a decode, a prefill chunk's token (whatever the chunk), a
 // recompute after preemption or a speculative verification's, alone or beside any others. A
 // faster kernel for many query rows must keep that order.
@@ -34,7 +35,7 @@ struct Scratch {
 
 // exp(x) for x <= 0 as plain arithmetic, so that loops of it vectorize (std::exp does not here):
 // 2^(x log2 e) split into an integer power, set in the exponent bits, and a fraction, by a
-// degree-6 polynomial. Relative error below 3e-7; x below -87 (and -inf) gives 0.
+// degree-6 polynomial. Relative error below 3e-7; x below -87 (and -inf) gives exp(-87).
 inline float fast_exp(float x) {
   x = std::max(x, -87.f);
   const float t = x * 1.44269504f;
