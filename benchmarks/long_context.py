@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from contention import default_gguf  # noqa: E402
+from contention import Busy, default_gguf  # noqa: E402
 from vs_llamacpp import LlamaCpp, Ours  # noqa: E402
 
 
@@ -48,6 +48,7 @@ def main() -> None:
         default="pagedllm,pagedllm:bfloat16,llama.cpp",
         help="pagedllm[:its --kv-cache-dtype], llama.cpp; the first is the ratios' numerator",
     )
+    parser.add_argument("--busy", type=int, default=0, help="busy processes beside the engines (contention.py's)")
     args = parser.parse_args()
     from pagedllm.executor.cpu_binding import physical_cores
 
@@ -69,13 +70,22 @@ def main() -> None:
         engine.first_and_decode([rng.randrange(100, vocab - 100) for _ in range(8)], 4)  # warm-up
 
     results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    with Busy(args.busy):
+        run_rounds(engines, contexts, args, vocab, rng, results)
+    report(path, engines, ours, results, contexts, args)
+
+
+def run_rounds(engines: dict, contexts: list[int], args, vocab: int, rng: random.Random, results: dict) -> None:
     for _ in range(args.rounds):
         for n in contexts:
             prompt = [rng.randrange(100, vocab - 100) for _ in range(n)]
             for name, engine in engines.items():
                 results.setdefault((name, n), []).append(engine.first_and_decode(prompt, args.new_tokens))
 
-    print(f"{Path(path).name}: batch-1 decode of {args.new_tokens} tokens after n, {args.rounds} rounds\n")
+
+def report(path: str, engines: dict, ours: dict, results: dict, contexts: list[int], args) -> None:
+    busy = f", beside {args.busy} busy processes" if args.busy else ""
+    print(f"{Path(path).name}: batch-1 decode of {args.new_tokens} tokens after n, {args.rounds} rounds{busy}\n")
     names = list(engines)
     print("| n | " + " | ".join(f"{m} tok/s | {m} TTFT ms" for m in names) + " | against llama.cpp (x faster) |")
     print("|---" * (2 * len(names) + 2) + "|")
