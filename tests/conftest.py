@@ -118,6 +118,30 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
     return tokens, logprobs, prompt_logprobs
 
 
+@pytest.fixture(scope="session")
+def head64_llama(tmp_path_factory, tokenizer_dir) -> str:
+    """Head size 64 (a tiny Llama), so that bf16 takes the AVX-512 walks (and the C++ stack)."""
+    return make_model(
+        "llama",
+        tmp_path_factory.mktemp("llama64"),
+        tokenizer_dir,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.05,
+    )
+
+
+def prompt_logprobs(llm, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt's teacher-forced logprobs (its first token's excepted)."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[next(iter(entry.values())).logprob for entry in o.prompt_logprobs[1:]] for o in outputs]
+
+
 def prompts_of_mixed_lengths(vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 73)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import greedy_without_kernels, make_model, prompts_of_mixed_lengths
+from conftest import greedy_without_kernels, prompt_logprobs, prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import paged_attention, paged_attention_reference, rotary_and_write_kv, write_kv
@@ -46,41 +46,21 @@ def test_fp32_queries_on_bf16_cache_match_the_reference(window, head_dim):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def llama64(tmp_path_factory, tokenizer_dir) -> str:
-    return make_model(
-        "llama",
-        tmp_path_factory.mktemp("llama64"),
-        tokenizer_dir,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.05,
-    )
-
-
-def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [[next(iter(entry.values())).logprob for entry in o.prompt_logprobs[1:]] for o in outputs]
-
-
-def test_engine_on_bf16_cache_holds_twice_the_tokens_and_stays_close(llama64):
+def test_engine_on_bf16_cache_holds_twice_the_tokens_and_stays_close(head64_llama):
     """Twice the tokens in the same memory; teacher-forced, the prompts' logprobs stay near the fp32
     cache's (prefill chunks of 48 tokens, so that later chunks read the bf16 cache)."""
     prompts = prompts_of_mixed_lengths(49152, seed=4)
     results = {}
     for cache in ("auto", "bfloat16"):
         llm = LLM(
-            llama64,
+            head64_llama,
             dtype="float32",
             kv_cache_memory="8MiB",
             kv_cache_dtype=cache,
             max_num_batched_tokens=48,
             enable_prefix_caching=False,
         )
-        results[cache] = (llm.engine.model_runner.kv_caches[0][0], _prompt_logprobs(llm, prompts))
+        results[cache] = (llm.engine.model_runner.kv_caches[0][0], prompt_logprobs(llm, prompts))
         llm.engine.shutdown()
     (fp32_cache, want), (bf16_cache, got) = results["auto"], results["bfloat16"]
     assert bf16_cache.dtype == torch.bfloat16 and bf16_cache.shape[0] == 2 * fp32_cache.shape[0]

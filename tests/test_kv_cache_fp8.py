@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import greedy_without_kernels, make_model, prompts_of_mixed_lengths
+from conftest import greedy_without_kernels, prompt_logprobs, prompts_of_mixed_lengths
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import (
@@ -124,27 +124,6 @@ def test_cache_write_gives_the_bytes_torch_writes(kind, dtype):
     assert caches[0].float().isfinite().all() and caches[1].float().isfinite().all()
 
 
-@pytest.fixture(scope="module")
-def head64_llama(tmp_path_factory, tokenizer_dir) -> str:
-    """Head size 64, so that bf16 takes the AVX-512 walks (and the C++ stack)."""
-    return make_model(
-        "llama",
-        tmp_path_factory.mktemp("llama64"),
-        tokenizer_dir,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.05,
-    )
-
-
-def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [[next(iter(entry.values())).logprob for entry in o.prompt_logprobs[1:]] for o in outputs]
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_engine_on_fp8_holds_more_tokens_and_stays_close(head64_llama, dtype):
     """The same memory holds twice the tokens (four times, against fp32); teacher-forced, the
@@ -161,7 +140,7 @@ def test_engine_on_fp8_holds_more_tokens_and_stays_close(head64_llama, dtype):
             max_num_batched_tokens=48,
             enable_prefix_caching=False,
         )
-        results[cache] = (llm.engine.model_runner.kv_caches[0][0].shape[0], _prompt_logprobs(llm, prompts))
+        results[cache] = (llm.engine.model_runner.kv_caches[0][0].shape[0], prompt_logprobs(llm, prompts))
         llm.engine.shutdown()
     blocks, want = results["auto"]
     # Measured (bf16): e4m3 mean 0.028, max 0.094 nats; e5m2 (2 mantissa bits) 0.057, 0.26; the
