@@ -192,7 +192,7 @@ def test_long_context_matches_reference(dtype, tol, window):
 @pytest.mark.parametrize(
     "dtype, heads, kv_heads, head_dim, block_size",
     [
-        (torch.float32, 12, 1, 64, 16),  # 12 query heads a KV head: block_step in chunks of 8 and 4
+        (torch.float32, 12, 1, 64, 16),  # 12 query heads a KV head: a row block of one token
         (torch.float32, 10, 2, 64, 16),  # groups of 5
         (torch.float32, 4, 2, 64, 512),  # blocks longer than a partition: partitions of one block
         (torch.float32, 4, 2, 40, 16),  # rows widened into the walk's width of 48

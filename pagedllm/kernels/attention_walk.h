@@ -4,15 +4,17 @@
 //
 // Each query token's result is one fixed sequence of operations that depends only on its position:
 // its context [first, pos] is cut into partitions of `part` tokens aligned to absolute positions
-// (0, part, 2 part, ...; a multiple of the block size), each partition walked block by block as
-// an online softmax of its own, and the partitions' states folded in order. So a decode, a
+// (0, part, 2 part, ...; a multiple of the block size), each partition walked tile by tile (kTile
+// keys, also aligned to absolute positions, across blocks) as an online softmax of its own, and
+// the partitions' states folded in order. So a decode, a
 // prefill chunk's token, a verification's or a recompute's give the same bits, alone or beside
 // others, on one thread or many, whether one thread walks all of a token's partitions (many
 // query tokens: threads take tokens) or each partition is a task of its own (a few long decodes:
 // threads take partitions, the states wait in a buffer, then fold).
 //
-// The arithmetic lives in a few functions kept out of line (block_step, fold, finish), so that no
-// caller's inlining can fuse a multiply and an add differently in one place than another.
+// The arithmetic lives in a few functions kept out of line (tile_step, softmax_row, fold, finish),
+// so that no caller's inlining can fuse a multiply and an add differently in one place than
+// another; inside tile_step, the groupings of rows and keys use explicit FMAs and sums only.
 #pragma once
 
 #include <torch/extension.h>
@@ -214,90 +216,164 @@ inline void reset_state(float* s, int64_t dd) {
   s[dd + 1] = 0.f;
 }
 
-// One block's keys j < n (rows `ks` floats apart; V rows `vs`) for G query heads (rows dd apart)
-// into their states (state_stride apart). `scores`: room for G x (n rounded up to 8). The heads
-// go together, so that each K and V row is loaded once for all of them and the FMAs of several
-// heads and keys are in flight at once; each head's arithmetic is its own all the same.
-template <int64_t D, int64_t G, typename R>
-__attribute__((noinline)) void block_step(const float* q, int64_t dd, const R* k, int64_t ks, const R* v, int64_t vs,
-                                          int64_t n, float* states, float* scores) {
+// Query rows' scores against a tile's keys: RC rows (dd apart) by KJ keys from key j0, each a
+// chain of FMAs over the row, then its lanes summed in sums8's order. Any grouping of rows and
+// keys gives each score the same bits.
+template <int64_t D, int64_t RC, int64_t KJ, typename R>
+inline void score_group(const float* q, int64_t dd, const R* const* keys, int64_t j0, int64_t n, float* scores,
+                        int64_t stride) {
   if constexpr (D > 0) dd = D;
-  const int64_t S = state_stride(dd), n8 = (n + 7) / 8 * 8;
-  // Scores, 4 keys at a time (8 for one head): a chain of FMAs per key and head over the row, then
-  // each chain's lanes summed in sums8's order.
-  constexpr int64_t KJ = G == 1 ? 8 : 4, GC = G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
-  for (int64_t j0 = 0; j0 < n; j0 += KJ) {
-    const R* rows[KJ];
-    for (int64_t jj = 0; jj < KJ; ++jj) rows[jj] = k + std::min(j0 + jj, n - 1) * ks;  // past n: unused
-    for (int64_t g0 = 0; g0 < G; g0 += GC) {
-      F8 dots[GC][KJ];
-      for (int64_t g = 0; g < GC; ++g)
-        for (int64_t jj = 0; jj < KJ; ++jj) dots[g][jj] = set8(0.f);
-      for (int64_t c = 0; c < dd; c += 8)
-        for (int64_t jj = 0; jj < KJ; ++jj) {
-          const F8 key = load_row8(rows[jj] + c);
-          for (int64_t g = 0; g < GC; ++g) dots[g][jj] = fma8(load8(q + (g0 + g) * dd + c), key, dots[g][jj]);
-        }
-      for (int64_t g = 0; g < GC; ++g) {
-        if constexpr (KJ == 8) {
-          store8(scores + (g0 + g) * n8 + j0, sums8(dots[g]));
-        } else {
-          sums4(scores + (g0 + g) * n8 + j0, dots[g]);
-        }
-      }
+  const R* rows[KJ];
+  for (int64_t jj = 0; jj < KJ; ++jj) rows[jj] = keys[std::min(j0 + jj, n - 1)];  // past n: unused
+  F8 dots[RC][KJ];
+  for (int64_t r = 0; r < RC; ++r)
+    for (int64_t jj = 0; jj < KJ; ++jj) dots[r][jj] = set8(0.f);
+  for (int64_t c = 0; c < dd; c += 8)
+    for (int64_t jj = 0; jj < KJ; ++jj) {
+      const F8 key = load_row8(rows[jj] + c);
+      for (int64_t r = 0; r < RC; ++r) dots[r][jj] = fma8(load8(q + r * dd + c), key, dots[r][jj]);
+    }
+  for (int64_t r = 0; r < RC; ++r) {
+    if constexpr (KJ == 8) {
+      store8(scores + r * stride + j0, sums8(dots[r]));
+    } else {
+      sums4(scores + r * stride + j0, dots[r]);
     }
   }
-  float correction[G];
-  for (int64_t g = 0; g < G; ++g) {
-    float* st = states + g * S;
-    float* sc = scores + g * n8;
-    F8 tops = set8(st[dd]);
-    for (int64_t j0 = 0; j0 < n; j0 += 8) tops = max8(tops, first8_or(load8(sc + j0), n - j0, st[dd]));
-    const float top = max_of(tops);
-    correction[g] = exp1(st[dd] - top);
-    F8 total = set8(0.f);
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
-      const F8 p = first8(exp8(sub8(load8(sc + j0), set8(top))), n - j0);
-      store8(sc + j0, p);
-      total = add8(total, p);
-    }
-    st[dd + 1] = std::fma(st[dd + 1], correction[g], sum8(total));
-    st[dd] = top;
-  }
-  // acc = acc x correction + sum over keys of p x V, in key order: CW chunks of 8 dims of every
-  // head at a time, a chain of FMAs each.
-  constexpr int64_t CW = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;  // G x CW <= 12 chains: registers
-  int64_t c = 0;
-  auto chains = [&](auto width) {
-    constexpr int64_t W = decltype(width)::value;
-    F8 acc[G][W];
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t w = 0; w < W; ++w) acc[g][w] = mul8(load8(states + g * S + c + 8 * w), set8(correction[g]));
-    for (int64_t j = 0; j < n; ++j) {
-      F8 row[W];
-      for (int64_t w = 0; w < W; ++w) row[w] = load_row8(v + j * vs + c + 8 * w);
-      for (int64_t g = 0; g < G; ++g) {
-        const F8 p = set8(scores[g * n8 + j]);
-        for (int64_t w = 0; w < W; ++w) acc[g][w] = fma8(p, row[w], acc[g][w]);
-      }
-    }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t w = 0; w < W; ++w) store8(states + g * S + c + 8 * w, acc[g][w]);
-  };
-  for (; c + 8 * CW <= dd; c += 8 * CW) chains(std::integral_constant<int64_t, CW>());
-  for (; c < dd; c += 8) chains(std::integral_constant<int64_t, 1>());
 }
 
-template <int64_t D, typename R>
-using StepFn = void (*)(const float*, int64_t, const R*, int64_t, const R*, int64_t, int64_t, float*, float*);
+// One row's softmax over its n scores of a tile, folded into its state: the running max and
+// denominator move on, the accumulator is scaled by the correction, and the scores become the
+// probabilities. One function for every caller, so that no inlining changes its arithmetic.
+__attribute__((noinline)) inline void softmax_row(float* sc, int64_t n, float* st, int64_t dd) {
+  F8 tops = set8(st[dd]);
+  for (int64_t j0 = 0; j0 < n; j0 += 8) tops = max8(tops, first8_or(load8(sc + j0), n - j0, st[dd]));
+  const float top = max_of(tops);
+  const float correction = exp1(st[dd] - top);
+  F8 total = set8(0.f);
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const F8 p = first8(exp8(sub8(load8(sc + j0), set8(top))), n - j0);
+    store8(sc + j0, p);
+    total = add8(total, p);
+  }
+  st[dd + 1] = std::fma(st[dd + 1], correction, sum8(total));
+  st[dd] = top;
+  const F8 cv = set8(correction);
+  for (int64_t c = 0; c < dd; c += 8) store8(st + c, mul8(load8(st + c), cv));
+}
 
-// block_step for g heads (1 to 8).
+// RC rows' accumulators (dims c .. c + 8 WC) += their probabilities x V, keys j0 .. j1 in order:
+// a chain of FMAs per row and 8 dims.
+template <int64_t RC, int64_t WC, typename R>
+inline void value_group(const float* p, int64_t stride, const R* const* values, int64_t j0, int64_t j1, int64_t c,
+                        float* states, int64_t S) {
+  F8 acc[RC][WC];
+  for (int64_t r = 0; r < RC; ++r)
+    for (int64_t w = 0; w < WC; ++w) acc[r][w] = load8(states + r * S + c + 8 * w);
+  for (int64_t j = j0; j < j1; ++j) {
+    F8 row[WC];
+    for (int64_t w = 0; w < WC; ++w) row[w] = load_row8(values[j] + c + 8 * w);
+    for (int64_t r = 0; r < RC; ++r) {
+      const F8 pr = set8(p[r * stride + j]);
+      for (int64_t w = 0; w < WC; ++w) acc[r][w] = fma8(pr, row[w], acc[r][w]);
+    }
+  }
+  for (int64_t r = 0; r < RC; ++r)
+    for (int64_t w = 0; w < WC; ++w) store8(states + r * S + c + 8 * w, acc[r][w]);
+}
+
+template <int64_t RC, int64_t WC, typename R>
+void value_rows(const float* p, int64_t stride, const R* const* values, const int64_t* n, int64_t dd, float* states,
+                int64_t S) {
+  const int64_t common = *std::min_element(n, n + RC);
+  int64_t c = 0;
+  for (; c + 8 * WC <= dd; c += 8 * WC) value_group<RC, WC>(p, stride, values, 0, common, c, states, S);
+  for (; c < dd; c += 8) value_group<RC, 1>(p, stride, values, 0, common, c, states, S);
+  for (int64_t r = 0; r < RC; ++r)  // a row's keys past the others' (the causal edge): its own chain goes on
+    if (n[r] > common)
+      for (int64_t c1 = 0; c1 < dd; c1 += 8)
+        value_group<1, 1>(p + r * stride, stride, values, common, n[r], c1, states + r * S, S);
+}
+
+// Keys of a tile: an online-softmax step, aligned to absolute positions (0, 64, 128, ...) and to
+// the partitions' bounds, whatever the blocks.
+constexpr int64_t kTile = 64;
+// Query rows that go through a tile's three stages together: their queries, scores and states
+// stay in L1 beside the tile's K and V rows.
+constexpr int64_t kRowBlock = 12;
+
+// The K and V rows of the next tile, prefetched (to L2) while this one is walked: a few with each
+// group of scores: requests for a whole tile at once, a burst, measured slower.
+struct Ahead {
+  const char* k[kTile];
+  const char* v[kTile];
+  int64_t n = 0, bytes = 0;
+  int64_t done = 0;  // rows requested so far
+  void request(int64_t count) {
+    for (const int64_t stop = std::min(n, done + count); done < stop; ++done)
+      for (int64_t b = 0; b < bytes; b += 64) {
+        _mm_prefetch(k[done] + b, _MM_HINT_T1);
+        _mm_prefetch(v[done] + b, _MM_HINT_T1);
+      }
+  }
+};
+
+// A tile of keys for `rows` query rows (dd floats apart; states state_stride apart), `group` rows
+// a token: row i sees the tile's first min(n_keys, n_first + i / group) keys (the causal edge of a
+// prefill chunk), at least one. `keys` and `values`: the tile's K and V rows. `scores`: room for
+// kRowBlock x kTile. Rows go through the tile kRowBlock at a time, a few rows and keys in each
+// group of FMAs, so that each K and V row loaded serves several rows and many FMAs are in flight
+// at once; each row's arithmetic is its own all the same (score_group, softmax_row, value_group),
+// whatever the grouping: a decode's rows and a prefill chunk's give the same bits.
 template <int64_t D, typename R>
-StepFn<D, R> step_for(int64_t g) {
-  static constexpr StepFn<D, R> steps[] = {block_step<D, 1, R>, block_step<D, 2, R>, block_step<D, 3, R>,
-                                           block_step<D, 4, R>, block_step<D, 5, R>, block_step<D, 6, R>,
-                                           block_step<D, 7, R>, block_step<D, 8, R>};
-  return steps[g - 1];
+__attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t rows, int64_t group, int64_t n_first,
+                                         int64_t n_keys, const R* const* keys, const R* const* values, float* states,
+                                         float* scores, Ahead& ahead) {
+  if constexpr (D > 0) dd = D;
+  const int64_t S = state_stride(dd), stride = (n_keys + 7) / 8 * 8;
+  for (int64_t i0 = 0; i0 < rows; i0 += kRowBlock) {
+    const int64_t rr = std::min<int64_t>(kRowBlock, rows - i0);
+    auto keys_of = [&](int64_t i) { return std::min(n_keys, n_first + (i0 + i) / group); };
+    const float* qc = q + i0 * dd;
+    float* sc = states + i0 * S;
+    int64_t i = 0;
+    for (; i + 3 <= rr; i += 3) {
+      const int64_t n = keys_of(i + 2);
+      for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        score_group<D, 3, 4>(qc + i * dd, dd, keys, j0, n_keys, scores + i * stride, stride);
+        ahead.request(4);
+      }
+    }
+    for (; i + 2 <= rr; i += 2) {
+      const int64_t n = keys_of(i + 1);
+      for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        score_group<D, 2, 4>(qc + i * dd, dd, keys, j0, n_keys, scores + i * stride, stride);
+        ahead.request(4);
+      }
+    }
+    for (; i < rr; ++i)
+      for (int64_t j0 = 0; j0 < keys_of(i); j0 += 8) {
+        score_group<D, 1, 8>(qc + i * dd, dd, keys, j0, n_keys, scores + i * stride, stride);
+        ahead.request(8);
+      }
+    for (i = 0; i < rr; ++i) softmax_row(scores + i * stride, keys_of(i), sc + i * S, dd);
+    for (i = 0; i < rr;) {  // 6 rows x 16 dims of accumulators at a time: 12 registers
+      const int64_t rc = std::min<int64_t>(6, rr - i);
+      int64_t n[6];
+      for (int64_t r = 0; r < rc; ++r) n[r] = keys_of(i + r);
+      const float* p = scores + i * stride;
+      float* st = sc + i * S;
+      switch (rc) {
+        case 6: value_rows<6, 2>(p, stride, values, n, dd, st, S); break;
+        case 5: value_rows<5, 2>(p, stride, values, n, dd, st, S); break;
+        case 4: value_rows<4, 2>(p, stride, values, n, dd, st, S); break;
+        case 3: value_rows<3, 4>(p, stride, values, n, dd, st, S); break;
+        case 2: value_rows<2, 4>(p, stride, values, n, dd, st, S); break;
+        default: value_rows<1, 8>(p, stride, values, n, dd, st, S); break;
+      }
+      i += rc;
+    }
+  }
 }
 
 // total = total (+) part: two online-softmax states of adjacent ranges, in that order.
@@ -315,9 +391,6 @@ __attribute__((noinline)) void finish(T* out, const float* state, int64_t d, int
   const float inv = 1.f / state[dd + 1];
   for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(state[i] * inv);
 }
-
-constexpr int64_t kMaxStepHeads = 8;  // query heads a block_step serves
-constexpr int64_t kAhead = 2;         // blocks between a block's prefetch (to L2) and its walk
 
 // What every unit of one call shares.
 struct Call {
@@ -337,32 +410,44 @@ struct Unit {
   int64_t cost;  // rough: keys read x query rows served
 };
 
-// Per-thread buffers, sized for the largest unit.
+// Per-thread buffers, sized for the largest unit. Query rows and states are laid out [KV head]
+// [token][query head of the group], so that a KV head's rows are consecutive.
 struct Scratch {
   std::vector<float> q, part_states, total_states, scores, k, v;
   Scratch(const Call& c, int64_t max_rows)
       : q(max_rows * c.dd), part_states(max_rows * state_stride(c.dd)), total_states(max_rows * state_stride(c.dd)),
-        scores(kMaxStepHeads * (c.block_size + 8)), k(c.block_size * c.dd), v(c.block_size * c.dd) {}
+        scores(kRowBlock * kTile), k(kTile * c.dd), v(kTile * c.dd) {}
 };
-
-// Prefetch `count` K and V rows from row `row0`: elements [offset, offset + width) of each.
-template <typename C>
-inline void prefetch_rows(const C* k_cache, const C* v_cache, int64_t row0, int64_t count, int64_t stride,
-                          int64_t offset, int64_t width) {
-  const int64_t bytes = width * static_cast<int64_t>(sizeof(C));
-  for (int64_t j = 0; j < count; ++j) {
-    const char* k = reinterpret_cast<const char*>(k_cache + (row0 + j) * stride + offset);
-    const char* v = reinterpret_cast<const char*>(v_cache + (row0 + j) * stride + offset);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      _mm_prefetch(k + b, _MM_HINT_T1);
-      _mm_prefetch(v + b, _MM_HINT_T1);
-    }
-  }
-}
 
 // First position a token at `pos` attends to.
 inline int64_t first_position(const Call& c, int64_t pos) {
   return c.window > 0 ? std::max<int64_t>(0, pos - c.window + 1) : 0;
+}
+
+// f(j, cache row) for the positions from .. to (j from 0): a block's rows are consecutive.
+template <typename F>
+inline void for_rows(const Call& c, const int32_t* table, int64_t from, int64_t to, F f) {
+  for (int64_t pos = from; pos <= to;) {
+    const int64_t offset = pos % c.block_size, count = std::min(c.block_size - offset, to - pos + 1);
+    const int64_t row0 = static_cast<int64_t>(table[pos / c.block_size]) * c.block_size + offset;
+    for (int64_t j = 0; j < count; ++j) f(pos - from + j, row0 + j);
+    pos += count;
+  }
+}
+
+// Prefetch (to L2) the K and V rows of positions [from, to] of KV head `head`.
+template <typename C>
+inline void prefetch_keys(const Call& c, const int32_t* table, const C* k_cache, const C* v_cache, int64_t from,
+                          int64_t to, int64_t head) {
+  const int64_t bytes = c.d * static_cast<int64_t>(sizeof(C));
+  for_rows(c, table, from, to, [&](int64_t, int64_t row) {
+    const char* k = reinterpret_cast<const char*>(k_cache + row * c.token_stride + head * c.d);
+    const char* v = reinterpret_cast<const char*>(v_cache + row * c.token_stride + head * c.d);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(k + b, _MM_HINT_T1);
+      _mm_prefetch(v + b, _MM_HINT_T1);
+    }
+  });
 }
 
 template <typename T, KvKind K, int64_t D>
@@ -370,87 +455,90 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
                T* out, Scratch& s) {
   using C = CacheT<K, T>;
   const int64_t dd = D > 0 ? D : c.dd, S = state_stride(dd), G = c.group;
-  const int64_t heads = u.kv_count * G;  // query heads a token serves here
+  const int64_t rows = u.tokens * G;  // a KV head's query rows
   // fp32 and bf16 rows whose width is the walk's are read in place (bf16 widened as loaded);
-  // others are widened a block at a time into fp32 rows.
+  // others are widened a tile at a time into fp32 rows.
   using R = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>, C, float>;
   const bool in_place = std::is_same_v<R, C> && c.d == dd;
-  for (int64_t r = 0; r < u.tokens; ++r)
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* src = q + ((u.token0 + r) * c.num_heads + u.h0 * G + h) * c.d;
-      float* dst = s.q.data() + (r * heads + h) * dd;
-      for (int64_t i = 0; i < c.d; ++i) dst[i] = static_cast<float>(src[i]) * c.scale;
-      std::fill(dst + c.d, dst + dd, 0.f);
-    }
+  auto at = [&](int64_t h, int64_t r, int64_t g) { return (h * u.tokens + r) * G + g; };  // scratch row
+  auto query_head = [&](int64_t h, int64_t g) { return (u.h0 + h) * G + g; };
+  for (int64_t h = 0; h < u.kv_count; ++h)
+    for (int64_t r = 0; r < u.tokens; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = q + ((u.token0 + r) * c.num_heads + query_head(h, g)) * c.d;
+        float* dst = s.q.data() + at(h, r, g) * dd;
+        for (int64_t i = 0; i < c.d; ++i) dst[i] = static_cast<float>(src[i]) * c.scale;
+        std::fill(dst + c.d, dst + dd, 0.f);
+      }
   const int32_t* table = c.tables + u.seq * c.table_stride;
   const int64_t last = u.pos0 + u.tokens - 1;
   const int64_t first = first_position(c, u.pos0);  // a run's tokens share it (run_split's rule)
-  const int64_t bs = c.block_size;
   const int64_t end = std::min(last, u.part1 * c.part - 1);  // the unit's last key
+  const R* key_rows[kTile];
+  const R* value_rows[kTile];
+  Ahead ahead;
+  ahead.bytes = c.d * static_cast<int64_t>(sizeof(C));
   for (int64_t p = u.part0; p < u.part1; ++p) {
     const int64_t plo = std::max(first, p * c.part), phi = std::min(last, (p + 1) * c.part - 1);
-    for (int64_t i = 0; i < u.tokens * heads; ++i) reset_state(s.part_states.data() + i * S, dd);
-    for (int64_t start = plo - plo % bs; start <= phi; start += bs) {
-      const int64_t lo = std::max(start, plo), hi = std::min(start + bs - 1, phi);
-      const int64_t row0 = static_cast<int64_t>(table[start / bs]) * bs + lo - start;
-      const int64_t ahead = start + kAhead * bs;  // a later block's rows, requested head by head
+    for (int64_t i = 0; i < u.kv_count * rows; ++i) reset_state(s.part_states.data() + i * S, dd);
+    for (int64_t lo = plo, hi; lo <= phi; lo = hi + 1) {
+      hi = std::min(phi, (lo / kTile + 1) * kTile - 1);
+      const int64_t n_keys = hi - lo + 1, r0 = std::max<int64_t>(0, lo - u.pos0);  // r0: the first token seeing it
       for (int64_t h = 0; h < u.kv_count; ++h) {
-        if (ahead <= end)
-          prefetch_rows(k_cache, v_cache, static_cast<int64_t>(table[ahead / bs]) * bs, std::min(bs, end - ahead + 1),
-                        c.token_stride, (u.h0 + h) * c.d, c.d);
-        if (start == plo - plo % bs && p == u.part0)  // the unit's first blocks: no earlier one asked
-          for (int64_t b = start; b < ahead && b <= end; b += bs)
-            prefetch_rows(k_cache, v_cache, static_cast<int64_t>(table[b / bs]) * bs, std::min(bs, end - b + 1),
-                          c.token_stride, (u.h0 + h) * c.d, c.d);
-        const C* k_rows = k_cache + row0 * c.token_stride + (u.h0 + h) * c.d;
-        const C* v_rows = v_cache + row0 * c.token_stride + (u.h0 + h) * c.d;
-        // This block's keys for every token of the unit that sees them, a head's query heads a call.
-        auto steps = [&](const auto* kp, const auto* vp, int64_t stride) {
-          using Row = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-          for (int64_t r = 0; r < u.tokens; ++r) {
-            const int64_t pos = u.pos0 + r;
-            if (pos < lo) continue;
-            const int64_t row = r * heads + h * G;
-            for (int64_t g0 = 0; g0 < G; g0 += kMaxStepHeads) {
-              const int64_t g = std::min(kMaxStepHeads, G - g0);
-              step_for<D, Row>(g)(s.q.data() + (row + g0) * dd, dd, kp, stride, vp, stride,
-                                  std::min(hi, pos) - lo + 1, s.part_states.data() + (row + g0) * S, s.scores.data());
-            }
+        const int64_t head = u.h0 + h;
+        if (lo == plo && p == u.part0) prefetch_keys(c, table, k_cache, v_cache, lo, hi, head);
+        ahead.n = ahead.done = 0;
+        for_rows(c, table, hi + 1, std::min(end, hi + kTile), [&](int64_t j, int64_t row) {
+          ahead.k[j] = reinterpret_cast<const char*>(k_cache + row * c.token_stride + head * c.d);
+          ahead.v[j] = reinterpret_cast<const char*>(v_cache + row * c.token_stride + head * c.d);
+          ahead.n = j + 1;
+        });
+        for_rows(c, table, lo, hi, [&](int64_t j, int64_t row) {
+          const C* k_row = k_cache + row * c.token_stride + head * c.d;
+          const C* v_row = v_cache + row * c.token_stride + head * c.d;
+          if (in_place) {
+            key_rows[j] = reinterpret_cast<const R*>(k_row);
+            value_rows[j] = reinterpret_cast<const R*>(v_row);
+            return;
           }
-        };
-        if (in_place) {
-          steps(reinterpret_cast<const R*>(k_rows), reinterpret_cast<const R*>(v_rows), c.token_stride);
-          continue;
-        }
-        for (int64_t j = 0; j <= hi - lo; ++j) {
-          widen_row<K>(s.k.data() + j * dd, k_rows + j * c.token_stride, c.d, c.kv.k);
-          widen_row<K>(s.v.data() + j * dd, v_rows + j * c.token_stride, c.d, c.kv.v);
-          std::fill(s.k.data() + j * dd + c.d, s.k.data() + (j + 1) * dd, 0.f);
-          std::fill(s.v.data() + j * dd + c.d, s.v.data() + (j + 1) * dd, 0.f);
-        }
-        steps(s.k.data(), s.v.data(), dd);
+          float* k_wide = s.k.data() + j * dd;
+          float* v_wide = s.v.data() + j * dd;
+          widen_row<K>(k_wide, k_row, c.d, c.kv.k);
+          widen_row<K>(v_wide, v_row, c.d, c.kv.v);
+          std::fill(k_wide + c.d, k_wide + dd, 0.f);
+          std::fill(v_wide + c.d, v_wide + dd, 0.f);
+          key_rows[j] = reinterpret_cast<const R*>(k_wide);
+          value_rows[j] = reinterpret_cast<const R*>(v_wide);
+        });
+        const int64_t row0 = at(h, r0, 0);
+        tile_step<D, R>(s.q.data() + row0 * dd, dd, (u.tokens - r0) * G, G, u.pos0 + r0 - lo + 1, n_keys, key_rows,
+                        value_rows, s.part_states.data() + row0 * S, s.scores.data(), ahead);
+        ahead.request(kTile);  // what the scores did not
       }
     }
     for (int64_t r = 0; r < u.tokens; ++r) {
       if (u.pos0 + r < plo) continue;
       const int64_t token = u.token0 + r;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* part = s.part_states.data() + (r * heads + h) * S;
-        if (c.first_slot[token] >= 0) {  // a split unit: one partition, folded later
-          const int64_t slot = c.first_slot[token] + p - first / c.part;
-          std::memcpy(c.partials + (slot * c.num_heads + u.h0 * G + h) * S, part, S * sizeof(float));
-        } else if (p == u.part0) {
-          std::memcpy(s.total_states.data() + (r * heads + h) * S, part, S * sizeof(float));
-        } else {
-          fold(s.total_states.data() + (r * heads + h) * S, part, dd);
+      for (int64_t h = 0; h < u.kv_count; ++h)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = at(h, r, g);
+          const float* part = s.part_states.data() + i * S;
+          if (c.first_slot[token] >= 0) {  // a split unit: one partition, folded later
+            const int64_t slot = c.first_slot[token] + p - first / c.part;
+            std::memcpy(c.partials + (slot * c.num_heads + query_head(h, g)) * S, part, S * sizeof(float));
+          } else if (p == u.part0) {
+            std::memcpy(s.total_states.data() + i * S, part, S * sizeof(float));
+          } else {
+            fold(s.total_states.data() + i * S, part, dd);
+          }
         }
-      }
     }
   }
   for (int64_t r = 0; r < u.tokens && c.first_slot[u.token0 + r] < 0; ++r)
-    for (int64_t h = 0; h < heads; ++h)
-      finish(out + ((u.token0 + r) * c.num_heads + u.h0 * G + h) * c.d, s.total_states.data() + (r * heads + h) * S,
-             c.d, dd);
+    for (int64_t h = 0; h < u.kv_count; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        finish(out + ((u.token0 + r) * c.num_heads + query_head(h, g)) * c.d,
+               s.total_states.data() + at(h, r, g) * S, c.d, dd);
 }
 
 // A split token's query head: its partitions' states folded in order, then finished.

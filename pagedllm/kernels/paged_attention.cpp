@@ -417,12 +417,12 @@ WalkFn<T, K> pick_walk(int64_t d, int64_t group) {
 #undef WALK_G
 
 // How many of a sequence's q_len tokens each walk takes together: all of them (each K/V tile read
-// once for the run) but at most kMaxWalkHeads, and fewer where the runs' walks would otherwise be
-// too few to keep the threads busy (a batch-1 verification over a few KV heads). Each token's
-// arithmetic is its own walk's, however the tokens are grouped.
-inline int64_t run_tokens(int64_t q_len, int64_t runs, int64_t kv_heads, int64_t threads) {
+// once for the run) but at most `most`, and fewer where the runs' walks would otherwise be too few
+// to keep the threads busy (a batch-1 verification over a few KV heads). Each token's arithmetic
+// is its own walk's, however the tokens are grouped.
+inline int64_t run_tokens(int64_t q_len, int64_t runs, int64_t kv_heads, int64_t threads, int64_t most) {
   const int64_t wanted = (2 * threads + runs * kv_heads - 1) / (runs * kv_heads);  // walks a run
-  const int64_t parts = std::clamp<int64_t>(wanted, (q_len + kMaxWalkHeads - 1) / kMaxWalkHeads, q_len);
+  const int64_t parts = std::clamp<int64_t>(wanted, (q_len + most - 1) / most, q_len);
   return (q_len + parts - 1) / parts;
 }
 
@@ -469,7 +469,7 @@ void run_bf16(const WalkFn<at::BFloat16, K> walk_fn, torch::Tensor& out, const t
     longest = std::max<int64_t>(longest, sh.lens[b]);
     auto walked = [&](int64_t last) { return sliding_window > 0 ? std::min(last + 1, sliding_window) : last + 1; };
     if (sh.is_run(b, sliding_window)) {
-      const int64_t per_walk = run_tokens(q_len, runs, num_kv_heads, threads);
+      const int64_t per_walk = run_tokens(q_len, runs, num_kv_heads, threads, kMaxWalkHeads);
       for (int64_t t = 0; t < q_len; t += per_walk) {
         const int64_t tokens = std::min(per_walk, q_len - t);
         for (int64_t h0 = 0; h0 < num_heads; h0 += group)
@@ -517,6 +517,9 @@ void run_bf16(const WalkFn<at::BFloat16, K> walk_fn, torch::Tensor& out, const t
 // Tokens of context a partition of the split walk holds (attention_walk.h), rounded up to whole
 // blocks: fixed, since it decides each token's arithmetic.
 constexpr int64_t kPartTokens = 256;
+// Most query tokens of a sequence that walk its context together: each K/V tile is read once for
+// all their rows (a long prompt's chunk re-reads its context once per run).
+constexpr int64_t kRunTokens = 32;
 
 // Everything but the AVX-512 BF16 walk's share: attention_walk.h's walk. Sequences whose tokens
 // are few beside the threads (a batch of one or two long decodes) are split by partitions, each
@@ -551,7 +554,7 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   for (int64_t b = 0; b < sh.num_seqs; ++b) runs += sh.is_run(b, window);
   for (int64_t b = 0; b < sh.num_seqs; ++b) {
     const int64_t q_len = sh.q_len(b), pos0 = sh.lens[b] - q_len;
-    const int64_t per = sh.is_run(b, window) ? run_tokens(q_len, runs, sh.num_kv_heads, sh.threads) : 1;
+    const int64_t per = sh.is_run(b, window) ? run_tokens(q_len, runs, sh.num_kv_heads, sh.threads, kRunTokens) : 1;
     for (int64_t t = 0; t < q_len; t += per) spans.push_back({b, sh.qsl[b] + t, pos0 + t, std::min(per, q_len - t)});
   }
   // Few spans: split the long ones by partitions (each of all KV heads, read as one stream).
