@@ -242,6 +242,21 @@ inline void score_group(const float* q, int64_t dd, const R* const* keys, int64_
   }
 }
 
+// One row's scores against keys 0 .. n (rounded up to 4), its query held in registers (D <= 64).
+template <int64_t D, typename R>
+inline void score_row(const float* q, const R* const* keys, int64_t n, int64_t n_keys, float* scores) {
+  F8 qr[D / 8];
+  for (int64_t c = 0; c < D / 8; ++c) qr[c] = load8(q + 8 * c);
+  for (int64_t j0 = 0; j0 < n; j0 += 4) {
+    const R* rows[4];
+    for (int64_t jj = 0; jj < 4; ++jj) rows[jj] = keys[std::min(j0 + jj, n_keys - 1)];
+    F8 dots[4] = {set8(0.f), set8(0.f), set8(0.f), set8(0.f)};
+    for (int64_t c = 0; c < D / 8; ++c)
+      for (int64_t jj = 0; jj < 4; ++jj) dots[jj] = fma8(qr[c], load_row8(rows[jj] + 8 * c), dots[jj]);
+    sums4(scores + j0, dots);
+  }
+}
+
 // One row's softmax over its n scores of a tile, folded into its state: the running max and
 // denominator move on, the accumulator is scaled by the correction, and the scores become the
 // probabilities. One function for every caller, so that no inlining changes its arithmetic.
@@ -337,6 +352,13 @@ __attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t row
     const float* qc = q + i0 * dd;
     float* sc = states + i0 * S;
     int64_t i = 0;
+    // Prefill's fp32 keys: a row at a time, its query in registers (a decode's few rows share key loads).
+    if constexpr (D > 0 && D <= 64 && std::is_same_v<R, float>) {
+      for (; rows > group && i < rr; ++i) {
+        score_row<D>(qc + i * dd, keys, keys_of(i), n_keys, scores + i * stride);
+        ahead.request(8);
+      }
+    }
     for (; i + 3 <= rr; i += 3) {
       const int64_t n = keys_of(i + 2);
       for (int64_t j0 = 0; j0 < n; j0 += 4) {
