@@ -11,7 +11,17 @@ to llama.cpp, and pagedllm's speed against its byte bound: a decode step reads t
 the context's K/V, so at n tokens it can at best run at the short-context speed times
 W / (W + KV(n)) (W: the weights' bytes a token, KV(n): the K/V bytes the step reads, at the
 middle of the decode). "attention GB/s" is KV(n) over the time a step took beyond the shortest
-context's step, against the weights' rate (W over the shortest context's step).
+context's step, against the weights' rate (W over the shortest context's step). Last, how many of
+each engine's greedy tokens are the first engine's before the two first differ (e.g. an fp8 cache
+against bf16: `--engines pagedllm:bfloat16,pagedllm:fp8_e4m3`).
+
+--batch N: N prompts of n tokens each, prefilled and decoded together. "TTFT" is then the time
+until every request has its first token, "tok/s" the output tokens a second of the steps after
+that; "attention share" is the part of a step beyond the shortest context's, "attention GB/s"
+every request's K/V over that part (no byte bound: a batch's short-context step is bound by
+arithmetic, not by the weights' bytes):
+
+    ~/peers/llamacpp/bin/python benchmarks/long_context.py --contexts 32,4096 --batch 16 --rounds 3
 """
 
 from __future__ import annotations
@@ -49,18 +59,22 @@ def main() -> None:
         help="pagedllm[:its --kv-cache-dtype], llama.cpp; the first is the ratios' numerator",
     )
     parser.add_argument("--busy", type=int, default=0, help="busy processes beside the engines (contention.py's)")
+    parser.add_argument("--batch", type=int, default=1, help="requests prefilled and decoded together")
     args = parser.parse_args()
     from pagedllm.executor.cpu_binding import physical_cores
 
     path = args.gguf or default_gguf()
     contexts = [int(n) for n in args.contexts.split(",")]
     window = max(contexts) + args.new_tokens + 16
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
 
     def make(name: str):
         if name == "llama.cpp":
             return LlamaCpp(path, physical_cores(), window)
         _, _, cache = name.partition(":")
-        return Ours(path, "gguf", window, kv_cache_dtype=cache or "auto", kv_cache_memory="3GiB")
+        memory = f"{max(3, 1 + (args.batch * window * 92160 >> 30))}GiB"  # 92160: a generous K/V bytes a token
+        return Ours(path, "gguf", window, kv_cache_dtype=cache or "auto", kv_cache_memory=memory)
 
     engines = {name: make(name) for name in args.engines.split(",")}
     ours = {name: e for name, e in engines.items() if name != "llama.cpp"}
@@ -70,22 +84,33 @@ def main() -> None:
         engine.first_and_decode([rng.randrange(100, vocab - 100) for _ in range(8)], 4)  # warm-up
 
     results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    tokens: dict[tuple[str, int], list[list[int]]] = {}  # batch 1: each round's greedy tokens
     with Busy(args.busy):
-        run_rounds(engines, contexts, args, vocab, rng, results)
+        run_rounds(engines, contexts, args, vocab, rng, results, tokens)
     report(path, engines, ours, results, contexts, args)
+    if tokens:
+        agreement(list(engines), tokens, contexts)
 
 
-def run_rounds(engines: dict, contexts: list[int], args, vocab: int, rng: random.Random, results: dict) -> None:
+def run_rounds(
+    engines: dict, contexts: list[int], args, vocab: int, rng: random.Random, results: dict, tokens: dict
+) -> None:
     for _ in range(args.rounds):
         for n in contexts:
-            prompt = [rng.randrange(100, vocab - 100) for _ in range(n)]
+            prompts = [[rng.randrange(100, vocab - 100) for _ in range(n)] for _ in range(args.batch)]
             for name, engine in engines.items():
-                results.setdefault((name, n), []).append(engine.first_and_decode(prompt, args.new_tokens))
+                if args.batch == 1:
+                    result = engine.first_and_decode(prompts[0], args.new_tokens)
+                    tokens.setdefault((name, n), []).append(engine.tokens)
+                else:
+                    result = engine.prefill_and_decode(prompts, args.new_tokens)
+                results.setdefault((name, n), []).append(result)
 
 
 def report(path: str, engines: dict, ours: dict, results: dict, contexts: list[int], args) -> None:
     busy = f", beside {args.busy} busy processes" if args.busy else ""
-    print(f"{Path(path).name}: batch-1 decode of {args.new_tokens} tokens after n, {args.rounds} rounds{busy}\n")
+    what = "batch-1 decode" if args.batch == 1 else f"{args.batch} requests decoding together"
+    print(f"{Path(path).name}: {what}, {args.new_tokens} tokens after n, {args.rounds} rounds{busy}\n")
     names = list(engines)
     print("| n | " + " | ".join(f"{m} tok/s | {m} TTFT ms" for m in names) + " | against llama.cpp (x faster) |")
     print("|---" * (2 * len(names) + 2) + "|")
@@ -103,22 +128,46 @@ def report(path: str, engines: dict, ours: dict, results: dict, contexts: list[i
         print(f"| {n} | " + " | ".join(cells) + f" | {'; '.join(ratios) or '-'} |")
 
     for name, engine in ours.items():
-        byte_bound(name, engine, results, contexts, args.new_tokens)
+        byte_bound(name, engine, results, contexts, args.new_tokens, args.batch)
 
 
-def byte_bound(name: str, engine: Ours, results: dict, contexts: list[int], new_tokens: int) -> None:
+def agreement(names: list[str], tokens: dict, contexts: list[int]) -> None:
+    """How many of each engine's greedy tokens the first engine's match before they first differ."""
+    first = names[0]
+    print(f"\nGreedy tokens the same as {first}'s before the first difference (each round)\n")
+    print("| n | " + " | ".join(names[1:]) + " |\n" + "|---" * len(names) + "|")
+    for n in contexts:
+        cells = []
+        for name in names[1:]:
+            same = [
+                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                for x, y in zip(tokens[first, n], tokens[name, n])
+            ]
+            cells.append(", ".join(f"{k}/{len(x)}" for k, x in zip(same, tokens[first, n])))
+        print(f"| {n} | " + " | ".join(cells) + " |")
+
+
+def byte_bound(name: str, engine: Ours, results: dict, contexts: list[int], new_tokens: int, batch: int) -> None:
+    """Rates are output tok/s of `batch` requests: a step takes batch / rate seconds and reads the
+    weights once and every request's K/V."""
     w, per_token = engine.weight_bytes, kv_bytes_a_token(engine)
     short = min(contexts)
     base = statistics.median(r for _, r in results[name, short])
-    print(f"\n{name} against its byte bound (weights {w / 1e6:.0f} MB a token, K/V {per_token} bytes a position)\n")
-    print("| n | K/V MB a step | bound tok/s | of bound | attention GB/s | weights GB/s |\n|---|---|---|---|---|---|")
+    print(f"\n{name} against its byte bound (weights {w / 1e6:.0f} MB a step, K/V {per_token} bytes a position)\n")
+    print(
+        "| n | K/V MB a step | bound tok/s | of bound | attention share | attention GB/s | weights GB/s |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for n in contexts:
-        kv = per_token * (n + new_tokens // 2)
+        kv = batch * per_token * (n + new_tokens // 2)
         rate = statistics.median(r for _, r in results[name, n])
-        extra = 1 / rate - 1 / base
+        step, short_step = batch / rate, batch / base
+        extra = step - short_step
         attention = f"{kv / extra / 1e9:.1f}" if n != short and extra > 0 else "-"
-        bound = base * w / (w + kv)
-        print(f"| {n} | {kv / 1e6:.1f} | {bound:.1f} | {rate / bound:.2f} | {attention} | {w * base / 1e9:.1f} |")
+        share = f"{extra / step:.2f}" if n != short else "-"
+        # A batch's short-context step is not bound by the weights' bytes: no bound to give.
+        bound = f"{base * w / (w + kv):.1f} | {rate / (base * w / (w + kv)):.2f}" if batch == 1 else "- | -"
+        print(f"| {n} | {kv / 1e6:.1f} | {bound} | {share} | {attention} | {w / short_step / 1e9:.1f} |")
 
 
 if __name__ == "__main__":

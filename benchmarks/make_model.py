@@ -2,6 +2,7 @@
 
     python benchmarks/make_model.py --out /tmp/llama-250m
     python benchmarks/make_model.py --arch qwen3 --out /tmp/qwen3-250m   # the same shape, per-head q/k norms
+    python benchmarks/make_model.py --out /tmp/llama-250m-32k --max-position-embeddings 32768 --rope-theta 1e6
 
 Default shape: hidden 1024, 16 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 32000,
 bf16 (about 250M parameters). The tokenizer is the default model's (SmolLM2's, read from its
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--intermediate-size", type=int, default=2816)
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--max-position-embeddings", type=int, default=4096)
+    parser.add_argument("--rope-theta", type=float, default=10000.0, help="the rotary base (1e6 for long contexts)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
@@ -69,7 +71,7 @@ def main() -> None:
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
     )
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)

@@ -55,11 +55,37 @@ class Ours:
         start = time.perf_counter()
         self.engine.add_request(None, prompt, params)
         first = None
+        self.tokens: list[int] = []  # the greedy tokens, for agreement between engines
         while self.engine.has_unfinished_requests():
-            if self.engine.step() and first is None:
+            outputs = self.engine.step()
+            if outputs and first is None:
                 first = time.perf_counter()
+            self.tokens += [t for o in outputs for t in o.outputs[0].token_ids]
         end = time.perf_counter()
         return first - start, (new_tokens - 1) / (end - first) if new_tokens > 1 else 0.0
+
+    def prefill_and_decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        """The prompts together: seconds until every one has its first token, then the output tok/s
+        of the steps after that (every request decoding)."""
+        from pagedllm import SamplingParams
+        from pagedllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        start = time.perf_counter()
+        for prompt in prompts:
+            self.engine.add_request(None, prompt, params)
+        started: set[str] = set()
+        decoded, all_first = 0, None
+        while self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            if all_first is not None:
+                decoded += sum(len(o.outputs[0].token_ids) for o in outputs)
+            started.update(o.request_id for o in outputs)
+            if all_first is None and len(started) == len(prompts):
+                all_first = time.perf_counter()
+        return all_first - start, decoded / (time.perf_counter() - all_first)
 
     def batch(self, prompts: list[list[int]], output_len: int) -> float:
         from pagedllm import SamplingParams
@@ -86,15 +112,27 @@ class LlamaCpp:
         self.llm.reset()  # no prefix of an earlier request's KV cache is reused
         start = time.perf_counter()
         first = end = None
-        for count, _ in enumerate(self.llm.generate(prompt, top_k=1, temp=0.0), start=1):
+        self.tokens: list[int] = []
+        for count, token in enumerate(self.llm.generate(prompt, top_k=1, temp=0.0), start=1):
             end = time.perf_counter()
             first = first or end
+            self.tokens.append(token)
             if count == new_tokens:
                 break
         return first - start, (new_tokens - 1) / (end - first) if new_tokens > 1 else 0.0
 
     def batch(self, prompts: list[list[int]], output_len: int) -> float:
         """Every prompt its own sequence of one context; greedy by argmax of each sequence's logits."""
+        prefill, decode = self._batch(prompts, output_len)
+        return len(prompts) * output_len / (prefill + decode)
+
+    def prefill_and_decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        """As Ours.prefill_and_decode: seconds to every first token, then the decode's output tok/s."""
+        prefill, decode = self._batch(prompts, new_tokens)
+        return prefill, len(prompts) * (new_tokens - 1) / decode
+
+    def _batch(self, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+        """Seconds of the prefill (to every first token) and of the decode steps after it."""
         import llama_cpp as L
 
         model = self.llm.model
@@ -109,6 +147,7 @@ class LlamaCpp:
         try:
             start = time.perf_counter()
             tokens = self._prefill(L, ctx, batch, prompts, vocab)
+            prefilled = time.perf_counter()
             positions = [len(p) for p in prompts]
             for _ in range(output_len - 1):
                 batch.n_tokens = 0
@@ -118,11 +157,11 @@ class LlamaCpp:
                     raise RuntimeError("llama_decode failed")
                 positions = [p + 1 for p in positions]
                 tokens = [self._argmax(L, ctx, i, vocab) for i in range(len(prompts))]
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
         finally:
             L.llama_batch_free(batch)
             L.llama_free(ctx)
-        return len(prompts) * output_len / elapsed
+        return prefilled - start, end - prefilled
 
     def _prefill(self, L, ctx, batch, prompts: list[list[int]], vocab: int) -> list[int]:
         """The prompts in calls of up to 512 tokens; each one's first output token, taken from the
