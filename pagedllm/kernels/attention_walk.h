@@ -433,13 +433,21 @@ struct Unit {
 };
 
 // Per-thread buffers, sized for the largest unit. Query rows and states are laid out [KV head]
-// [token][query head of the group], so that a KV head's rows are consecutive.
+// [token][query head of the group], so that a KV head's rows are consecutive. `widen`: room for a
+// tile's K and V rows widened to fp32 (caches not read in place).
 struct Scratch {
   std::vector<float> q, part_states, total_states, scores, k, v;
-  Scratch(const Call& c, int64_t max_rows)
+  Scratch(const Call& c, int64_t max_rows, bool widen)
       : q(max_rows * c.dd), part_states(max_rows * state_stride(c.dd)), total_states(max_rows * state_stride(c.dd)),
-        scores(kRowBlock * kTile), k(kTile * c.dd), v(kTile * c.dd) {}
+        scores(kRowBlock * kTile), k(widen ? kTile * c.dd : 0), v(widen ? kTile * c.dd : 0) {}
 };
+
+// Whether a cache of C is read in place (fp32, or bf16 widened as loaded) at head size d: else
+// each tile's rows are widened into Scratch::k and v.
+template <typename C>
+bool read_in_place(const Call& c) {
+  return (std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>) && c.d == c.dd;
+}
 
 // First position a token at `pos` attends to.
 inline int64_t first_position(const Call& c, int64_t pos) {
@@ -481,7 +489,7 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
   // fp32 and bf16 rows whose width is the walk's are read in place (bf16 widened as loaded);
   // others are widened a tile at a time into fp32 rows.
   using R = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>, C, float>;
-  const bool in_place = std::is_same_v<R, C> && c.d == dd;
+  const bool in_place = read_in_place<C>(c);
   auto at = [&](int64_t h, int64_t r, int64_t g) { return (h * u.tokens + r) * G + g; };  // scratch row
   auto query_head = [&](int64_t h, int64_t g) { return (u.h0 + h) * G + g; };
   for (int64_t h = 0; h < u.kv_count; ++h)

@@ -604,7 +604,7 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   WorkSplit work(costs, static_cast<int>(std::min<int64_t>(sh.threads, units.size())));
 #pragma omp parallel num_threads(work.threads())
   {
-    aw::Scratch scratch(c, max_rows);
+    aw::Scratch scratch(c, max_rows, !aw::read_in_place<C>(c));
     for (int64_t u = work.take(omp_get_thread_num()); u >= 0; u = work.take(omp_get_thread_num()))
       walk(c, units[u], qp, kp, vp, op, scratch);
   }
