@@ -465,21 +465,6 @@ inline void for_rows(const Call& c, const int32_t* table, int64_t from, int64_t 
   }
 }
 
-// Prefetch (to L2) the K and V rows of positions [from, to] of KV head `head`.
-template <typename C>
-inline void prefetch_keys(const Call& c, const int32_t* table, const C* k_cache, const C* v_cache, int64_t from,
-                          int64_t to, int64_t head) {
-  const int64_t bytes = c.d * static_cast<int64_t>(sizeof(C));
-  for_rows(c, table, from, to, [&](int64_t, int64_t row) {
-    const char* k = reinterpret_cast<const char*>(k_cache + row * c.token_stride + head * c.d);
-    const char* v = reinterpret_cast<const char*>(v_cache + row * c.token_stride + head * c.d);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      _mm_prefetch(k + b, _MM_HINT_T1);
-      _mm_prefetch(v + b, _MM_HINT_T1);
-    }
-  });
-}
-
 template <typename T, KvKind K, int64_t D>
 void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>* v_cache,
                T* out, Scratch& s) {
@@ -516,13 +501,19 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
       const int64_t n_keys = hi - lo + 1, r0 = std::max<int64_t>(0, lo - u.pos0);  // r0: the first token seeing it
       for (int64_t h = 0; h < u.kv_count; ++h) {
         const int64_t head = u.h0 + h;
-        if (lo == plo && p == u.part0) prefetch_keys(c, table, k_cache, v_cache, lo, hi, head);
-        ahead.n = ahead.done = 0;
-        for_rows(c, table, hi + 1, std::min(end, hi + kTile), [&](int64_t j, int64_t row) {
-          ahead.k[j] = reinterpret_cast<const char*>(k_cache + row * c.token_stride + head * c.d);
-          ahead.v[j] = reinterpret_cast<const char*>(v_cache + row * c.token_stride + head * c.d);
-          ahead.n = j + 1;
-        });
+        auto aim = [&](int64_t from, int64_t to) {  // `ahead` at the rows of positions [from, to]
+          ahead.n = ahead.done = 0;
+          for_rows(c, table, from, to, [&](int64_t j, int64_t row) {
+            ahead.k[j] = reinterpret_cast<const char*>(k_cache + row * c.token_stride + head * c.d);
+            ahead.v[j] = reinterpret_cast<const char*>(v_cache + row * c.token_stride + head * c.d);
+            ahead.n = j + 1;
+          });
+        };
+        if (lo == plo && p == u.part0) {  // the unit's first tile: no earlier one asked for it
+          aim(lo, hi);
+          ahead.request(kTile);
+        }
+        aim(hi + 1, std::min(end, hi + kTile));
         for_rows(c, table, lo, hi, [&](int64_t j, int64_t row) {
           const C* k_row = k_cache + row * c.token_stride + head * c.d;
           const C* v_row = v_cache + row * c.token_stride + head * c.d;
