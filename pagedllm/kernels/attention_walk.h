@@ -242,19 +242,30 @@ inline void score_group(const float* q, int64_t dd, const R* const* keys, int64_
   }
 }
 
-// One row's scores against keys 0 .. n (rounded up to 4), its query held in registers (D <= 64).
+// One row's scores against keys 0 .. n (rounded up to 4), its query held in registers (D <= 64):
+// 8 keys at a time (8 chains of FMAs in flight, what keeps both FMA pipes busy), the rest 4 at a time.
+template <int64_t D, int64_t KJ, typename R>
+inline void score_keys(const F8* qr, const R* const* keys, int64_t j0, int64_t n_keys, float* scores) {
+  const R* rows[KJ];
+  for (int64_t jj = 0; jj < KJ; ++jj) rows[jj] = keys[std::min(j0 + jj, n_keys - 1)];
+  F8 dots[KJ];
+  for (int64_t jj = 0; jj < KJ; ++jj) dots[jj] = set8(0.f);
+  for (int64_t c = 0; c < D / 8; ++c)
+    for (int64_t jj = 0; jj < KJ; ++jj) dots[jj] = fma8(qr[c], load_row8(rows[jj] + 8 * c), dots[jj]);
+  if constexpr (KJ == 8) {
+    store8(scores + j0, sums8(dots));
+  } else {
+    sums4(scores + j0, dots);
+  }
+}
+
 template <int64_t D, typename R>
 inline void score_row(const float* q, const R* const* keys, int64_t n, int64_t n_keys, float* scores) {
   F8 qr[D / 8];
   for (int64_t c = 0; c < D / 8; ++c) qr[c] = load8(q + 8 * c);
-  for (int64_t j0 = 0; j0 < n; j0 += 4) {
-    const R* rows[4];
-    for (int64_t jj = 0; jj < 4; ++jj) rows[jj] = keys[std::min(j0 + jj, n_keys - 1)];
-    F8 dots[4] = {set8(0.f), set8(0.f), set8(0.f), set8(0.f)};
-    for (int64_t c = 0; c < D / 8; ++c)
-      for (int64_t jj = 0; jj < 4; ++jj) dots[jj] = fma8(qr[c], load_row8(rows[jj] + 8 * c), dots[jj]);
-    sums4(scores + j0, dots);
-  }
+  int64_t j0 = 0;
+  for (; j0 + 8 <= n; j0 += 8) score_keys<D, 8>(qr, keys, j0, n_keys, scores);
+  for (; j0 < n; j0 += 4) score_keys<D, 4>(qr, keys, j0, n_keys, scores);
 }
 
 // One row's softmax over its n scores of a tile, folded into its state: the running max and
@@ -442,11 +453,13 @@ struct Scratch {
         scores(kRowBlock * kTile), k(widen ? kTile * c.dd : 0), v(widen ? kTile * c.dd : 0) {}
 };
 
-// Whether a cache of C is read in place (fp32, or bf16 widened as loaded) at head size d: else
-// each tile's rows are widened into Scratch::k and v.
+// Whether a unit of `tokens` prompt tokens reads a cache of C in place: fp32 rows whose width is the
+// walk's, and so bf16 rows for a decode (widened as loaded). Else each tile's rows are widened into
+// Scratch::k and v as fp32, which a prompt's many rows score a row at a time (score_row); widening
+// is exact, so either way gives the same bits.
 template <typename C>
-bool read_in_place(const Call& c) {
-  return (std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>) && c.d == c.dd;
+bool read_in_place(const Call& c, int64_t tokens) {
+  return c.d == c.dd && (std::is_same_v<C, float> || (std::is_same_v<C, at::BFloat16> && tokens == 1));
 }
 
 // First position a token at `pos` attends to.
@@ -465,16 +478,15 @@ inline void for_rows(const Call& c, const int32_t* table, int64_t from, int64_t 
   }
 }
 
-template <typename T, KvKind K, int64_t D>
+// R: the rows' type as the tile reads them: bf16 where a bf16 cache is read in place, else fp32
+// (read_in_place says which the unit takes).
+template <typename T, KvKind K, int64_t D, typename R>
 void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>* v_cache,
                T* out, Scratch& s) {
   using C = CacheT<K, T>;
   const int64_t dd = D > 0 ? D : c.dd, S = state_stride(dd), G = c.group;
   const int64_t rows = u.tokens * G;  // a KV head's query rows
-  // fp32 and bf16 rows whose width is the walk's are read in place (bf16 widened as loaded);
-  // others are widened a tile at a time into fp32 rows.
-  using R = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>, C, float>;
-  const bool in_place = read_in_place<C>(c);
+  const bool in_place = !std::is_same_v<R, float> || read_in_place<C>(c, u.tokens);
   auto at = [&](int64_t h, int64_t r, int64_t g) { return (h * u.tokens + r) * G + g; };  // scratch row
   auto query_head = [&](int64_t h, int64_t g) { return (u.h0 + h) * G + g; };
   for (int64_t h = 0; h < u.kv_count; ++h)

@@ -596,7 +596,15 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   const C* kp = static_cast<const C*>(k_cache.data_ptr());
   const C* vp = static_cast<const C*>(v_cache.data_ptr());
   T* op = out.data_ptr<T>();
-  auto walk = c.d == 64 ? aw::walk_unit<T, K, 64> : c.d == 128 ? aw::walk_unit<T, K, 128> : aw::walk_unit<T, K, 0>;
+  // A bf16 cache's decodes read it in place; prompts widen its tiles to fp32, as every other cache.
+  using Native = std::conditional_t<std::is_same_v<C, at::BFloat16>, C, float>;
+  auto pick = [&c](auto row) {
+    using R = decltype(row);
+    return c.d == 64 ? aw::walk_unit<T, K, 64, R> : c.d == 128 ? aw::walk_unit<T, K, 128, R> : aw::walk_unit<T, K, 0, R>;
+  };
+  const auto walk_native = pick(Native{}), walk_wide = pick(float{});
+  bool widen = false;
+  for (const aw::Unit& u : units) widen = widen || !aw::read_in_place<C>(c, u.tokens);
 
   // Units shared out by cost, a thread that is done taking from the others (work_split.h).
   std::vector<int64_t> costs(units.size());
@@ -604,9 +612,11 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   WorkSplit work(costs, static_cast<int>(std::min<int64_t>(sh.threads, units.size())));
 #pragma omp parallel num_threads(work.threads())
   {
-    aw::Scratch scratch(c, max_rows, !aw::read_in_place<C>(c));
-    for (int64_t u = work.take(omp_get_thread_num()); u >= 0; u = work.take(omp_get_thread_num()))
+    aw::Scratch scratch(c, max_rows, widen);
+    for (int64_t u = work.take(omp_get_thread_num()); u >= 0; u = work.take(omp_get_thread_num())) {
+      const auto walk = aw::read_in_place<C>(c, units[u].tokens) ? walk_native : walk_wide;
       walk(c, units[u], qp, kp, vp, op, scratch);
+    }
   }
   if (folds.empty()) return;
   const int64_t items = static_cast<int64_t>(folds.size()) * sh.num_heads;
