@@ -170,6 +170,13 @@ class SchedulerConfig:
     # Slots past a sampling request's tokens that its step also holds: a draft model writes its
     # proposals' K/V there (num_speculative_tokens with draft-model speculation, else 0).
     num_lookahead_tokens: int = 0
+    # While other requests decode, the prompt tokens a step computes cost at most this many
+    # token-equivalents plus the decodes' own attention (Scheduler._prefill_room), so that the
+    # decodes keep their pace while a long prompt prefills; 0: the token budget alone.
+    long_prefill_token_threshold: int = 0
+    # Keys of attention that cost what one token through the layers' weights costs
+    # (attention_keys_per_token); 0: a prompt token's attention is not counted.
+    attention_keys_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -187,6 +194,9 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None  # bytes, "4GiB", or a fraction of free memory ("0.3")
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # Prompt tokens a step computes while other requests decode, counted with their attention
+    # (SchedulerConfig); None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: no hold.
+    long_prefill_token_threshold: int | None = None
     seed: int = 0
     device: str = "cpu"
     served_model_name: str | None = None
@@ -209,6 +219,8 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if (self.long_prefill_token_threshold or 0) < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.distributed_executor_backend not in (None, "mp", "uni", "ray"):
             raise ValueError(
                 f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp, ray or uni"
@@ -245,6 +257,21 @@ def sliding_windows(hf_config) -> tuple[int | None, ...]:
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (window,) * hf_config.num_hidden_layers
+
+
+def attention_keys_per_token(hf_config) -> float:
+    """How many keys of context a token attends to for the multiply-adds of one token through the
+    layers' weights (q, k, v, o and a gated MLP, active experts only). Only full-attention layers
+    count: a window's cost stops growing with the context. 0 where no layer attends to all of it."""
+    d, heads = head_dim(hf_config), hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    hidden = hf_config.hidden_size
+    ffn = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    ffn *= getattr(hf_config, "num_experts_per_tok", None) or 1
+    weights = hidden * d * 2 * (heads + kv_heads) + 3 * hidden * ffn
+    full_layers = sum(window is None for window in sliding_windows(hf_config))
+    per_key = 2 * heads * d  # q.k and p.v, a multiply-add per dimension each
+    return hf_config.num_hidden_layers * weights / (full_layers * per_key) if full_layers else 0.0
 
 
 @dataclass(frozen=True)

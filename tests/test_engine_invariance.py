@@ -56,3 +56,31 @@ def test_block_sizes(llama_dir, prompts, reference, block_size):
 def test_max_num_seqs_one(llama_dir, prompts, reference):
     tokens, _ = _run(llama_dir, prompts, max_num_seqs=1, kv_cache_memory="64MiB")
     assert tokens == reference
+
+
+def test_prefill_held_beside_decodes(llama_dir, prompts, reference):
+    # A small budget staggers the prompts: the long ones (over 4% of max_model_len: 17, 40 and 73
+    # tokens) prefill beside decodes, held to a token or two a step.
+    llm = LLM(
+        llama_dir,
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=20,
+        long_prefill_token_threshold=1,
+        kv_cache_memory="64MiB",
+    )
+    scheduler = llm.engine.core.scheduler
+    schedule, held = scheduler.schedule, []
+
+    def recording():
+        output = schedule()
+        decodes = [s for s in output.scheduled if s.sample and s.num_new_tokens == 1 and s.num_computed_tokens]
+        if decodes:  # long prompts' chunks beside a decode
+            long = [s for s in output.scheduled if scheduler.requests[s.request_id].num_prompt_tokens > 10]
+            held.extend(s.num_new_tokens for s in long if not s.sample)
+        return output
+
+    scheduler.schedule = recording
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert len(held) > 20 and max(held) <= 2

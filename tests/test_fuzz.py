@@ -57,6 +57,8 @@ def fuzz_server(llama_dir):
         "qwen3",
         "--speculative-config",
         '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--long-prefill-token-threshold",  # prompts beside decodes go a token or two a step
+        "1",
     )
     yield server
     server.stop()

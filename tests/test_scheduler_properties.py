@@ -26,6 +26,8 @@ workload_st = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 6),
         "eos_every": st.integers(3, 50),
         "window": st.sampled_from([None, None, 2, 9]),  # a sliding window: blocks behind it are freed
+        "threshold": st.sampled_from([0, 0, 1, 3, 16]),  # long_prefill_token_threshold
+        "keys": st.sampled_from([0.0, 5.0, 40.0]),  # attention_keys_per_token
     }
 )
 
@@ -50,8 +52,39 @@ def make_scheduler(w: dict) -> tuple[KVCacheManager, SchedulerConfig, Scheduler]
     kv = KVCacheManager(
         cdiv(MAX_MODEL_LEN, w["block_size"]) + w["spare_blocks"], w["block_size"], sliding_window=w.get("window")
     )
-    config = SchedulerConfig(w["max_num_seqs"], w["budget"], MAX_MODEL_LEN)
+    config = SchedulerConfig(
+        w["max_num_seqs"],
+        w["budget"],
+        MAX_MODEL_LEN,
+        long_prefill_token_threshold=w.get("threshold", 0),
+        attention_keys_per_token=w.get("keys", 0.0),
+    )
     return kv, config, Scheduler(config, kv)
+
+
+def prompt_cost(start: int, count: int, keys: float) -> float:
+    """Prompt tokens start..start+count: a token each, plus each one's keys (itself and all before it)."""
+    return sum(1 + ((q + 1) / keys if keys else 0.0) for q in range(start, start + count))
+
+
+def _check_prefill_held(scheduler: Scheduler, output, room: float) -> None:
+    """While requests decode, the step's chunks of long prompts (over 4% of max_model_len) cost at
+    most the room (or are one token)."""
+    keys, long = scheduler.config.attention_keys_per_token, 0.04 * scheduler.config.max_model_len
+    requests = [(s, scheduler.requests[s.request_id]) for s in output.scheduled]
+    chunks = [s for s, r in requests if r.num_tokens - s.num_computed_tokens > 1 and r.num_prompt_tokens > long]
+    total = sum(prompt_cost(s.num_computed_tokens, s.num_new_tokens, keys) for s in chunks)
+    assert total <= room + 1e-9 or (len(chunks) == 1 and chunks[0].num_new_tokens == 1)
+
+
+def _room(scheduler: Scheduler) -> float:
+    """The prefill room by its definition: the threshold plus the decoding requests' keys."""
+    config = scheduler.config
+    decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+    if not config.long_prefill_token_threshold or not decoding:
+        return float("inf")
+    keys = config.attention_keys_per_token
+    return config.long_prefill_token_threshold + sum(r.num_computed_tokens / keys if keys else 0 for r in decoding)
 
 
 @settings(max_examples=150, deadline=None)
@@ -72,7 +105,9 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
             scheduler.finish_request(aborts[step], RequestStatus.FINISHED_ABORTED)
         if not pending and not scheduler.has_unfinished_requests():
             break
+        room = _room(scheduler)
         output = scheduler.schedule()
+        _check_prefill_held(scheduler, output, room)
         assert output.num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
         assert len({s.request_id for s in output.scheduled}) == len(output.scheduled)
@@ -107,3 +142,33 @@ def test_each_request_finishes_with_its_max_tokens(max_tokens_list, block_size):
     assert [r.num_output_tokens for r in requests] == max_tokens_list
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests)
     assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_long_prompt_held_beside_a_decode_and_not_alone():
+    """A long prompt beside a decoding request takes the most tokens its room allows, growing
+    fewer as its position (and so its attention) grows; alone, it takes the whole budget."""
+    kv = KVCacheManager(64, 16)
+    config = SchedulerConfig(4, 512, 1024, long_prefill_token_threshold=8, attention_keys_per_token=64.0)
+    scheduler = Scheduler(config, kv)
+    decoder = Request("decoder", [1] * 20, SamplingParams(max_tokens=500), 500)
+    scheduler.add_request(decoder)
+    output = scheduler.schedule()
+    assert [s.num_new_tokens for s in output.scheduled] == [20]  # nothing decodes yet: no hold
+    scheduler.update(output, ModelRunnerOutput({"decoder": [5]}))
+    long = Request("long", [1] * 400, SamplingParams(max_tokens=1), 1)
+    scheduler.add_request(long)
+    chunks = []
+    while not long.status.finished:
+        output = scheduler.schedule()
+        long_chunk = next(s for s in output.scheduled if s.request_id == "long")
+        room = 8 + decoder.num_computed_tokens / 64
+        start, count = long_chunk.num_computed_tokens, long_chunk.num_new_tokens
+        assert prompt_cost(start, count, 64.0) <= room or count == 1
+        if start + count < 400:  # the most that fits: one more token would not
+            assert prompt_cost(start, count + 1, 64.0) > room
+        chunks.append(count)
+        scheduler.update(output, ModelRunnerOutput({s.request_id: [5] for s in output.scheduled if s.sample}))
+    assert chunks[0] > chunks[-2] >= 1  # later tokens attend to more keys: fewer fit
+    alone = Scheduler(config, KVCacheManager(64, 16))
+    alone.add_request(Request("long", [1] * 400, SamplingParams(max_tokens=1), 1))
+    assert [s.num_new_tokens for s in alone.schedule().scheduled] == [400]

@@ -7,6 +7,13 @@ computing it again (many requests sharing a system prompt arrive together). When
 dry, the most recently arrived running request is preempted: its blocks are freed and it is
 recomputed later.
 
+While some requests decode, a long prompt's tokens (a prompt longer than LONG_PROMPT_SHARE of
+max_model_len, vLLM's notion of long) are held to about what the decodes' own step costs
+(`long_prefill_token_threshold`), so that its prefill does not stall them: a prompt token costs one
+token plus its attention over the context before it, which grows with its position
+(`attention_keys_per_token`). The step's first long prefill always gets a token. Short prompts go
+as before, under the token budget alone.
+
 A request may ask to be held: once finished it keeps its blocks until the frontend releases it,
 and new requests can fork from it (take references to its blocks for the tokens it computed and
 go on from there). That is all the core knows of parallel samples and beam search, which the
@@ -25,6 +32,8 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+
+LONG_PROMPT_SHARE = 0.04
 
 
 class Scheduler:
@@ -96,10 +105,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         preempted = False
+        room, chosen_prefill = self._prefill_room(), False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens + self._num_spec(request), budget)
+            if request.num_tokens - request.num_computed_tokens > 1 and self._long(request):  # a prefill chunk
+                num_new, room = self._chunk_within(request.num_computed_tokens, num_new, room, first=not chosen_prefill)
+                chosen_prefill = True
+                if num_new == 0:
+                    i += 1
+                    continue
             if self._allocate_or_preempt(request, num_new, self._lookahead(request, num_new)):
                 chosen.append((request, num_new))
                 budget -= num_new
@@ -119,6 +135,12 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(request)
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if self._long(request):
+                start = request.num_computed_tokens + num_cached
+                num_new, room = self._chunk_within(start, num_new, room, first=not chosen_prefill)
+                if num_new == 0:
+                    break
+                chosen_prefill = True
             # A block another request computes now is a hit once its step is done. (Past the first
             # block too: a fork, or a group's blocks behind its window, can leave a request with
             # fewer hits than the other has blocks of the same prefix.)
@@ -142,6 +164,38 @@ class Scheduler:
             in_flight.update(self.kv.uncached_prompt_hashes(request))
         self.waiting.extendleft(reversed(deferred))
         return self._build_output(chosen)
+
+    def _long(self, request: Request) -> bool:
+        return request.num_prompt_tokens > LONG_PROMPT_SHARE * self.config.max_model_len
+
+    def _prefill_room(self) -> float:
+        """What this step's long prompts' tokens may cost, in token-equivalents (_chunk_cost): unbounded
+        when no request decodes; else the threshold plus the decodes' own attention, which makes
+        their step longer and so leaves room for more."""
+        threshold, keys = self.config.long_prefill_token_threshold, self.config.attention_keys_per_token
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not threshold or not decoding:
+            return float("inf")
+        return threshold + (sum(r.num_computed_tokens for r in decoding) / keys if keys else 0.0)
+
+    def _chunk_cost(self, start: int, count: int) -> float:
+        """Token-equivalents of prompt tokens start..start+count: a token each plus their attention
+        over the keys up to each (start + 1 ... start + count of them)."""
+        keys = self.config.attention_keys_per_token
+        attended = count * start + count * (count + 1) // 2
+        return count + (attended / keys if keys else 0.0)
+
+    def _chunk_within(self, start: int, num_new: int, room: float, first: bool) -> tuple[int, float]:
+        """The most of `num_new` prompt tokens from `start` that fit `room`, and the room left. The
+        step's first prefill gets a token even where one costs more than the room."""
+        if room == float("inf"):
+            return num_new, room
+        low, high = 0, num_new  # bisect: the cost grows with the count
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self._chunk_cost(start, mid) <= room else (low, mid - 1)
+        count = max(low, 1) if first else low
+        return count, room - self._chunk_cost(start, count)
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots past the step's tokens for a request that samples in it (draft-model speculation)."""

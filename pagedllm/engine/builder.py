@@ -23,6 +23,7 @@ from pagedllm.config import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    attention_keys_per_token,
     kv_cache_groups,
     parse_memory,
     parse_speculative_config,
@@ -52,6 +53,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Chosen with benchmarks/long_prefill.py (BENCHMARKS.md): decodes' p99 time between tokens while a
+# long prompt prefills beside them, against the prompt's time to first token.
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 4
+
+
+def _long_prefill_token_threshold(args: EngineArgs) -> int:
+    threshold = args.long_prefill_token_threshold
+    return DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD if threshold is None else threshold
 
 
 def load_config(args: EngineArgs) -> ModelConfig:
@@ -119,6 +128,10 @@ def make_engine_core(
             model_config.max_model_len,
             chunked_prefill=model_config.is_causal,
             num_lookahead_tokens=lookahead,
+            long_prefill_token_threshold=_long_prefill_token_threshold(args),
+            attention_keys_per_token=attention_keys_per_token(model_config.hf_config)
+            if model_config.is_causal
+            else 0.0,
         ),
         kv,
     )

@@ -30,6 +30,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default=None, help="bytes, 4GiB, or a fraction of free memory")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="while other requests decode, the prompt tokens a step computes cost at most this many "
+        "tokens, each counted with its attention over the context before it, plus what the decodes' "
+        "own attention costs, so that they keep their pace while a long prompt prefills "
+        "(default: 4; 0: only --max-num-batched-tokens)",
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--served-model-name", default=None)
