@@ -37,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="while other requests decode, the prompt tokens a step computes cost at most this many "
         "tokens, each counted with its attention over the context before it, plus what the decodes' "
         "own attention costs, so that they keep their pace while a long prompt prefills "
-        "(default: 4; 0: only --max-num-batched-tokens)",
+        "(default: 3; 0: only --max-num-batched-tokens)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
