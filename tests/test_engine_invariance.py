@@ -59,17 +59,10 @@ def test_max_num_seqs_one(llama_dir, prompts, reference):
 
 
 def test_prefill_held_beside_decodes(llama_dir, prompts, reference):
-    # A small budget staggers the prompts: the long ones (over 4% of max_model_len: 17, 40 and 73
-    # tokens) prefill beside decodes, held to a token or two a step.
-    llm = LLM(
-        llama_dir,
-        dtype="float32",
-        max_model_len=256,
-        max_num_batched_tokens=20,
-        long_prefill_token_threshold=1,
-        kv_cache_memory="64MiB",
-    )
-    scheduler = llm.engine.core.scheduler
+    # The short prompts start generating; then the long ones (over 4% of max_model_len: 17, 40 and
+    # 73 tokens) arrive and prefill beside them, held to a token or two a step.
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256, long_prefill_token_threshold=1, kv_cache_memory="64MiB")
+    engine, scheduler = llm.engine, llm.engine.core.scheduler
     schedule, held = scheduler.schedule, []
 
     def recording():
@@ -81,6 +74,13 @@ def test_prefill_held_beside_decodes(llama_dir, prompts, reference):
         return output
 
     scheduler.schedule = recording
-    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference
-    assert len(held) > 20 and max(held) <= 2
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) > 10)
+    ids = {engine.add_request(None, prompts[i], PARAMS): i for i in order if len(prompts[i]) <= 10}
+    engine.step()
+    engine.step()  # the short ones generating
+    ids.update({engine.add_request(None, prompts[i], PARAMS): i for i in order if len(prompts[i]) > 10})
+    tokens = {}
+    while engine.has_unfinished_requests():
+        tokens.update({ids[o.request_id]: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [tokens[i] for i in range(len(prompts))] == reference
+    assert len(held) >= 5 and max(held) <= 2  # unheld, the first step beside a decode takes them whole

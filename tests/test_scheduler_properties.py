@@ -67,24 +67,26 @@ def prompt_cost(start: int, count: int, keys: float) -> float:
     return sum(1 + ((q + 1) / keys if keys else 0.0) for q in range(start, start + count))
 
 
-def _check_prefill_held(scheduler: Scheduler, output, room: float) -> None:
-    """While requests decode, the step's chunks of long prompts (over 4% of max_model_len) cost at
-    most the room (or are one token)."""
-    keys, long = scheduler.config.attention_keys_per_token, 0.04 * scheduler.config.max_model_len
+def _check_prefill_held(scheduler: Scheduler, output, room: float, held: set[str]) -> None:
+    """While requests decode, the step's chunks of `held` prompts (long ones that arrived beside a
+    generating request) cost at most the room (or are one token)."""
+    keys = scheduler.config.attention_keys_per_token
     requests = [(s, scheduler.requests[s.request_id]) for s in output.scheduled]
-    chunks = [s for s, r in requests if r.num_tokens - s.num_computed_tokens > 1 and r.num_prompt_tokens > long]
+    chunks = [s for s, r in requests if r.num_tokens - s.num_computed_tokens > 1 and r.request_id in held]
     total = sum(prompt_cost(s.num_computed_tokens, s.num_new_tokens, keys) for s in chunks)
     assert total <= room + 1e-9 or (len(chunks) == 1 and chunks[0].num_new_tokens == 1)
 
 
 def _room(scheduler: Scheduler) -> float:
-    """The prefill room by its definition: the threshold plus the decoding requests' keys."""
+    """The prefill room by its definition: the threshold for each decoding request, plus their keys."""
     config = scheduler.config
     decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
     if not config.long_prefill_token_threshold or not decoding:
         return float("inf")
     keys = config.attention_keys_per_token
-    return config.long_prefill_token_threshold + sum(r.num_computed_tokens / keys if keys else 0 for r in decoding)
+    return config.long_prefill_token_threshold * len(decoding) + sum(
+        r.num_computed_tokens / keys if keys else 0 for r in decoding
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -95,9 +97,12 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
     pending = sorted(enumerate(w["requests"]), key=lambda x: x[1][2])
     aborts = {step: f"r{i}" for i, step in w["aborts"]}
     counter = 0
+    held: set[str] = set()  # long prompts (over 4% of max_model_len) that arrived beside a generating request
     for step in range(2000):
         while pending and pending[0][1][2] <= step:
             i, (prompt_len, max_tokens, _) = pending.pop(0)
+            if prompt_len > 0.04 * MAX_MODEL_LEN and any(r.num_output_tokens for r in scheduler.running):
+                held.add(f"r{i}")
             scheduler.add_request(
                 Request(f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
             )
@@ -107,7 +112,7 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
             break
         room = _room(scheduler)
         output = scheduler.schedule()
-        _check_prefill_held(scheduler, output, room)
+        _check_prefill_held(scheduler, output, room, held)
         assert output.num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
         assert len({s.request_id for s in output.scheduled}) == len(output.scheduled)
@@ -172,3 +177,18 @@ def test_long_prompt_held_beside_a_decode_and_not_alone():
     alone = Scheduler(config, KVCacheManager(64, 16))
     alone.add_request(Request("long", [1] * 400, SamplingParams(max_tokens=1), 1))
     assert [s.num_new_tokens for s in alone.schedule().scheduled] == [400]
+
+
+def test_long_prompts_submitted_together_are_not_held():
+    """A batch submitted at once has no stream to keep: its long prompts take the token budget even
+    once the first of them decode."""
+    config = SchedulerConfig(4, 300, 1024, long_prefill_token_threshold=1, attention_keys_per_token=64.0)
+    scheduler = Scheduler(config, KVCacheManager(128, 16))
+    for i in range(3):
+        scheduler.add_request(Request(f"r{i}", [10 + i] * 200, SamplingParams(max_tokens=50), 50))  # no shared blocks
+    steps = []
+    while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):
+        output = scheduler.schedule()
+        steps.append(sorted(s.num_new_tokens for s in output.scheduled))
+        scheduler.update(output, ModelRunnerOutput({s.request_id: [5] for s in output.scheduled if s.sample}))
+    assert steps == [[100, 200], [1, 100, 199], [1, 1, 1]]

@@ -7,12 +7,13 @@ computing it again (many requests sharing a system prompt arrive together). When
 dry, the most recently arrived running request is preempted: its blocks are freed and it is
 recomputed later.
 
-While some requests decode, a long prompt's tokens (a prompt longer than LONG_PROMPT_SHARE of
-max_model_len, vLLM's notion of long) are held to about what the decodes' own step costs
-(`long_prefill_token_threshold`), so that its prefill does not stall them: a prompt token costs one
-token plus its attention over the context before it, which grows with its position
-(`attention_keys_per_token`). The step's first long prefill always gets a token. Short prompts go
-as before, under the token budget alone.
+A long prompt (longer than LONG_PROMPT_SHARE of max_model_len, vLLM's notion of long) that arrives
+while others are generating does not stall them: while some decode, its tokens a step are held to
+about what the decodes' own step costs (`long_prefill_token_threshold` token-equivalents for each
+decoding request, plus their attention), a prompt token costing one token plus its attention over
+the context before it, which grows with its position (`attention_keys_per_token`). The step's
+first held prefill always gets a token. Short prompts, and long ones that arrived with no stream
+to keep (a batch submitted at once), go under the token budget alone.
 
 A request may ask to be held: once finished it keeps its blocks until the frontend releases it,
 and new requests can fork from it (take references to its blocks for the tokens it computed and
@@ -48,6 +49,8 @@ class Scheduler:
         self._preempted_ids: set[str] = set()
         # Requests the worker holds (sent whole once): their later steps carry only deltas.
         self._worker_ids: set[str] = set()
+        # Long prompts that arrived while others were generating: their prefill is held (see above).
+        self._held_prefills: set[str] = set()
         self.num_preemptions = 0
         self.spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted tokens (SchedulerStats.spec_*)
         self.spec_accepted_per_position: list[int] = []
@@ -60,6 +63,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine core")
         self.requests[request.request_id] = request
+        if self._long(request) and any(r.num_output_tokens for r in self.running):
+            self._held_prefills.add(request.request_id)
         parent = self.held.get(fork_of) if fork_of is not None else None
         if parent is None or not self._fork(parent, request):
             self.waiting.append(request)
@@ -110,7 +115,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens + self._num_spec(request), budget)
-            if request.num_tokens - request.num_computed_tokens > 1 and self._long(request):  # a prefill chunk
+            if request.num_tokens - request.num_computed_tokens > 1 and request.request_id in self._held_prefills:
                 num_new, room = self._chunk_within(request.num_computed_tokens, num_new, room, first=not chosen_prefill)
                 chosen_prefill = True
                 if num_new == 0:
@@ -135,7 +140,7 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(request)
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
-            if self._long(request):
+            if request.request_id in self._held_prefills:
                 start = request.num_computed_tokens + num_cached
                 num_new, room = self._chunk_within(start, num_new, room, first=not chosen_prefill)
                 if num_new == 0:
@@ -169,14 +174,14 @@ class Scheduler:
         return request.num_prompt_tokens > LONG_PROMPT_SHARE * self.config.max_model_len
 
     def _prefill_room(self) -> float:
-        """What this step's long prompts' tokens may cost, in token-equivalents (_chunk_cost): unbounded
-        when no request decodes; else the threshold plus the decodes' own attention, which makes
-        their step longer and so leaves room for more."""
+        """What this step's held prompts' tokens may cost, in token-equivalents (_chunk_cost):
+        unbounded when no request decodes; else the threshold for each decoding request, plus their
+        own attention: what makes their step longer leaves room for more beside it."""
         threshold, keys = self.config.long_prefill_token_threshold, self.config.attention_keys_per_token
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         if not threshold or not decoding:
             return float("inf")
-        return threshold + (sum(r.num_computed_tokens for r in decoding) / keys if keys else 0.0)
+        return threshold * len(decoding) + (sum(r.num_computed_tokens for r in decoding) / keys if keys else 0.0)
 
     def _chunk_cost(self, start: int, count: int) -> float:
         """Token-equivalents of prompt tokens start..start+count: a token each plus their attention
@@ -338,6 +343,7 @@ class Scheduler:
         self._finished_ids.add(request.request_id)  # it runs no more: the worker's copy can go
 
     def _release(self, request: Request) -> None:
+        self._held_prefills.discard(request.request_id)
         self.kv.free(request)
         self._worker_ids.discard(request.request_id)
         self._finished_ids.add(request.request_id)

@@ -55,7 +55,7 @@ logger = logging.getLogger("pagedllm")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # Chosen with benchmarks/long_prefill.py (BENCHMARKS.md): decodes' p99 time between tokens while a
 # long prompt prefills beside them, against the prompt's time to first token.
-DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 3
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 1
 
 
 def _long_prefill_token_threshold(args: EngineArgs) -> int:

@@ -34,10 +34,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--long-prefill-token-threshold",
         type=int,
         default=None,
-        help="while other requests decode, the prompt tokens a step computes cost at most this many "
-        "tokens, each counted with its attention over the context before it, plus what the decodes' "
-        "own attention costs, so that they keep their pace while a long prompt prefills "
-        "(default: 3; 0: only --max-num-batched-tokens)",
+        help="a long prompt (over 4%% of --max-model-len) that arrives while others generate is held, "
+        "while they decode, to this many tokens a step for each decoding request, each prompt token "
+        "counted with its attention over the context before it, plus the decodes' own attention, so "
+        "that they keep their pace "
+        "(default: 1; 0: only --max-num-batched-tokens)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
