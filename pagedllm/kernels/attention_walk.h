@@ -166,28 +166,46 @@ inline F8 load_row8(const at::BFloat16* p) {
 #endif
 }
 
-// n cached values as fp32 (exact, or an fp8 byte's value times its scale: one rounding).
-// bf16 rows (kSame bf16 or kBF16) widen exactly, by a shift.
+// An fp8 cache's row as the walk reads it in place: its bytes, widened as fp16s (fp8_as_half_bits),
+// which is exact; the format's factor and the layer's scales are the query's and the result's
+// (Call::scale, Call::out_scale), so that no value of K or V is rounded.
+template <KvKind K>
+struct Fp8 {
+  uint8_t byte;
+};
+
+#if defined(__F16C__) && defined(__AVX2__)
+// 8 bytes of fp8 as the fp16s fp8_as_half_bits gives: e5m2 is the high byte; e4m3's byte, set in
+// the high byte and shifted right 1 (arithmetic), leaves its sign in bits 15 and 14: 14 cleared.
+template <KvKind K>
+inline __m128i fp8_as_halves(const uint8_t* p) {
+  const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (K == KvKind::kE4M3) return _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(0xBFFF));
+  return high;
+}
+#endif
+
+template <KvKind K>
+inline F8 load_row8(const Fp8<K>* p) {
+#if defined(__F16C__) && defined(__AVX2__)
+  return {_mm256_cvtph_ps(fp8_as_halves<K>(&p->byte))};
+#else
+  alignas(32) float x[8];
+  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(c10::Half(fp8_as_half_bits<K>(p[i].byte), c10::Half::from_bits()));
+  return load8(x);
+#endif
+}
+
+// n cached values as fp32, exactly: bf16 rows (kSame bf16 or kBF16) by a shift, fp8 bytes as
+// load_row8 widens them (without their factor and scale).
 template <KvKind K, typename C>
-inline void widen_row(float* dst, const C* src, int64_t n, float scale) {
+inline void widen_row(float* dst, const C* src, int64_t n) {
   int64_t i = 0;
   if constexpr (is_fp8(K)) {
-    const float factor = fp8_half_factor<K>() * scale;
 #if defined(__F16C__) && defined(__AVX2__)
-    for (; i + 8 <= n; i += 8) {
-      const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
-      __m128i h;
-      if constexpr (K == KvKind::kE4M3) {  // fp8_as_half_bits: sign to bit 15, the rest 7 bits up
-        h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                         _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-      } else {
-        h = _mm_slli_epi16(b, 8);
-      }
-      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(factor)));
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(fp8_as_halves<K>(src + i)));
 #endif
-    for (; i < n; ++i)
-      dst[i] = static_cast<float>(c10::Half(fp8_as_half_bits<K>(src[i]), c10::Half::from_bits())) * factor;
+    for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(fp8_as_half_bits<K>(src[i]), c10::Half::from_bits()));
   } else if constexpr (std::is_same_v<C, at::BFloat16>) {
 #if defined(__AVX2__)
     for (; i + 8 <= n; i += 8) {
@@ -202,6 +220,8 @@ inline void widen_row(float* dst, const C* src, int64_t n, float scale) {
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  } else if constexpr (std::is_same_v<C, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
   } else {
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
@@ -236,8 +256,13 @@ inline void score_group(const float* q, int64_t dd, const R* const* keys, int64_
   for (int64_t r = 0; r < RC; ++r) {
     if constexpr (KJ == 8) {
       store8(scores + r * stride + j0, sums8(dots[r]));
-    } else {
+    } else if constexpr (KJ == 4) {
       sums4(scores + r * stride + j0, dots[r]);
+    } else {  // KJ 2: sums4's order, its last two sums dropped
+      const F8 four[4] = {dots[r][0], dots[r][1], dots[r][0], dots[r][1]};
+      float sums[4];
+      sums4(sums, four);
+      std::memcpy(scores + r * stride + j0, sums, 2 * sizeof(float));
     }
   }
 }
@@ -370,6 +395,14 @@ __attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t row
         ahead.request(8);
       }
     }
+    // A decode's rows of a KV head (GQA): 4 rows a key, each K row loaded (widened) once for them.
+    for (; i + 4 <= rr; i += 4) {
+      const int64_t n = keys_of(i + 3);
+      for (int64_t j0 = 0; j0 < n; j0 += 2) {
+        score_group<D, 4, 2>(qc + i * dd, dd, keys, j0, n_keys, scores + i * stride, stride);
+        ahead.request(2);
+      }
+    }
     for (; i + 3 <= rr; i += 3) {
       const int64_t n = keys_of(i + 2);
       for (int64_t j0 = 0; j0 < n; j0 += 4) {
@@ -400,7 +433,7 @@ __attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t row
         case 6: value_rows<6, 2>(p, stride, values, n, dd, st, S); break;
         case 5: value_rows<5, 2>(p, stride, values, n, dd, st, S); break;
         case 4: value_rows<4, 2>(p, stride, values, n, dd, st, S); break;
-        case 3: value_rows<3, 4>(p, stride, values, n, dd, st, S); break;
+        case 3: value_rows<3, 2>(p, stride, values, n, dd, st, S); break;
         case 2: value_rows<2, 4>(p, stride, values, n, dd, st, S); break;
         default: value_rows<1, 8>(p, stride, values, n, dd, st, S); break;
       }
@@ -420,8 +453,8 @@ __attribute__((noinline)) inline void fold(float* total, const float* part, int6
 }
 
 template <typename T>
-__attribute__((noinline)) void finish(T* out, const float* state, int64_t d, int64_t dd) {
-  const float inv = 1.f / state[dd + 1];
+__attribute__((noinline)) void finish(T* out, const float* state, int64_t d, int64_t dd, float out_scale) {
+  const float inv = out_scale / state[dd + 1];
   for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(state[i] * inv);
 }
 
@@ -429,8 +462,8 @@ __attribute__((noinline)) void finish(T* out, const float* state, int64_t d, int
 struct Call {
   int64_t d, dd;  // head size; rounded up to 8 (the rows walks read)
   int64_t group, num_heads, num_kv_heads, block_size, token_stride, table_stride, part, window;
-  float scale;
-  KvScales kv;
+  float scale;      // the query's: 1 / sqrt(d), and for fp8 caches K's factor and scale
+  float out_scale;  // the result's: 1, and for fp8 caches V's factor and scale
   const int32_t* tables;
   float* partials;            // split units' states: [slot][query head] (state_stride(dd) floats each)
   const int64_t* first_slot;  // a query row's first slot, or -1 (its unit finishes it)
@@ -453,13 +486,14 @@ struct Scratch {
         scores(kRowBlock * kTile), k(widen ? kTile * c.dd : 0), v(widen ? kTile * c.dd : 0) {}
 };
 
-// Whether a unit of `tokens` prompt tokens reads a cache of C in place: fp32 rows whose width is the
-// walk's, and so bf16 rows for a decode (widened as loaded). Else each tile's rows are widened into
-// Scratch::k and v as fp32, which a prompt's many rows score a row at a time (score_row); widening
-// is exact, so either way gives the same bits.
+// Whether a unit of `tokens` prompt tokens reads a cache of C in place: a decode's rows whose width
+// is the walk's (bf16 and fp8 widened as loaded). Else each tile's rows are widened (or, fp32,
+// copied) into Scratch::k and v as fp32, consecutive, which a prompt's many rows score a row at a
+// time (score_row); widening is exact, so either way gives the same bits.
 template <typename C>
 bool read_in_place(const Call& c, int64_t tokens) {
-  return c.d == c.dd && (std::is_same_v<C, float> || (std::is_same_v<C, at::BFloat16> && tokens == 1));
+  constexpr bool narrow = std::is_same_v<C, at::BFloat16> || std::is_same_v<C, uint8_t>;
+  return c.d == c.dd && (std::is_same_v<C, float> || narrow) && tokens == 1;
 }
 
 // First position a token at `pos` attends to.
@@ -478,8 +512,8 @@ inline void for_rows(const Call& c, const int32_t* table, int64_t from, int64_t 
   }
 }
 
-// R: the rows' type as the tile reads them: bf16 where a bf16 cache is read in place, else fp32
-// (read_in_place says which the unit takes).
+// R: the rows' type as the tile reads them: bf16 or Fp8<K> where such a cache is read in place,
+// else fp32 (read_in_place says which the unit takes).
 template <typename T, KvKind K, int64_t D, typename R>
 void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_cache, const CacheT<K, T>* v_cache,
                T* out, Scratch& s) {
@@ -536,8 +570,8 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
           }
           float* k_wide = s.k.data() + j * dd;
           float* v_wide = s.v.data() + j * dd;
-          widen_row<K>(k_wide, k_row, c.d, c.kv.k);
-          widen_row<K>(v_wide, v_row, c.d, c.kv.v);
+          widen_row<K>(k_wide, k_row, c.d);
+          widen_row<K>(v_wide, v_row, c.d);
           std::fill(k_wide + c.d, k_wide + dd, 0.f);
           std::fill(v_wide + c.d, v_wide + dd, 0.f);
           key_rows[j] = reinterpret_cast<const R*>(k_wide);
@@ -571,7 +605,7 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
     for (int64_t h = 0; h < u.kv_count; ++h)
       for (int64_t g = 0; g < G; ++g)
         finish(out + ((u.token0 + r) * c.num_heads + query_head(h, g)) * c.d,
-               s.total_states.data() + at(h, r, g) * S, c.d, dd);
+               s.total_states.data() + at(h, r, g) * S, c.d, dd, c.out_scale);
 }
 
 // A split token's query head: its partitions' states folded in order, then finished.
@@ -581,7 +615,7 @@ void fold_partials(const Call& c, int64_t token, int64_t head, int64_t slots, T*
   const float* first = c.partials + (c.first_slot[token] * c.num_heads + head) * S;
   std::memcpy(total, first, S * sizeof(float));
   for (int64_t p = 1; p < slots; ++p) fold(total, first + p * c.num_heads * S, c.dd);
-  finish(out + (token * c.num_heads + head) * c.d, total, c.d, c.dd);
+  finish(out + (token * c.num_heads + head) * c.d, total, c.d, c.dd, c.out_scale);
 }
 
 }  // namespace attention_walk

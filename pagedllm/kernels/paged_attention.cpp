@@ -541,8 +541,8 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   c.table_stride = sh.table_stride;
   c.part = (kPartTokens + sh.block_size - 1) / sh.block_size * sh.block_size;
   c.window = window;
-  c.scale = static_cast<float>(scale);
-  c.kv = kv;
+  c.scale = static_cast<float>(scale) * (is_fp8(K) ? kv.k * fp8_half_factor<K>() : 1.f);
+  c.out_scale = is_fp8(K) ? kv.v * fp8_half_factor<K>() : 1.f;
   c.tables = block_tables.data_ptr<int32_t>();
   c.first_slot = first_slot.data();
 
@@ -596,8 +596,9 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   const C* kp = static_cast<const C*>(k_cache.data_ptr());
   const C* vp = static_cast<const C*>(v_cache.data_ptr());
   T* op = out.data_ptr<T>();
-  // A bf16 cache's decodes read it in place; prompts widen its tiles to fp32, as every other cache.
-  using Native = std::conditional_t<std::is_same_v<C, at::BFloat16>, C, float>;
+  // bf16 and fp8 caches' decodes read them in place; prompts widen their tiles to fp32, as every
+  // other cache.
+  using Native = std::conditional_t<is_fp8(K), aw::Fp8<K>, std::conditional_t<std::is_same_v<C, at::BFloat16>, C, float>>;
   auto pick = [&c](auto row) {
     using R = decltype(row);
     return c.d == 64 ? aw::walk_unit<T, K, 64, R> : c.d == 128 ? aw::walk_unit<T, K, 128, R> : aw::walk_unit<T, K, 0, R>;
