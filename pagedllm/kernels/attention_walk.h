@@ -267,8 +267,7 @@ inline void score_group(const float* q, int64_t dd, const R* const* keys, int64_
   }
 }
 
-// One row's scores against keys 0 .. n (rounded up to 4), its query held in registers (D <= 64):
-// 8 keys at a time (8 chains of FMAs in flight, what keeps both FMA pipes busy), the rest 4 at a time.
+// A row's scores against KJ keys from j0, its query held in registers (qr).
 template <int64_t D, int64_t KJ, typename R>
 inline void score_keys(const F8* qr, const R* const* keys, int64_t j0, int64_t n_keys, float* scores) {
   const R* rows[KJ];
@@ -284,6 +283,8 @@ inline void score_keys(const F8* qr, const R* const* keys, int64_t j0, int64_t n
   }
 }
 
+// One row's scores against keys 0 .. n (rounded up to 4), its query held in registers (D <= 64):
+// 8 keys at a time (8 chains of FMAs in flight, what keeps both FMA pipes busy), the rest 4 at a time.
 template <int64_t D, typename R>
 inline void score_row(const float* q, const R* const* keys, int64_t n, int64_t n_keys, float* scores) {
   F8 qr[D / 8];
