@@ -12,7 +12,7 @@
 // query tokens: threads take tokens) or each partition is a task of its own (a few long decodes:
 // threads take partitions, the states wait in a buffer, then fold).
 //
-// The arithmetic lives in a few functions kept out of line (tile_step, softmax_row, fold, finish),
+// The arithmetic lives in a few functions kept out of line (tile_step, score_rows3, softmax_rows, fold, finish),
 // so that no caller's inlining can fuse a multiply and an add differently in one place than
 // another; inside tile_step, the groupings of rows and keys use explicit FMAs and sums only.
 #pragma once
@@ -146,6 +146,16 @@ inline void sums4(float* out, const F8* a) {
 }
 #endif
 
+// Keeps a loaded vector in a register. The compiler otherwise folds its load into each FMA that
+// uses it, loading it once for each; loads, not FMAs, then bound the loop.
+inline void in_register(F8& a) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __asm__("" : "+x"(a.v));
+#else
+  (void)a;
+#endif
+}
+
 // The sum of a's lanes, in sums8's order.
 inline float sum8(F8 a) {
   alignas(32) float x[8];
@@ -173,6 +183,10 @@ template <KvKind K>
 struct Fp8 {
   uint8_t byte;
 };
+template <typename R>
+constexpr bool is_fp8_row = false;
+template <KvKind K>
+constexpr bool is_fp8_row<Fp8<K>> = true;
 
 #if defined(__F16C__) && defined(__AVX2__)
 // 8 bytes of fp8 as the fp16s fp8_as_half_bits gives: e5m2 is the high byte; e4m3's byte, set in
@@ -248,11 +262,17 @@ inline void score_group(const float* q, int64_t dd, const R* const* keys, int64_
   F8 dots[RC][KJ];
   for (int64_t r = 0; r < RC; ++r)
     for (int64_t jj = 0; jj < KJ; ++jj) dots[r][jj] = set8(0.f);
-  for (int64_t c = 0; c < dd; c += 8)
+  for (int64_t c = 0; c < dd; c += 8) {
+    F8 qs[RC];
+    for (int64_t r = 0; r < RC; ++r) {
+      qs[r] = load8(q + r * dd + c);
+      if constexpr (!is_fp8_row<R>) in_register(qs[r]);  // fp8 rows: measured faster folded
+    }
     for (int64_t jj = 0; jj < KJ; ++jj) {
       const F8 key = load_row8(rows[jj] + c);
-      for (int64_t r = 0; r < RC; ++r) dots[r][jj] = fma8(load8(q + r * dd + c), key, dots[r][jj]);
+      for (int64_t r = 0; r < RC; ++r) dots[r][jj] = fma8(qs[r], key, dots[r][jj]);
     }
+  }
   for (int64_t r = 0; r < RC; ++r) {
     if constexpr (KJ == 8) {
       store8(scores + r * stride + j0, sums8(dots[r]));
@@ -264,6 +284,31 @@ inline void score_group(const float* q, int64_t dd, const R* const* keys, int64_
       sums4(sums, four);
       std::memcpy(scores + r * stride + j0, sums, 2 * sizeof(float));
     }
+  }
+}
+
+// Three rows' scores against keys 0 .. n (rounded up to 4) of a tile held as consecutive fp32 rows
+// (D floats apart): score_group<D, 3, 4>'s arithmetic, with each query and K vector loaded once.
+template <int64_t D>
+__attribute__((noinline)) void score_rows3(const float* q, const float* k, int64_t n, float* scores, int64_t stride) {
+  for (int64_t j0 = 0; j0 < n; j0 += 4) {
+    F8 dots[3][4];
+    for (int64_t r = 0; r < 3; ++r)
+      for (int64_t jj = 0; jj < 4; ++jj) dots[r][jj] = set8(0.f);
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < D; c += 8) {
+      F8 qs[3];
+      for (int64_t r = 0; r < 3; ++r) {
+        qs[r] = load8(q + r * D + c);
+        in_register(qs[r]);
+      }
+      for (int64_t jj = 0; jj < 4; ++jj) {
+        F8 key = load8(k + (j0 + jj) * D + c);
+        in_register(key);
+        for (int64_t r = 0; r < 3; ++r) dots[r][jj] = fma8(qs[r], key, dots[r][jj]);
+      }
+    }
+    for (int64_t r = 0; r < 3; ++r) sums4(scores + r * stride + j0, dots[r]);
   }
 }
 
@@ -294,24 +339,45 @@ inline void score_row(const float* q, const R* const* keys, int64_t n, int64_t n
   for (; j0 < n; j0 += 4) score_keys<D, 4>(qr, keys, j0, n_keys, scores);
 }
 
-// One row's softmax over its n scores of a tile, folded into its state: the running max and
-// denominator move on, the accumulator is scaled by the correction, and the scores become the
-// probabilities. One function for every caller, so that no inlining changes its arithmetic.
-__attribute__((noinline)) inline void softmax_row(float* sc, int64_t n, float* st, int64_t dd) {
-  F8 tops = set8(st[dd]);
-  for (int64_t j0 = 0; j0 < n; j0 += 8) tops = max8(tops, first8_or(load8(sc + j0), n - j0, st[dd]));
-  const float top = max_of(tops);
-  const float correction = exp1(st[dd] - top);
-  F8 total = set8(0.f);
-  for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    const F8 p = first8(exp8(sub8(load8(sc + j0), set8(top))), n - j0);
-    store8(sc + j0, p);
-    total = add8(total, p);
+// Query rows that go through a tile's three stages together: their queries, scores and states
+// stay in L1 beside the tile's K and V rows.
+constexpr int64_t kRowBlock = 12;
+
+// Up to kRowBlock rows' softmax over their scores of a tile (row i: n[i] scores, `stride` apart;
+// its state S apart), each folded into its state: the running max and denominator move on, the
+// accumulator is scaled by the correction, and the scores become the probabilities. Phase by
+// phase across the rows (maxima, probabilities, states), so that the rows' independent chains
+// overlap where one row's would wait on their latency; each row's arithmetic is its own. One
+// function for every caller, so that no inlining changes that arithmetic.
+__attribute__((noinline)) inline void softmax_rows(float* sc, int64_t stride, const int64_t* n, int64_t rows, float* st,
+                                                   int64_t S, int64_t dd) {
+  float top[kRowBlock], total[kRowBlock];
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = sc + i * stride;
+    const float old = st[i * S + dd];
+    F8 tops = set8(old);
+    for (int64_t j0 = 0; j0 < n[i]; j0 += 8) tops = max8(tops, first8_or(load8(row + j0), n[i] - j0, old));
+    top[i] = max_of(tops);
   }
-  st[dd + 1] = std::fma(st[dd + 1], correction, sum8(total));
-  st[dd] = top;
-  const F8 cv = set8(correction);
-  for (int64_t c = 0; c < dd; c += 8) store8(st + c, mul8(load8(st + c), cv));
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = sc + i * stride;
+    const F8 t = set8(top[i]);
+    F8 sum = set8(0.f);
+    for (int64_t j0 = 0; j0 < n[i]; j0 += 8) {
+      const F8 p = first8(exp8(sub8(load8(row + j0), t)), n[i] - j0);
+      store8(row + j0, p);
+      sum = add8(sum, p);
+    }
+    total[i] = sum8(sum);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    float* s = st + i * S;
+    const float correction = exp1(s[dd] - top[i]);
+    s[dd + 1] = std::fma(s[dd + 1], correction, total[i]);
+    s[dd] = top[i];
+    const F8 cv = set8(correction);
+    for (int64_t c = 0; c < dd; c += 8) store8(s + c, mul8(load8(s + c), cv));
+  }
 }
 
 // RC rows' accumulators (dims c .. c + 8 WC) += their probabilities x V, keys j0 .. j1 in order:
@@ -350,10 +416,6 @@ void value_rows(const float* p, int64_t stride, const R* const* values, const in
 // Keys of a tile: an online-softmax step, aligned to absolute positions (0, 64, 128, ...) and to
 // the partitions' bounds, whatever the blocks.
 constexpr int64_t kTile = 64;
-// Query rows that go through a tile's three stages together: their queries, scores and states
-// stay in L1 beside the tile's K and V rows.
-constexpr int64_t kRowBlock = 12;
-
 // The K and V rows of the next tile, prefetched (to L2) while this one is walked: a few with each
 // group of scores: requests for a whole tile at once, a burst, measured slower.
 struct Ahead {
@@ -375,7 +437,7 @@ struct Ahead {
 // prefill chunk), at least one. `keys` and `values`: the tile's K and V rows. `scores`: room for
 // kRowBlock x kTile. Rows go through the tile kRowBlock at a time, a few rows and keys in each
 // group of FMAs, so that each K and V row loaded serves several rows and many FMAs are in flight
-// at once; each row's arithmetic is its own all the same (score_group, softmax_row, value_group),
+// at once; each row's arithmetic is its own all the same (score_group, softmax_rows, value_group),
 // whatever the grouping: a decode's rows and a prefill chunk's give the same bits.
 template <int64_t D, typename R>
 __attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t rows, int64_t group, int64_t n_first,
@@ -389,8 +451,13 @@ __attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t row
     const float* qc = q + i0 * dd;
     float* sc = states + i0 * S;
     int64_t i = 0;
-    // Prefill's fp32 keys: a row at a time, its query in registers (a decode's few rows share key loads).
+    // Prefill's fp32 keys (a tile's consecutive rows): 3 rows at a time, then a row at a time with
+    // its query in registers (a decode's few rows share key loads below).
     if constexpr (D > 0 && D <= 64 && std::is_same_v<R, float>) {
+      for (; rows > group && i + 3 <= rr; i += 3) {
+        score_rows3<D>(qc + i * dd, keys[0], keys_of(i + 2), scores + i * stride, stride);  // Scratch::k
+        ahead.request(12);
+      }
       for (; rows > group && i < rr; ++i) {
         score_row<D>(qc + i * dd, keys, keys_of(i), n_keys, scores + i * stride);
         ahead.request(8);
@@ -423,7 +490,9 @@ __attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t row
         score_group<D, 1, 8>(qc + i * dd, dd, keys, j0, n_keys, scores + i * stride, stride);
         ahead.request(8);
       }
-    for (i = 0; i < rr; ++i) softmax_row(scores + i * stride, keys_of(i), sc + i * S, dd);
+    int64_t counts[kRowBlock];
+    for (i = 0; i < rr; ++i) counts[i] = keys_of(i);
+    softmax_rows(scores, stride, counts, rr, sc, S, dd);
     for (i = 0; i < rr;) {  // 6 rows x 16 dims of accumulators at a time: 12 registers
       const int64_t rc = std::min<int64_t>(6, rr - i);
       int64_t n[6];
