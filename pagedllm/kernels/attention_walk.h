@@ -356,14 +356,22 @@ __attribute__((noinline)) inline void softmax_rows(float* sc, int64_t stride, co
     const float* row = sc + i * stride;
     const float old = st[i * S + dd];
     F8 tops = set8(old);
-    for (int64_t j0 = 0; j0 < n[i]; j0 += 8) tops = max8(tops, first8_or(load8(row + j0), n[i] - j0, old));
+    int64_t j0 = 0;
+    for (; j0 + 8 <= n[i]; j0 += 8) tops = max8(tops, load8(row + j0));  // whole vectors: no lanes to mask
+    if (j0 < n[i]) tops = max8(tops, first8_or(load8(row + j0), n[i] - j0, old));
     top[i] = max_of(tops);
   }
   for (int64_t i = 0; i < rows; ++i) {
     float* row = sc + i * stride;
     const F8 t = set8(top[i]);
     F8 sum = set8(0.f);
-    for (int64_t j0 = 0; j0 < n[i]; j0 += 8) {
+    int64_t j0 = 0;
+    for (; j0 + 8 <= n[i]; j0 += 8) {
+      const F8 p = exp8(sub8(load8(row + j0), t));
+      store8(row + j0, p);
+      sum = add8(sum, p);
+    }
+    if (j0 < n[i]) {
       const F8 p = first8(exp8(sub8(load8(row + j0), t)), n[i] - j0);
       store8(row + j0, p);
       sum = add8(sum, p);

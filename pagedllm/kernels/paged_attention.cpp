@@ -519,7 +519,7 @@ void run_bf16(const WalkFn<at::BFloat16, K> walk_fn, torch::Tensor& out, const t
 constexpr int64_t kPartTokens = 256;
 // Most query tokens of a sequence that walk its context together: each K/V tile is read once for
 // all their rows (a long prompt's chunk re-reads its context once per run).
-constexpr int64_t kRunTokens = 32;
+constexpr int64_t kRunTokens = 64;
 
 // Everything but the AVX-512 BF16 walk's share: attention_walk.h's walk. Sequences whose tokens
 // are few beside the threads (a batch of one or two long decodes) are split by partitions, each
