@@ -52,11 +52,7 @@ namespace {
 
 constexpr int64_t kGroup = 16;  // output rows a record holds
 constexpr int64_t kBlock = 32;  // values an activation scale covers
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kPassRows = 8;    // activation rows a pass over a group's records serves (int8 path)
-#else
-constexpr int kPassRows = 4;
-#endif
 
 enum Format : int { kQ4_0 = 0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kNumFormats };
 
@@ -665,9 +661,6 @@ inline void dots8(const __m256i w[8], const int8_t* x, __m256i& low, __m256i& hi
   } else if constexpr (Bits == 5) {
     low = widen16(_mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3])));
     high = widen16(_mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7])));
-  } else if constexpr (Bits == 6) {
-    low = _mm256_add_epi32(widen16(_mm256_add_epi16(m[0], m[1])), widen16(_mm256_add_epi16(m[2], m[3])));
-    high = _mm256_add_epi32(widen16(_mm256_add_epi16(m[4], m[5])), widen16(_mm256_add_epi16(m[6], m[7])));
   } else {
     low = _mm256_add_epi32(_mm256_add_epi32(widen16(m[0]), widen16(m[1])), _mm256_add_epi32(widen16(m[2]), widen16(m[3])));
     high = _mm256_add_epi32(_mm256_add_epi32(widen16(m[4]), widen16(m[5])), _mm256_add_epi32(widen16(m[6]), widen16(m[7])));
@@ -677,9 +670,45 @@ inline void dots8(const __m256i w[8], const int8_t* x, __m256i& low, __m256i& hi
 inline __m256 halves8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// A K block's codes times one activation row's, each lane's sum times its sub-scale (Q6_K: its two
+// half-block scales, lo and hi): the int16 pair sums of the products are widened by madd with the
+// scale in both halves of the lane, (a + b) x scale exactly as int32. The int16 sums stay as
+// dots8's: all 8 steps for 4-bit codes, 4 for 5-bit, 2 for 6-bit.
+template <int Bits>
+inline __m256i scaled_dots8(const __m256i w[8], const int8_t* x, __m256i lo, __m256i hi) {
+  __m256i m[8];
+  for (int t = 0; t < 8; ++t) m[t] = products<Bits>(w[t], x, t);
+  const auto add = [](__m256i a, __m256i b) { return _mm256_add_epi16(a, b); };
+  if constexpr (Bits == 6)
+    return _mm256_add_epi32(
+        _mm256_add_epi32(_mm256_madd_epi16(add(m[0], m[1]), lo), _mm256_madd_epi16(add(m[2], m[3]), lo)),
+        _mm256_add_epi32(_mm256_madd_epi16(add(m[4], m[5]), hi), _mm256_madd_epi16(add(m[6], m[7]), hi)));
+  const __m256i a = add(add(m[0], m[1]), add(m[2], m[3])), b = add(add(m[4], m[5]), add(m[6], m[7]));
+  if constexpr (Bits == 4) return _mm256_madd_epi16(add(a, b), lo);
+  return _mm256_add_epi32(_mm256_madd_epi16(a, lo), _mm256_madd_epi16(b, lo));  // 5 bits: a + b may overflow
+}
+
 // 8 bytes (a half's lanes of a [.][16] table) as int32, unsigned or signed.
 inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i i8x8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+// Two int32 lanes' low halves as one lane's int16 pair (lo, hi): madd's factors.
+inline __m256i pair16(__m256i lo, __m256i hi) {
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
+}
+inline __m256i twice16(__m256i v) { return pair16(v, v); }
+
+// A K record's int16 pairs for block j's activation sums per 16 (half `lanes`): Q6_K's two
+// half-block scales, the others' sub-minimum twice (it covers both halves); as sum_weights.
+template <int F>
+inline __m256i sum_weights8(const uint8_t* p, int j, int64_t lanes) {
+  using Tr = Traits<F>;
+  if constexpr (F == kQ6_K) {
+    const uint8_t* sc = p + Tr::scales_at + 2 * j * kGroup + lanes;
+    return pair16(i8x8(sc), i8x8(sc + kGroup));
+  }
+  const __m256i m = u8x8(p + Tr::sub_min_at + j * kGroup + lanes);
+  return twice16(m);
+}
 
 // group_vnni's sums for one half (rows 8 half .. 8 half + 7) of a record, added into total.
 template <int F, int R>
@@ -709,33 +738,29 @@ inline void half_avx2(const uint8_t* p, int64_t rec, int half, const int8_t* con
     }
     return;
   }
-  __m256i scaled[R], minimums[R];  // integers over the record, as group_vnni's
+  // Integers over the record, as group_vnni's: the sub-scaled dots, and the activations' sums per
+  // 16 times sum_weights8 (the sub-minimums' term; Q6_K's 32 offset of its codes).
+  __m256i scaled[R], minimums[R];
   for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm256_setzero_si256();
   for (int j = 0; j < Tr::blocks; ++j) {
     const int64_t block = rec * Tr::blocks + j;
     unpack8<Tr::bits>(p + j * Tr::code_bytes + at, p + Tr::high_at + j * Tr::high_bytes + at, w);
-    if constexpr (F == kQ6_K) {
-      const uint8_t* sc = p + Tr::scales_at + 2 * j * kGroup + lanes;
-      const __m256i sc0 = i8x8(sc), sc1 = i8x8(sc + kGroup);
-      for (int r = 0; r < R; ++r) {
-        __m256i low, high;
-        dots8<6>(w, xq[r] + block * kBlock, low, high);
-        low = _mm256_mullo_epi32(_mm256_sub_epi32(low, _mm256_set1_epi32(32 * sx[r][2 * block])), sc0);
-        high = _mm256_mullo_epi32(_mm256_sub_epi32(high, _mm256_set1_epi32(32 * sx[r][2 * block + 1])), sc1);
-        scaled[r] = _mm256_add_epi32(scaled[r], _mm256_add_epi32(low, high));
-      }
-    } else {
-      const __m256i sub_scale = u8x8(p + Tr::scales_at + j * kGroup + lanes);
-      const __m256i sub_min = u8x8(p + Tr::sub_min_at + j * kGroup + lanes);
-      for (int r = 0; r < R; ++r) {
-        __m256i low, high;
-        dots8<Tr::bits>(w, xq[r] + block * kBlock, low, high);
-        scaled[r] = _mm256_add_epi32(scaled[r], _mm256_mullo_epi32(_mm256_add_epi32(low, high), sub_scale));
-        const int32_t sum = sx[r][2 * block] + sx[r][2 * block + 1];
-        minimums[r] = _mm256_add_epi32(minimums[r], _mm256_mullo_epi32(sub_min, _mm256_set1_epi32(sum)));
-      }
+    const uint8_t* sc = p + Tr::scales_at + (F == kQ6_K ? 2 : 1) * j * kGroup + lanes;
+    const __m256i lo = F == kQ6_K ? twice16(i8x8(sc)) : twice16(u8x8(sc));
+    const __m256i hi = F == kQ6_K ? twice16(i8x8(sc + kGroup)) : lo;
+    for (int r = 0; r < R; ++r)
+      scaled[r] = _mm256_add_epi32(scaled[r], scaled_dots8<Tr::bits>(w, xq[r] + block * kBlock, lo, hi));
+  }
+  for (int j = 0; j < Tr::blocks; ++j) {
+    const __m256i weights = sum_weights8<F>(p, j, lanes);
+    for (int r = 0; r < R; ++r) {
+      int32_t sums;  // the block's two activation sums per 16, an int16 pair
+      std::memcpy(&sums, sx[r] + 2 * (rec * Tr::blocks + j), 4);
+      minimums[r] = _mm256_add_epi32(minimums[r], _mm256_madd_epi16(weights, _mm256_set1_epi32(sums)));
     }
   }
+  if constexpr (F == kQ6_K)
+    for (int r = 0; r < R; ++r) scaled[r] = _mm256_sub_epi32(scaled[r], _mm256_slli_epi32(minimums[r], 5));
   const __m256 d = halves8(p + Tr::d_at + 2 * lanes);
   for (int r = 0; r < R; ++r) {
     const __m256 dx_rec = _mm256_set1_ps(dx[r][rec]);
@@ -803,11 +828,21 @@ void group_rows(const uint8_t* group, int64_t records, const Activations& a, int
     default: return group_vnni<F, 4>(group, records, a, row0, sums, stream);
   }
 #elif defined(PAGEDLLM_QUANT_AVX2)
+  // Passes of up to 8 rows share each record's unpacking, but Q4_K's and Q5_K's 8 rows spill
+  // their accumulators: two passes of 4 where the records stay in cache (not streamed).
+  if ((F == kQ4_K || F == kQ5_K) && !stream && rows > 4) {
+    group_rows<F>(group, records, a, row0, 4, sums, stream);
+    return group_rows<F>(group, records, a, row0 + 4, rows - 4, sums + 4 * kGroup, false);
+  }
   switch (rows) {
     case 1: return group_avx2<F, 1>(group, records, a, row0, sums, stream);
     case 2: return group_avx2<F, 2>(group, records, a, row0, sums, stream);
     case 3: return group_avx2<F, 3>(group, records, a, row0, sums, stream);
-    default: return group_avx2<F, 4>(group, records, a, row0, sums, stream);
+    case 4: return group_avx2<F, 4>(group, records, a, row0, sums, stream);
+    case 5: return group_avx2<F, 5>(group, records, a, row0, sums, stream);
+    case 6: return group_avx2<F, 6>(group, records, a, row0, sums, stream);
+    case 7: return group_avx2<F, 7>(group, records, a, row0, sums, stream);
+    default: return group_avx2<F, 8>(group, records, a, row0, sums, stream);
   }
 #else
   group_portable<F>(group, records, a, row0, rows, sums, stream);
