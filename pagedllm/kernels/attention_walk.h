@@ -31,27 +31,32 @@
 
 namespace attention_walk {
 
-// exp(x) for x <= 0: 2^(x log2 e) split into an integer power, set in the exponent bits, and a
-// fraction, by a degree-6 polynomial (relative error below 3e-7; x below -87 gives exp(-87)).
-// std::fma, so that the scalar and the vector form give the same bits. x above 0 (only lanes past
-// a block's keys, whose results are dropped) is taken as 0: no overflow into the exponent bits.
-inline float exp1(float x) {
-  x = std::clamp(x, -87.f, 0.f);
-  const float t = x * 1.44269504f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 1.5353362e-4f;
-  p = std::fma(p, f, 1.3398874e-3f);
-  p = std::fma(p, f, 9.6181291e-3f);
-  p = std::fma(p, f, 5.5504109e-2f);
-  p = std::fma(p, f, 2.4022652e-1f);
-  p = std::fma(p, f, 6.9314718e-1f);
-  p = std::fma(p, f, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+constexpr float kLog2e = 1.44269504f;
+// 2^t for t <= 0: t = n + f, n = round(t) by adding kRound (1.5 x 2^23 + 127: the sum's low mantissa
+// bits are then n + 127, the exponent bits of 2^n), f in [-0.5, 0.5] by a degree-5 polynomial
+// (relative error below 3e-7); t below -125 (or NaN) gives 2^-125, no subnormals. std::fma and
+// _mm256_max_ps's order, so that the scalar and the vector form give the same bits. t far above 0
+// (only lanes past a tile's keys, whose results are dropped) gives meaningless bits.
+constexpr float kRound = 12583039.f;
+inline float exp2_1(float t) {
+  t = t > -125.f ? t : -125.f;
+  const float y = t + kRound;
+  const float f = t - (y - kRound);
+  float p = 1.32764643e-3f;
+  p = std::fma(p, f, 9.67554096e-3f);
+  p = std::fma(p, f, 5.55071346e-2f);
+  p = std::fma(p, f, 2.40221202e-1f);
+  p = std::fma(p, f, 6.93146944e-1f);
+  p = std::fma(p, f, 1.00000012f);
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  bits <<= 23;
   float power;
   std::memcpy(&power, &bits, sizeof power);
   return p * power;
 }
+// exp(x) for x <= 0 (the states' corrections).
+inline float exp1(float x) { return exp2_1(x * kLog2e); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 struct F8 {
@@ -63,7 +68,6 @@ inline F8 set8(float x) { return {_mm256_set1_ps(x)}; }
 inline F8 fma8(F8 a, F8 b, F8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline F8 mul8(F8 a, F8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline F8 add8(F8 a, F8 b) { return {_mm256_add_ps(a.v, b.v)}; }
-inline F8 sub8(F8 a, F8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
 // The first `n` lanes of a, the rest 0.
 inline F8 first8(F8 a, int64_t n) {
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -93,20 +97,17 @@ inline void sums4(float* out, const F8* a) {
   const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0].v, a[1].v), _mm256_hadd_ps(a[2].v, a[3].v));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
 }
-inline F8 exp8(F8 a) {
-  const __m256 x = _mm256_max_ps(a.v, _mm256_set1_ps(-87.f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
-  const __m256 fi = _mm256_floor_ps(t);
-  const __m256 f = _mm256_sub_ps(t, fi);
-  __m256 p = _mm256_set1_ps(1.5353362e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
-  return {_mm256_mul_ps(p, _mm256_castsi256_ps(bits))};
+inline F8 exp2_8(F8 a) {
+  const __m256 t = _mm256_max_ps(a.v, _mm256_set1_ps(-125.f));
+  const __m256 y = _mm256_add_ps(t, _mm256_set1_ps(kRound));
+  const __m256 f = _mm256_sub_ps(t, _mm256_sub_ps(y, _mm256_set1_ps(kRound)));
+  __m256 p = _mm256_set1_ps(1.32764643e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.67554096e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55071346e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40221202e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93146944e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.00000012f));
+  return {_mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(y), 23)))};
 }
 #else
 struct F8 {
@@ -130,9 +131,8 @@ inline F8 set8(float x) {
 inline F8 fma8(F8 a, F8 b, F8 c) { PAGEDLLM_LANES(std::fma(a.v[i], b.v[i], c.v[i])); }
 inline F8 mul8(F8 a, F8 b) { PAGEDLLM_LANES(a.v[i] * b.v[i]); }
 inline F8 add8(F8 a, F8 b) { PAGEDLLM_LANES(a.v[i] + b.v[i]); }
-inline F8 sub8(F8 a, F8 b) { PAGEDLLM_LANES(a.v[i] - b.v[i]); }
 inline F8 first8(F8 a, int64_t n) { PAGEDLLM_LANES(i < n ? a.v[i] : 0.f); }
-inline F8 exp8(F8 a) { PAGEDLLM_LANES(exp1(a.v[i])); }
+inline F8 exp2_8(F8 a) { PAGEDLLM_LANES(exp2_1(a.v[i])); }
 inline F8 sums8(const F8* a) {
   PAGEDLLM_LANES(((a[i].v[0] + a[i].v[1]) + (a[i].v[2] + a[i].v[3])) + ((a[i].v[4] + a[i].v[5]) + (a[i].v[6] + a[i].v[7])));
 }
@@ -363,16 +363,16 @@ __attribute__((noinline)) inline void softmax_rows(float* sc, int64_t stride, co
   }
   for (int64_t i = 0; i < rows; ++i) {
     float* row = sc + i * stride;
-    const F8 t = set8(top[i]);
+    const F8 log2e = set8(kLog2e), shift = set8(-top[i] * kLog2e);  // exp(x - top) as 2^(x log2 e - top log2 e)
     F8 sum = set8(0.f);
     int64_t j0 = 0;
     for (; j0 + 8 <= n[i]; j0 += 8) {
-      const F8 p = exp8(sub8(load8(row + j0), t));
+      const F8 p = exp2_8(fma8(load8(row + j0), log2e, shift));
       store8(row + j0, p);
       sum = add8(sum, p);
     }
     if (j0 < n[i]) {
-      const F8 p = first8(exp8(sub8(load8(row + j0), t)), n[i] - j0);
+      const F8 p = first8(exp2_8(fma8(load8(row + j0), log2e, shift)), n[i] - j0);
       store8(row + j0, p);
       sum = add8(sum, p);
     }

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import heap
 from pagedllm.config import ModelConfig, head_dim, kv_cache_groups
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.input_batch import InputBatch, RequestState
@@ -86,8 +87,8 @@ class DraftRunner:
         shape = (num_blocks, input_batch.block_size, hf.num_key_value_heads, head_dim(hf))
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=getattr(torch, config.cache_dtype), device=device),
-                torch.zeros(shape, dtype=getattr(torch, config.cache_dtype), device=device),
+                heap.kv_zeros(shape, getattr(torch, config.cache_dtype), device),
+                heap.kv_zeros(shape, getattr(torch, config.cache_dtype), device),
             )
             for _ in range(hf.num_hidden_layers)
         ]

@@ -61,8 +61,8 @@ class ModelRunner:
         shape = (num_blocks, block_size, kv_heads, head_dim(hf)) if slots else ()
         self.kv_slots = [
             (
-                torch.zeros(shape, dtype=getattr(torch, model_config.cache_dtype), device=self.device),
-                torch.zeros(shape, dtype=getattr(torch, model_config.cache_dtype), device=self.device),
+                heap.kv_zeros(shape, getattr(torch, model_config.cache_dtype), self.device),
+                heap.kv_zeros(shape, getattr(torch, model_config.cache_dtype), self.device),
             )
             for _ in range(max(slots, default=-1) + 1)
         ]
