@@ -55,7 +55,7 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     """A KV cache tensor of zeros. On CPU its memory is advised as huge pages before it is first
     touched (Linux's transparent huge pages, which many systems give only to memory so advised), so
     that reading a long context's K/V, block after block, takes far fewer TLB misses: 2 MiB a page
-    against 4 KiB (BENCHMARKS.md: batch-1 decode after 8k tokens). Where the advice is refused
+    against 4 KiB (docs/benchmarks-history.md, issue 45's sixth session). Where the advice is refused
     (other systems, huge pages off), ordinary pages."""
     tensor = torch.empty(shape, dtype=dtype, device=device)
     nbytes = tensor.numel() * tensor.element_size()
