@@ -10,6 +10,7 @@ from conftest import greedy_without_kernels, prompt_logprobs, prompts_of_mixed_l
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import (
+    AttentionMetadata,
     KVScales,
     from_cache,
     paged_attention_reference,
@@ -98,6 +99,48 @@ def test_reference_reads_the_values_written(kind):
     assert from_cache(k_cache, torch.float32, 0.5)[1, 1, 0].tolist() == [1.0, -3.0, limit * 0.5, -limit * 0.5]
     assert from_cache(v_cache, torch.float32, 2.0)[1, 1, 0].tolist() == [0.5, 2.0, 0.0, 7.0]
     assert not from_cache(k_cache, torch.float32, 1.0)[0].any()  # no other slot written
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", FP8)
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_walk_reads_every_fp8_byte_as_its_value(kind, flush_denormal):
+    """The walk widens fp8 bytes by their bits, the subnormals to fp32 subnormals: every finite
+    byte of V comes back as its value x scale (a one-token context), and a K row of the smallest
+    subnormals still scores, with torch.set_flush_denormal on as well (the walk clears
+    denormals-are-zero for itself)."""
+    kv_heads, d = 4, 64
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[~codes.view(kind).float().isfinite()] = 0  # NaNs (and e5m2's infinities): never written
+    codes = codes.view(kind)
+    scales = KVScales(1.0, 0.75)
+    v_cache = torch.zeros(1, 16, kv_heads, d, dtype=kind)
+    v_cache[0, 0] = codes.view(kv_heads, d)
+    k_cache = torch.zeros(1, 16, kv_heads, d, dtype=kind)
+    k_cache[0, 1] = torch.tensor(1, dtype=torch.uint8).view(kind)  # the smallest subnormal
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    q = torch.full((1, kv_heads, d), 1e4)
+    outs = []
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for length in (1, 2):
+            meta = AttentionMetadata(
+                torch.zeros(0, dtype=torch.long),
+                tables,
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([length], dtype=torch.int32),
+                [length],
+                [1],
+            )
+            outs.append((_kernel(q, k_cache, v_cache, meta, None, scales), meta))
+    finally:
+        torch.set_flush_denormal(False)
+    values = from_cache(v_cache, torch.float32, scales.v)[0, 0]
+    torch.testing.assert_close(outs[0][0][0], values, rtol=1e-6, atol=0)
+    want = paged_attention_reference(q, k_cache, v_cache, outs[1][1], d**-0.5, None, scales)
+    torch.testing.assert_close(outs[1][0], want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(want, values, rtol=1e-2)  # the subnormal K row carries weight
 
 
 @needs_kernels

@@ -176,9 +176,9 @@ inline F8 load_row8(const at::BFloat16* p) {
 #endif
 }
 
-// An fp8 cache's row as the walk reads it in place: its bytes, widened as fp16s (fp8_as_half_bits),
-// which is exact; the format's factor and the layer's scales are the query's and the result's
-// (Call::scale, Call::out_scale), so that no value of K or V is rounded.
+// An fp8 cache's row as the walk reads it in place: its bytes, widened by their bits (fp8_as_float:
+// the value x 2^-E), which is exact; 2^E, the layer's scales and the query's are the scores' and
+// the probabilities' (Call), so that no value of K or V is rounded.
 template <KvKind K>
 struct Fp8 {
   uint8_t byte;
@@ -188,38 +188,54 @@ constexpr bool is_fp8_row = false;
 template <KvKind K>
 constexpr bool is_fp8_row<Fp8<K>> = true;
 
-#if defined(__F16C__) && defined(__AVX2__)
-// 8 bytes of fp8 as the fp16s fp8_as_half_bits gives: e5m2 is the high byte; e4m3's byte, set in
-// the high byte and shifted right 1 (arithmetic), leaves its sign in bits 15 and 14: 14 cleared.
+// How an fp8 cache's 2^E is shared out (Call): the scores take 2^56 of K's and the query the rest;
+// the probabilities take 2^112 of V's and the result the rest. Every product q k is then the one of
+// the values themselves x 2^-56, every p v exactly the one of p and the value: for any fp8 byte, as
+// far from fp32's subnormals and its overflow as the values' own products are.
+constexpr int kFp8ScoreShare = 56;
+constexpr int kFp8ProbShare = 112;
+
+// Clears the calling thread's denormals-are-zero flag while it lives (torch.set_flush_denormal sets
+// it): fp8 subnormals widen to fp32 subnormals, which must read as themselves.
+struct SubnormalsRead {
+  unsigned saved = _mm_getcsr();
+  SubnormalsRead() { _mm_setcsr(saved & ~0x40u); }
+  ~SubnormalsRead() { _mm_setcsr(saved); }
+  SubnormalsRead(const SubnormalsRead&) = delete;
+  SubnormalsRead& operator=(const SubnormalsRead&) = delete;
+};
+
+#if defined(__AVX2__)
+// 8 bytes of fp8 as fp8_as_float widens them.
 template <KvKind K>
-inline __m128i fp8_as_halves(const uint8_t* p) {
-  const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  if constexpr (K == KvKind::kE4M3) return _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(0xBFFF));
-  return high;
+inline __m256 fp8_as_floats(const uint8_t* p) {
+  const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(fp8_float_mask<K>()));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(wide, fp8_float_shift<K>()), mask));
 }
 #endif
 
 template <KvKind K>
 inline F8 load_row8(const Fp8<K>* p) {
-#if defined(__F16C__) && defined(__AVX2__)
-  return {_mm256_cvtph_ps(fp8_as_halves<K>(&p->byte))};
+#if defined(__AVX2__) && defined(__FMA__)
+  return {fp8_as_floats<K>(&p->byte)};
 #else
   alignas(32) float x[8];
-  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(c10::Half(fp8_as_half_bits<K>(p[i].byte), c10::Half::from_bits()));
+  for (int i = 0; i < 8; ++i) x[i] = fp8_as_float<K>(p[i].byte);
   return load8(x);
 #endif
 }
 
 // n cached values as fp32, exactly: bf16 rows (kSame bf16 or kBF16) by a shift, fp8 bytes as
-// load_row8 widens them (without their factor and scale).
+// load_row8 widens them (x 2^-E, without their scale).
 template <KvKind K, typename C>
 inline void widen_row(float* dst, const C* src, int64_t n) {
   int64_t i = 0;
   if constexpr (is_fp8(K)) {
-#if defined(__F16C__) && defined(__AVX2__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(fp8_as_halves<K>(src + i)));
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8_as_floats<K>(src + i));
 #endif
-    for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(fp8_as_half_bits<K>(src[i]), c10::Half::from_bits()));
+    for (; i < n; ++i) dst[i] = fp8_as_float<K>(src[i]);
   } else if constexpr (std::is_same_v<C, at::BFloat16>) {
 #if defined(__AVX2__)
     for (; i + 8 <= n; i += 8) {
@@ -348,17 +364,25 @@ constexpr int64_t kRowBlock = 12;
 // accumulator is scaled by the correction, and the scores become the probabilities. Phase by
 // phase across the rows (maxima, probabilities, states), so that the rows' independent chains
 // overlap where one row's would wait on their latency; each row's arithmetic is its own. One
-// function for every caller, so that no inlining changes that arithmetic.
-__attribute__((noinline)) inline void softmax_rows(float* sc, int64_t stride, const int64_t* n, int64_t rows, float* st,
-                                                   int64_t S, int64_t dd) {
+// function for every caller, so that no inlining changes that arithmetic. kFactors (fp8 caches):
+// each score is the one given x f.score, and the probabilities are stored x f.prob (the states'
+// denominators sum them without it).
+struct Factors {
+  float score = 1.f, prob = 1.f;
+};
+template <bool kFactors>
+__attribute__((noinline)) void softmax_rows(float* sc, int64_t stride, const int64_t* n, int64_t rows, float* st,
+                                            int64_t S, int64_t dd, Factors f) {
+  const F8 sf = set8(f.score), pf = set8(f.prob);
+  auto score8 = [&](const float* p) { return kFactors ? mul8(load8(p), sf) : load8(p); };
   float top[kRowBlock], total[kRowBlock];
   for (int64_t i = 0; i < rows; ++i) {
     const float* row = sc + i * stride;
     const float old = st[i * S + dd];
     F8 tops = set8(old);
     int64_t j0 = 0;
-    for (; j0 + 8 <= n[i]; j0 += 8) tops = max8(tops, load8(row + j0));  // whole vectors: no lanes to mask
-    if (j0 < n[i]) tops = max8(tops, first8_or(load8(row + j0), n[i] - j0, old));
+    for (; j0 + 8 <= n[i]; j0 += 8) tops = max8(tops, score8(row + j0));  // whole vectors: no lanes to mask
+    if (j0 < n[i]) tops = max8(tops, first8_or(score8(row + j0), n[i] - j0, old));
     top[i] = max_of(tops);
   }
   for (int64_t i = 0; i < rows; ++i) {
@@ -367,13 +391,13 @@ __attribute__((noinline)) inline void softmax_rows(float* sc, int64_t stride, co
     F8 sum = set8(0.f);
     int64_t j0 = 0;
     for (; j0 + 8 <= n[i]; j0 += 8) {
-      const F8 p = exp2_8(fma8(load8(row + j0), log2e, shift));
-      store8(row + j0, p);
+      const F8 p = exp2_8(fma8(score8(row + j0), log2e, shift));
+      store8(row + j0, kFactors ? mul8(p, pf) : p);
       sum = add8(sum, p);
     }
     if (j0 < n[i]) {
-      const F8 p = first8(exp2_8(fma8(load8(row + j0), log2e, shift)), n[i] - j0);
-      store8(row + j0, p);
+      const F8 p = first8(exp2_8(fma8(score8(row + j0), log2e, shift)), n[i] - j0);
+      store8(row + j0, kFactors ? mul8(p, pf) : p);
       sum = add8(sum, p);
     }
     total[i] = sum8(sum);
@@ -450,7 +474,7 @@ struct Ahead {
 template <int64_t D, typename R>
 __attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t rows, int64_t group, int64_t n_first,
                                          int64_t n_keys, const R* const* keys, const R* const* values, float* states,
-                                         float* scores, Ahead& ahead) {
+                                         float* scores, Ahead& ahead, Factors f) {
   if constexpr (D > 0) dd = D;
   const int64_t S = state_stride(dd), stride = (n_keys + 7) / 8 * 8;
   for (int64_t i0 = 0; i0 < rows; i0 += kRowBlock) {
@@ -500,7 +524,11 @@ __attribute__((noinline)) void tile_step(const float* q, int64_t dd, int64_t row
       }
     int64_t counts[kRowBlock];
     for (i = 0; i < rr; ++i) counts[i] = keys_of(i);
-    softmax_rows(scores, stride, counts, rr, sc, S, dd);
+    if (f.score == 1.f && f.prob == 1.f) {
+      softmax_rows<false>(scores, stride, counts, rr, sc, S, dd, f);
+    } else {
+      softmax_rows<true>(scores, stride, counts, rr, sc, S, dd, f);
+    }
     for (i = 0; i < rr;) {  // 6 rows x 16 dims of accumulators at a time: 12 registers
       const int64_t rc = std::min<int64_t>(6, rr - i);
       int64_t n[6];
@@ -540,8 +568,12 @@ __attribute__((noinline)) void finish(T* out, const float* state, int64_t d, int
 struct Call {
   int64_t d, dd;  // head size; rounded up to 8 (the rows walks read)
   int64_t group, num_heads, num_kv_heads, block_size, token_stride, table_stride, part, window;
-  float scale;      // the query's: 1 / sqrt(d), and for fp8 caches K's factor and scale
-  float out_scale;  // the result's: 1, and for fp8 caches V's factor and scale
+  // fp8 caches' K and V rows are their values x 2^-E (fp8_as_float); their 2^E and the layer's
+  // scales are shared out so that every product stays a normal fp32: K's between the query and the
+  // scores, V's between the probabilities and the result (fp8_factors).
+  float scale;      // the query's: 1 / sqrt(d), and for fp8 caches its share of K's factor and scale
+  Factors factors;  // the scores' and probabilities' (1 but for fp8 caches)
+  float out_scale;  // the result's: 1, and for fp8 caches its share of V's factor and scale
   const int32_t* tables;
   float* partials;            // split units' states: [slot][query head] (state_stride(dd) floats each)
   const int64_t* first_slot;  // a query row's first slot, or -1 (its unit finishes it)
@@ -657,7 +689,7 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
         });
         const int64_t row0 = at(h, r0, 0);
         tile_step<D, R>(s.q.data() + row0 * dd, dd, (u.tokens - r0) * G, G, u.pos0 + r0 - lo + 1, n_keys, key_rows,
-                        value_rows, s.part_states.data() + row0 * S, s.scores.data(), ahead);
+                        value_rows, s.part_states.data() + row0 * S, s.scores.data(), ahead, c.factors);
         ahead.request(kTile);  // what the scores did not
       }
     }

@@ -6,7 +6,6 @@
 #include <torch/extension.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
-#include <c10/util/Half.h>
 
 #include <immintrin.h>
 
@@ -56,21 +55,33 @@ inline uint8_t to_fp8(float value, float inv_scale) {
   }
 }
 
-// Both formats are a prefix of an fp16's bits: e5m2 is an fp16's high byte; e4m3's exponent and
-// mantissa, set 3 bits into an fp16's, give its value / 2^8 (normals and subnormals alike: the
-// biases differ by 8). So the byte widens as an fp16, and 2^8 joins the scale.
+// Both formats widen to an fp32 by their bits alone: the byte sign-extended to 32 bits and shifted
+// left sets its exponent and mantissa into the fp32's low exponent bits and high mantissa bits and
+// its sign into the sign bit; a mask clears the rest. The fp32 is the fp8's value x 2^-E (E: 120 for
+// e4m3, 112 for e5m2), normals and subnormals alike (these become fp32 subnormals), exactly.
 template <KvKind K>
-inline uint16_t fp8_as_half_bits(uint8_t b) {
-  if constexpr (K == KvKind::kE4M3) return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
-  return static_cast<uint16_t>(b << 8);
+constexpr int fp8_float_exponent() {
+  return K == KvKind::kE4M3 ? 120 : 112;
 }
-
 template <KvKind K>
-constexpr float fp8_half_factor() {
-  return K == KvKind::kE4M3 ? 256.f : 1.f;
+constexpr int fp8_float_shift() {
+  return K == KvKind::kE4M3 ? 20 : 21;
+}
+template <KvKind K>
+constexpr uint32_t fp8_float_mask() {
+  return K == KvKind::kE4M3 ? 0x87F00000u : 0x8FE00000u;
+}
+template <KvKind K>
+inline float fp8_as_float(uint8_t b) {
+  const auto wide = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(b)));
+  const uint32_t bits = (wide << fp8_float_shift<K>()) & fp8_float_mask<K>();
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
 }
 
 template <KvKind K>
 inline float from_fp8(uint8_t b, float scale) {
-  return static_cast<float>(c10::Half(fp8_as_half_bits<K>(b), c10::Half::from_bits())) * (fp8_half_factor<K>() * scale);
+  if constexpr (K == KvKind::kE4M3) return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits())) * scale;
+  return static_cast<float>(c10::Float8_e5m2(b, c10::Float8_e5m2::from_bits())) * scale;
 }

@@ -541,8 +541,14 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   c.table_stride = sh.table_stride;
   c.part = (kPartTokens + sh.block_size - 1) / sh.block_size * sh.block_size;
   c.window = window;
-  c.scale = static_cast<float>(scale) * (is_fp8(K) ? kv.k * fp8_half_factor<K>() : 1.f);
-  c.out_scale = is_fp8(K) ? kv.v * fp8_half_factor<K>() : 1.f;
+  c.scale = static_cast<float>(scale);
+  c.out_scale = 1.f;
+  if constexpr (is_fp8(K)) {  // the shares of K's and V's 2^E (Call)
+    constexpr int E = fp8_float_exponent<K>();
+    c.scale *= kv.k * std::ldexp(1.f, E - aw::kFp8ScoreShare);
+    c.factors = {std::ldexp(1.f, aw::kFp8ScoreShare), std::ldexp(1.f, aw::kFp8ProbShare)};
+    c.out_scale = kv.v * std::ldexp(1.f, E - aw::kFp8ProbShare);
+  }
   c.tables = block_tables.data_ptr<int32_t>();
   c.first_slot = first_slot.data();
 
@@ -613,6 +619,7 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   WorkSplit work(costs, static_cast<int>(std::min<int64_t>(sh.threads, units.size())));
 #pragma omp parallel num_threads(work.threads())
   {
+    const aw::SubnormalsRead subnormals;
     aw::Scratch scratch(c, max_rows, widen);
     for (int64_t u = work.take(omp_get_thread_num()); u >= 0; u = work.take(omp_get_thread_num())) {
       const auto walk = aw::read_in_place<C>(c, units[u].tokens) ? walk_native : walk_wide;
