@@ -569,8 +569,7 @@ struct Call {
   int64_t d, dd;  // head size; rounded up to 8 (the rows walks read)
   int64_t group, num_heads, num_kv_heads, block_size, token_stride, table_stride, part, window;
   // fp8 caches' K and V rows are their values x 2^-E (fp8_as_float); their 2^E and the layer's
-  // scales are shared out so that every product stays a normal fp32: K's between the query and the
-  // scores, V's between the probabilities and the result (fp8_factors).
+  // scales are shared out as kFp8ScoreShare and kFp8ProbShare say.
   float scale;      // the query's: 1 / sqrt(d), and for fp8 caches its share of K's factor and scale
   Factors factors;  // the scores' and probabilities' (1 but for fp8 caches)
   float out_scale;  // the result's: 1, and for fp8 caches its share of V's factor and scale
