@@ -289,6 +289,13 @@ inline void score_group(const float* q, int64_t dd, const R* const* keys, int64_
       for (int64_t r = 0; r < RC; ++r) dots[r][jj] = fma8(qs[r], key, dots[r][jj]);
     }
   }
+  if constexpr (RC == 4 && KJ == 2) {  // the 8 sums in one tree: lanes 2 r, 2 r + 1 are row r's
+    const F8 eight[8] = {dots[0][0], dots[0][1], dots[1][0], dots[1][1], dots[2][0], dots[2][1], dots[3][0], dots[3][1]};
+    alignas(32) float sums[8];
+    store8(sums, sums8(eight));
+    for (int64_t r = 0; r < 4; ++r) std::memcpy(scores + r * stride + j0, sums + 2 * r, 2 * sizeof(float));
+    return;
+  }
   for (int64_t r = 0; r < RC; ++r) {
     if constexpr (KJ == 8) {
       store8(scores + r * stride + j0, sums8(dots[r]));
@@ -448,19 +455,24 @@ void value_rows(const float* p, int64_t stride, const R* const* values, const in
 // Keys of a tile: an online-softmax step, aligned to absolute positions (0, 64, 128, ...) and to
 // the partitions' bounds, whatever the blocks.
 constexpr int64_t kTile = 64;
-// The K and V rows of the next tile, prefetched (to L2) while this one is walked: a few with each
-// group of scores: requests for a whole tile at once, a burst, measured slower.
+// The K and V rows of the next tile, prefetched (to L2) while this one is walked: whole rows of
+// the unit's KV heads (`bytes`, consecutive in a token's row), so that each block is read from
+// memory as one sweep rather than a head's slice at a time, a head's share (`share` bytes a row)
+// with each group of scores: requests for a whole tile at once, a burst, measured slower.
 struct Ahead {
   const char* k[kTile];
   const char* v[kTile];
-  int64_t n = 0, bytes = 0;
-  int64_t done = 0;  // rows requested so far
+  int64_t n = 0, bytes = 0, share = 0;
+  int64_t row = 0, offset = 0;  // the next line to request
+  void aim_at(int64_t rows) { n = rows, row = offset = 0; }
+  // `count` rows' worth of a head's share.
   void request(int64_t count) {
-    for (const int64_t stop = std::min(n, done + count); done < stop; ++done)
-      for (int64_t b = 0; b < bytes; b += 64) {
-        _mm_prefetch(k[done] + b, _MM_HINT_T1);
-        _mm_prefetch(v[done] + b, _MM_HINT_T1);
-      }
+    for (int64_t left = count * share; left > 0 && row < n; left -= 64) {
+      _mm_prefetch(k[row] + offset, _MM_HINT_T1);
+      _mm_prefetch(v[row] + offset, _MM_HINT_T1);
+      offset += 64;
+      if (offset >= bytes) offset = 0, ++row;
+    }
   }
 };
 
@@ -647,28 +659,30 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
   const R* key_rows[kTile];
   const R* value_rows[kTile];
   Ahead ahead;
-  ahead.bytes = c.d * static_cast<int64_t>(sizeof(C));
+  ahead.share = c.d * static_cast<int64_t>(sizeof(C));
+  ahead.bytes = u.kv_count * ahead.share;
+  auto aim = [&](int64_t from, int64_t to) {  // `ahead` at the rows of positions [from, to]
+    int64_t rows = 0;
+    for_rows(c, table, from, to, [&](int64_t j, int64_t row) {
+      ahead.k[j] = reinterpret_cast<const char*>(k_cache + row * c.token_stride + u.h0 * c.d);
+      ahead.v[j] = reinterpret_cast<const char*>(v_cache + row * c.token_stride + u.h0 * c.d);
+      rows = j + 1;
+    });
+    ahead.aim_at(rows);
+  };
   for (int64_t p = u.part0; p < u.part1; ++p) {
     const int64_t plo = std::max(first, p * c.part), phi = std::min(last, (p + 1) * c.part - 1);
     for (int64_t i = 0; i < u.kv_count * rows; ++i) reset_state(s.part_states.data() + i * S, dd);
     for (int64_t lo = plo, hi; lo <= phi; lo = hi + 1) {
       hi = std::min(phi, (lo / kTile + 1) * kTile - 1);
       const int64_t n_keys = hi - lo + 1, r0 = std::max<int64_t>(0, lo - u.pos0);  // r0: the first token seeing it
+      if (lo == plo && p == u.part0) {  // the unit's first tile: no earlier one asked for it
+        aim(lo, hi);
+        ahead.request(kTile * u.kv_count);
+      }
+      aim(hi + 1, std::min(end, hi + kTile));  // its heads' steps request it, a share each
       for (int64_t h = 0; h < u.kv_count; ++h) {
         const int64_t head = u.h0 + h;
-        auto aim = [&](int64_t from, int64_t to) {  // `ahead` at the rows of positions [from, to]
-          ahead.n = ahead.done = 0;
-          for_rows(c, table, from, to, [&](int64_t j, int64_t row) {
-            ahead.k[j] = reinterpret_cast<const char*>(k_cache + row * c.token_stride + head * c.d);
-            ahead.v[j] = reinterpret_cast<const char*>(v_cache + row * c.token_stride + head * c.d);
-            ahead.n = j + 1;
-          });
-        };
-        if (lo == plo && p == u.part0) {  // the unit's first tile: no earlier one asked for it
-          aim(lo, hi);
-          ahead.request(kTile);
-        }
-        aim(hi + 1, std::min(end, hi + kTile));
         for_rows(c, table, lo, hi, [&](int64_t j, int64_t row) {
           const C* k_row = k_cache + row * c.token_stride + head * c.d;
           const C* v_row = v_cache + row * c.token_stride + head * c.d;
