@@ -74,7 +74,7 @@ class Run:
         counter = iter(range(1 << 30))
         return self._steps(lambda outputs: next(counter) >= steps - 1)
 
-    def measure(self, threshold: int, steady_steps: int, rng: random.Random) -> dict[str, float]:
+    def measure(self, threshold: float, steady_steps: int, rng: random.Random) -> dict[str, float]:
         self.engine.core.scheduler.config.long_prefill_token_threshold = threshold
         ids = [
             self.engine.add_request(None, [rng.randrange(self.vocab) for _ in range(32)], self._params(1 << 20))
@@ -138,10 +138,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
-    thresholds = [int(t) for t in args.thresholds.split(",")]
+    thresholds = [float(t) for t in args.thresholds.split(",")]
     run = Run(args.model or default_gguf(), args.decoders, args.prompt_len, args.prompt_len + 64, args.kv_cache_dtype)
     rng = random.Random(0)
-    results: dict[int, list[dict[str, float]]] = {t: [] for t in thresholds}
+    results: dict[float, list[dict[str, float]]] = {t: [] for t in thresholds}
     for round_index in range(args.rounds):
         for threshold in thresholds if round_index % 2 == 0 else thresholds[::-1]:
             result = run.measure(threshold, args.steady, rng)

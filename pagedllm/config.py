@@ -173,7 +173,7 @@ class SchedulerConfig:
     # While other requests decode, a step's tokens of the long prompts that arrived while they were
     # generating cost at most this many token-equivalents for each decoding request, plus their attention
     # (Scheduler._prefill_room), so that they keep their pace; 0: the token budget alone.
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: float = 0.0
     # Keys of attention that cost what one token through the layers' weights costs
     # (attention_keys_per_token); 0: a prompt token's attention is not counted.
     attention_keys_per_token: float = 0.0
@@ -196,7 +196,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     # What a long prompt's tokens a step may cost while other requests decode (SchedulerConfig);
     # None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: no hold.
-    long_prefill_token_threshold: int | None = None
+    long_prefill_token_threshold: float | None = None
     seed: int = 0
     device: str = "cpu"
     served_model_name: str | None = None
@@ -219,8 +219,9 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        if (self.long_prefill_token_threshold or 0) < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
+            raise ValueError(f"long_prefill_token_threshold must be a finite number >= 0, got {threshold}")
         if self.distributed_executor_backend not in (None, "mp", "uni", "ray"):
             raise ValueError(
                 f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp, ray or uni"

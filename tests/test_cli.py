@@ -35,7 +35,8 @@ def test_generate_reports_bad_model_clearly(tmp_path):
         (["--chat-template", "/nonexistent/template.jinja"], "cannot read the chat template"),
         (["--speculative-config", '{"method": "nope", "num_speculative_tokens": 2}'], "unknown method 'nope'"),
         (["--speculative-config", "{not json"], "not JSON"),
-        (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold must be >= 0"),
+        (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold must be a finite number >= 0"),
+        (["--long-prefill-token-threshold", "nan"], "long_prefill_token_threshold must be a finite number >= 0"),
     ],
 )
 def test_serve_refuses_bad_chat_flags_before_loading(flags, message):

@@ -58,7 +58,7 @@ def fuzz_server(llama_dir):
         "--speculative-config",
         '{"method": "ngram", "num_speculative_tokens": 3}',
         "--long-prefill-token-threshold",  # prompts beside decodes go a token or two a step
-        "1",
+        "0.5",
     )
     yield server
     server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,7 @@ workload_st = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 6),
         "eos_every": st.integers(3, 50),
         "window": st.sampled_from([None, None, 2, 9]),  # a sliding window: blocks behind it are freed
-        "threshold": st.sampled_from([0, 0, 1, 3, 16]),  # long_prefill_token_threshold
+        "threshold": st.sampled_from([0, 0, 0.5, 1, 3, 16]),  # long_prefill_token_threshold
         "keys": st.sampled_from([0.0, 5.0, 40.0]),  # attention_keys_per_token
     }
 )
@@ -149,11 +150,13 @@ def test_each_request_finishes_with_its_max_tokens(max_tokens_list, block_size):
     assert kv.num_free_blocks == kv.pool.num_blocks
 
 
-def test_long_prompt_held_beside_a_decode_and_not_alone():
-    """A long prompt beside a decoding request takes the most tokens its room allows, growing
-    fewer as its position (and so its attention) grows; alone, it takes the whole budget."""
+@pytest.mark.parametrize("threshold", [8, 2.5])
+def test_long_prompt_held_beside_a_decode_and_not_alone(threshold):
+    """A long prompt beside a decoding request takes the most tokens its room allows (a fraction of
+    a token-equivalent counts), growing fewer as its position (and so its attention) grows; alone,
+    it takes the whole budget."""
     kv = KVCacheManager(64, 16)
-    config = SchedulerConfig(4, 512, 1024, long_prefill_token_threshold=8, attention_keys_per_token=64.0)
+    config = SchedulerConfig(4, 512, 1024, long_prefill_token_threshold=threshold, attention_keys_per_token=64.0)
     scheduler = Scheduler(config, kv)
     decoder = Request("decoder", [1] * 20, SamplingParams(max_tokens=500), 500)
     scheduler.add_request(decoder)
@@ -164,9 +167,9 @@ def test_long_prompt_held_beside_a_decode_and_not_alone():
     scheduler.add_request(long)
     chunks = []
     while not long.status.finished:
+        room = threshold + decoder.num_computed_tokens / 64  # the decoder's context as the step begins
         output = scheduler.schedule()
         long_chunk = next(s for s in output.scheduled if s.request_id == "long")
-        room = 8 + decoder.num_computed_tokens / 64
         start, count = long_chunk.num_computed_tokens, long_chunk.num_new_tokens
         assert prompt_cost(start, count, 64.0) <= room or count == 1
         if start + count < 400:  # the most that fits: one more token would not

@@ -55,10 +55,10 @@ logger = logging.getLogger("pagedllm")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # Chosen with benchmarks/long_prefill.py (BENCHMARKS.md): decodes' p99 time between tokens while a
 # long prompt prefills beside them, against the prompt's time to first token.
-DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 1
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 0.5
 
 
-def _long_prefill_token_threshold(args: EngineArgs) -> int:
+def _long_prefill_token_threshold(args: EngineArgs) -> float:
     threshold = args.long_prefill_token_threshold
     return DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD if threshold is None else threshold
 

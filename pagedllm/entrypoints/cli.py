@@ -32,13 +32,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
         "--long-prefill-token-threshold",
-        type=int,
+        type=float,
         default=None,
         help="a long prompt (over 4%% of --max-model-len) that arrives while others generate is held, "
         "while they decode, to this many tokens a step for each decoding request, each prompt token "
         "counted with its attention over the context before it, plus the decodes' own attention, so "
         "that they keep their pace "
-        "(default: 1; 0: only --max-num-batched-tokens)",
+        "(default: 0.5; 0: only --max-num-batched-tokens)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
