@@ -171,7 +171,7 @@ class SchedulerConfig:
     # proposals' K/V there (num_speculative_tokens with draft-model speculation, else 0).
     num_lookahead_tokens: int = 0
     # While other requests decode, a step's tokens of the long prompts that arrived while they were
-    # generating cost at most this many token-equivalents for each decoding request, plus their attention
+    # generating cost at most this share of the decoding requests' own tokens and attention
     # (Scheduler._prefill_room), so that they keep their pace; 0: the token budget alone.
     long_prefill_token_threshold: float = 0.0
     # Keys of attention that cost what one token through the layers' weights costs

@@ -79,14 +79,14 @@ def _check_prefill_held(scheduler: Scheduler, output, room: float, held: set[str
 
 
 def _room(scheduler: Scheduler) -> float:
-    """The prefill room by its definition: the threshold for each decoding request, plus their keys."""
+    """The prefill room by its definition: the threshold's share of the decoding requests' tokens and keys."""
     config = scheduler.config
     decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
     if not config.long_prefill_token_threshold or not decoding:
         return float("inf")
     keys = config.attention_keys_per_token
-    return config.long_prefill_token_threshold * len(decoding) + sum(
-        r.num_computed_tokens / keys if keys else 0 for r in decoding
+    return config.long_prefill_token_threshold * sum(
+        1 + (r.num_computed_tokens / keys if keys else 0) for r in decoding
     )
 
 
@@ -153,8 +153,8 @@ def test_each_request_finishes_with_its_max_tokens(max_tokens_list, block_size):
 @pytest.mark.parametrize("threshold", [8, 2.5])
 def test_long_prompt_held_beside_a_decode_and_not_alone(threshold):
     """A long prompt beside a decoding request takes the most tokens its room allows (a fraction of
-    a token-equivalent counts), growing fewer as its position (and so its attention) grows; alone,
-    it takes the whole budget."""
+    a token-equivalent counts), each step's room the threshold's share of the decoder's token and
+    its attention as the step begins; alone, it takes the whole budget."""
     kv = KVCacheManager(64, 16)
     config = SchedulerConfig(4, 512, 1024, long_prefill_token_threshold=threshold, attention_keys_per_token=64.0)
     scheduler = Scheduler(config, kv)
@@ -167,7 +167,7 @@ def test_long_prompt_held_beside_a_decode_and_not_alone(threshold):
     scheduler.add_request(long)
     chunks = []
     while not long.status.finished:
-        room = threshold + decoder.num_computed_tokens / 64  # the decoder's context as the step begins
+        room = threshold * (1 + decoder.num_computed_tokens / 64)  # the decoder's context as the step begins
         output = scheduler.schedule()
         long_chunk = next(s for s in output.scheduled if s.request_id == "long")
         start, count = long_chunk.num_computed_tokens, long_chunk.num_new_tokens
@@ -176,7 +176,7 @@ def test_long_prompt_held_beside_a_decode_and_not_alone(threshold):
             assert prompt_cost(start, count + 1, 64.0) > room
         chunks.append(count)
         scheduler.update(output, ModelRunnerOutput({s.request_id: [5] for s in output.scheduled if s.sample}))
-    assert chunks[0] > chunks[-2] >= 1  # later tokens attend to more keys: fewer fit
+    assert len(chunks) > 10 and min(chunks) >= 1  # held over many steps
     alone = Scheduler(config, KVCacheManager(64, 16))
     alone.add_request(Request("long", [1] * 400, SamplingParams(max_tokens=1), 1))
     assert [s.num_new_tokens for s in alone.schedule().scheduled] == [400]

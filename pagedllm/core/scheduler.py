@@ -9,8 +9,8 @@ recomputed later.
 
 A long prompt (longer than LONG_PROMPT_SHARE of max_model_len, vLLM's notion of long) that arrives
 while others are generating does not stall them: while some decode, its tokens a step are held to
-a share of what the decodes' own step costs (`long_prefill_token_threshold` token-equivalents for
-each decoding request, plus their attention), a prompt token costing one token plus its attention over
+a share of what the decodes' own step costs (`long_prefill_token_threshold` times their tokens and
+their attention over their contexts), a prompt token costing one token plus its attention over
 the context before it, which grows with its position (`attention_keys_per_token`). The step's
 first held prefill always gets a token. Short prompts, and long ones that arrived with no stream
 to keep (a batch submitted at once), go under the token budget alone.
@@ -175,14 +175,14 @@ class Scheduler:
 
     def _prefill_room(self) -> float:
         """What this step's held prompts' tokens may cost, in token-equivalents (_chunk_cost):
-        unbounded when no request decodes; else the threshold (a fraction of a token-equivalent
-        counts) for each decoding request, plus their own attention: what makes their step longer
-        leaves room for more beside it."""
+        unbounded when no request decodes; else the threshold's share (fractions too) of what the
+        decoding requests' own step costs, a token each plus their attention over their contexts:
+        the step may grow by that share."""
         threshold, keys = self.config.long_prefill_token_threshold, self.config.attention_keys_per_token
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         if not threshold or not decoding:
             return float("inf")
-        return threshold * len(decoding) + (sum(r.num_computed_tokens for r in decoding) / keys if keys else 0.0)
+        return threshold * (len(decoding) + (sum(r.num_computed_tokens for r in decoding) / keys if keys else 0.0))
 
     def _chunk_cost(self, start: int, count: int) -> float:
         """Token-equivalents of prompt tokens start..start+count: a token each plus their attention

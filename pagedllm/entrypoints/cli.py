@@ -35,8 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="a long prompt (over 4%% of --max-model-len) that arrives while others generate is held, "
-        "while they decode, to this many tokens a step for each decoding request, each prompt token "
-        "counted with its attention over the context before it, plus the decodes' own attention, so "
+        "while they decode, to this share of what their own step costs (their tokens and their "
+        "attention), each prompt token counted with its attention over the context before it, so "
         "that they keep their pace "
         "(default: 0.5; 0: only --max-num-batched-tokens)",
     )
