@@ -125,6 +125,9 @@ def test_the_page_in_chromium_shows_what_metrics_says(llama_dir, tmp_path):
         "float32",
         "--max-num-seqs",
         "6",
+        # Its 35-token prompts are long beside 256 (LONG_PROMPT_SHARE): unheld, all six run at once.
+        "--long-prefill-token-threshold",
+        "0",
         api_key=KEY,
         env={"PAGEDLLM_FAULT": "slow:200"},
         log_path=str(tmp_path / "server.log"),
@@ -140,12 +143,10 @@ def test_the_page_in_chromium_shows_what_metrics_says(llama_dir, tmp_path):
                 f"{server.url}/v1/completions",
                 headers=headers,
                 timeout=120,
-                json={"prompt": prompt + str(i), "max_tokens": 48 if i < 6 else 8, "ignore_eos": True},
+                json={"prompt": prompt + str(i), "max_tokens": 96 if i < 6 else 8, "ignore_eos": True},
             )
 
         load = [threading.Thread(target=complete, args=(i,)) for i in range(8)]
-        for thread in load:
-            thread.start()
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(
                 executable_path=CHROMIUM,
@@ -158,10 +159,16 @@ def test_the_page_in_chromium_shows_what_metrics_says(llama_dir, tmp_path):
             page.wait_for_selector("#keyform form", state="visible")  # no key yet: the page asks for it
             page.fill("#key", KEY)
             page.click("#keyform button")
+            # The load starts only now: a slow browser start must not let it end unseen.
+            for thread in load:
+                thread.start()
             # 8 requests, 6 run at most: two wait (rows of their own) until the first end.
+            # Wait for both: just after they arrive, all eight wait.
             page.wait_for_selector("#queue tr.req.waiting", timeout=30_000)
-            busy = next(filter(None, (_agrees_with_metrics(page, server) for _ in range(20))))
-            assert busy["running"] > 0 and busy["h"] + busy["s"] > 0
+            page.wait_for_selector("#queue tr.req.running", timeout=30_000)
+            # While the load runs the counts change often: read until a quiet moment with requests running.
+            busy = next(s for s in (_agrees_with_metrics(page, server) for _ in range(40)) if s and s["running"])
+            assert busy["h"] + busy["s"] > 0, busy
             # A shared block (the prompts' common prefix) names the requests holding it.
             page.hover('.grid[data-replica="0"] .cell.s', timeout=10_000)
             tip = page.inner_text("#tip")
