@@ -77,7 +77,7 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return text_config(self.hf_config).vocab_size
 
     @property
     def matryoshka_dimensions(self) -> list[int] | None:
@@ -244,15 +244,25 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
 
+def text_config(hf_config):
+    """The language model's part of a config: a vision-language model's `text_config`, or the
+    config itself (transformers' get_text_config). Every reading of the decoder's shape goes
+    through it."""
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if get is not None else hf_config
+
+
 def head_dim(hf_config) -> int:
     """The attention head size of a Hugging Face config: its own `head_dim` where it sets one (Qwen3,
     Mistral), else hidden_size / heads. The one place this is worked out."""
+    hf_config = text_config(hf_config)
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def sliding_windows(hf_config) -> tuple[int | None, ...]:
     """Each layer's attention window (None: full attention), from a config's sliding_window and,
     where it has them, its layer_types."""
+    hf_config = text_config(hf_config)
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types:
@@ -264,6 +274,7 @@ def attention_keys_per_token(hf_config) -> float:
     """How many keys of context a token attends to for the multiply-adds of one token through the
     layers' weights (q, k, v, o and a gated MLP, active experts only). Only full-attention layers
     count: a window's cost stops growing with the context. 0 where no layer attends to all of it."""
+    hf_config = text_config(hf_config)
     d, heads = head_dim(hf_config), hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     hidden = hf_config.hidden_size

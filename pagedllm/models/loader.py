@@ -25,6 +25,7 @@ from pagedllm.config import (
     ModelConfig,
     PoolerConfig,
     head_dim,
+    text_config,
 )
 from pagedllm.distributed.parallel_state import TensorParallel, check_head_split, head_share
 from pagedllm.layers.linear import Linear, process_linear_weights
@@ -151,11 +152,12 @@ def load_model_config(
             raise ValueError(f"cannot read {path}/config.json: {exc}") from exc
     cls = model_class(hf_config)  # fail early on an unknown architecture
     st_pooler, st_max_len = (None, None) if is_gguf else sentence_transformers_config(path)
-    limit = min(getattr(hf_config, "max_position_embeddings", None) or 2048, st_max_len or 2**62)
+    limit = min(getattr(text_config(hf_config), "max_position_embeddings", None) or 2048, st_max_len or 2**62)
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {limit} tokens")
     generation = _generation_config(path, is_gguf)
     eos = _as_set(generation.pop("eos_token_id", None)) | _as_set(getattr(hf_config, "eos_token_id", None))
+    eos |= _as_set(getattr(text_config(hf_config), "eos_token_id", None))
     pooler = PoolerConfig(**{**vars(st_pooler or cls.default_pooler), **_pooler_overrides(pooler_config)})
     resolved = resolve_dtype(dtype, hf_config, device)
     return ModelConfig(
@@ -255,7 +257,7 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     if size == 1:
         return
     cls = model_class(config.hf_config)
-    hf = config.hf_config
+    hf = text_config(config.hf_config)
     if not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{cls.__name__} does not split over tensor-parallel ranks yet")
     check_head_split(hf.num_attention_heads, hf.num_key_value_heads, size)
@@ -267,7 +269,7 @@ def _check_quantized_shares(config: ModelConfig, size: int, block: int) -> None:
     """Online quantization: each rank's input columns of a row-parallel layer (o_proj: its heads';
     down_proj: its MLP features') must be whole groups, so that it quantizes what one rank would.
     (A GGUF file's blocks are checked as its tensors load.)"""
-    hf = config.hf_config
+    hf = text_config(config.hf_config)
     for rank in range(size):
         tp = TensorParallel(rank, size)
         heads = head_share(hf.num_attention_heads, hf.num_key_value_heads, tp)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm import heap
-from pagedllm.config import ModelConfig, head_dim, kv_cache_groups
+from pagedllm.config import ModelConfig, head_dim, kv_cache_groups, text_config
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.rejection_sampler import draw
@@ -36,7 +36,7 @@ class DraftState:
 
 
 def draft_kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
-    hf = config.hf_config
+    hf = text_config(config.hf_config)
     return (
         2
         * hf.num_hidden_layers
@@ -83,7 +83,7 @@ class DraftRunner:
         device: torch.device,
     ) -> None:
         self.model, self.device, self.input_batch = model, device, input_batch  # the target's requests and tables
-        hf = config.hf_config
+        hf = text_config(config.hf_config)
         shape = (num_blocks, input_batch.block_size, hf.num_key_value_heads, head_dim(hf))
         self.kv_caches = [
             (

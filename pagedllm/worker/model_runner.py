@@ -9,7 +9,7 @@ import time
 import torch
 
 from pagedllm import heap
-from pagedllm.config import ModelConfig, head_dim, kv_cache_groups
+from pagedllm.config import ModelConfig, head_dim, kv_cache_groups, text_config
 from pagedllm.core.messages import TokenLogprobs
 from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.distributed.parallel_state import head_share, max_kv_heads_per_rank
@@ -32,7 +32,7 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, tensor_parall
     bookkeeping)."""
     if not config.is_causal:
         return 0
-    hf = config.hf_config
+    hf = text_config(config.hf_config)
     # A block id is a block of each cache tensor: one a layer, or (several groups) one a layer of a group.
     num_slots = kv_cache_groups(hf).num_slots
     kv_heads = max_kv_heads_per_rank(hf.num_key_value_heads, tensor_parallel_size)
@@ -52,7 +52,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = torch.device(device)
-        hf = model_config.hf_config
+        hf = text_config(model_config.hf_config)
         # One (K, V) pair of tensors a slot; each layer uses its slot's (config.KVCacheGroups: one
         # a layer where all layers are alike; shared by one layer of each group otherwise). An
         # encoder has none.
