@@ -177,6 +177,10 @@ class SchedulerConfig:
     # Keys of attention that cost what one token through the layers' weights costs
     # (attention_keys_per_token); 0: a prompt token's attention is not counted.
     attention_keys_per_token: float = 0.0
+    # Images (core/encoder_cache_manager.py), in embedding rows: what the encoder cache holds, and
+    # what a step may encode (at least the largest image); 0: the model takes no images.
+    encoder_cache_size: int = 0
+    encoder_budget: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

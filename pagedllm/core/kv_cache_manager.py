@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.request import Request
+from pagedllm.multimodal import MultiModalFeature
 
 
 def cdiv(a: int, b: int) -> int:
@@ -122,7 +123,12 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Hashes of the request's first `num_blocks` full blocks, extended on demand."""
         return extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt, num_blocks
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.cache_salt,
+            num_blocks,
+            request.mm_features,
         )
 
     def uncached_prompt_hashes(self, request: Request) -> list[int]:
@@ -317,12 +323,22 @@ class KVCacheManager:
 
 
 def extend_block_hashes(
-    hashes: list[int], token_ids: Sequence[int], block_size: int, salt: str | None, num_blocks: int
+    hashes: list[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None,
+    num_blocks: int,
+    features: Sequence[MultiModalFeature] = (),
 ) -> list[int]:
     """The chained hashes of the first `num_blocks` full blocks of `token_ids`: `hashes` (those
-    known so far) extended in place, the first `num_blocks` returned."""
+    known so far) extended in place, the first `num_blocks` returned. A block that holds some of an
+    image's placeholder tokens (all alike) also hashes the image's content and where in the block
+    it starts: the same image hits, another one never does."""
     while len(hashes) < num_blocks:
         i = len(hashes)
+        start, end = i * block_size, (i + 1) * block_size
         parent = hashes[-1] if hashes else hash(("pagedllm-root", salt))
-        hashes.append(hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))))
+        key: tuple = (parent, tuple(token_ids[start:end]))
+        images = tuple((f.identifier, f.offset - start) for f in features if f.overlaps(start, end))
+        hashes.append(hash((*key, images) if images else key))
     return hashes[:num_blocks]

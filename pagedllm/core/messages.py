@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.multimodal import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class EngineCoreRequest:
     # An embedding request: its prompt is computed (never from the prefix cache) and pooled, and it
     # ends there (max_tokens 0), keeping no KV.
     pooling_params: PoolingParams | None = None
+    mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images (placeholders expanded)
 
 
 @dataclass

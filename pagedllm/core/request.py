@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.multimodal import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -62,6 +63,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_reported_tokens: int = 0  # output tokens already sent out in an EngineCoreOutput
     pooling_params: PoolingParams | None = None  # an embedding request (prompt only, pooled)
+    mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images, by offset
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

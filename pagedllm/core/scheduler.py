@@ -28,6 +28,7 @@ import time
 from collections import deque
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.encoder_cache_manager import EncoderCacheManager
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import SchedulerStats
@@ -51,6 +52,8 @@ class Scheduler:
         self._worker_ids: set[str] = set()
         # Long prompts that arrived while others were generating: their prefill is held (see above).
         self._held_prefills: set[str] = set()
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+        self._step_encodes: dict[str, list[int]] = {}  # request id -> its images encoded this step
         self.num_preemptions = 0
         self.spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted tokens (SchedulerStats.spec_*)
         self.spec_accepted_per_position: list[int] = []
@@ -62,12 +65,21 @@ class Scheduler:
         gone or gave its blocks up meanwhile)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine core")
+        self._check_images(request)
         self.requests[request.request_id] = request
         if self._long(request) and any(r.num_output_tokens for r in self.running):
             self._held_prefills.add(request.request_id)
         parent = self.held.get(fork_of) if fork_of is not None else None
         if parent is None or not self._fork(parent, request):
             self.waiting.append(request)
+
+    def _check_images(self, request: Request) -> None:
+        """An image must fit the encoder cache and a step's encoder budget, or it would wait forever."""
+        room = min(self.config.encoder_cache_size, self.config.encoder_budget)
+        for feature in request.mm_features:
+            if feature.length > room:
+                what = f"an image of {feature.length} embeddings" if room else "images"
+                raise ValueError(f"{request.request_id}: {what} exceed(s) the encoder's room of {room}")
 
     def _fork(self, parent: Request, child: Request) -> bool:
         computed = parent.num_computed_tokens
@@ -76,6 +88,7 @@ class Scheduler:
             or computed >= child.num_tokens
             or child.cache_salt != parent.cache_salt
             or child.all_token_ids[:computed] != parent.all_token_ids[:computed]
+            or [f.identifier for f in child.mm_features] != [f.identifier for f in parent.mm_features]
         ):
             return False
         self.kv.fork(parent, child)
@@ -111,6 +124,7 @@ class Scheduler:
         chosen: list[tuple[Request, int]] = []
         preempted = False
         room, chosen_prefill = self._prefill_room(), False
+        encoder_budget = self.config.encoder_budget
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -118,6 +132,11 @@ class Scheduler:
             if request.num_tokens - request.num_computed_tokens > 1 and request.request_id in self._held_prefills:
                 num_new, room = self._chunk_within(request.num_computed_tokens, num_new, room, first=not chosen_prefill)
                 chosen_prefill = True
+                if num_new == 0:
+                    i += 1
+                    continue
+            if request.mm_features:
+                num_new, encoder_budget = self._schedule_encoder(request, num_new, encoder_budget)
                 if num_new == 0:
                     i += 1
                     continue
@@ -146,15 +165,23 @@ class Scheduler:
                 if num_new == 0:
                     break
                 chosen_prefill = True
+            if request.mm_features:
+                request.num_computed_tokens += num_cached  # (undone below unless it is admitted)
+                num_new, encoder_budget = self._schedule_encoder(request, num_new, encoder_budget)
+                request.num_computed_tokens -= num_cached
+                if num_new == 0:
+                    break
             # A block another request computes now is a hit once its step is done. (Past the first
             # block too: a fork, or a group's blocks behind its window, can leave a request with
             # fewer hits than the other has blocks of the same prefix.)
             if in_flight and in_flight.intersection(self.kv.step_block_hashes(request, len(computed), num_new)):
+                self._drop_encoder_refs(request)
                 deferred.append(self.waiting.popleft())
                 continue
             if not self.config.chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
                 break  # an encoder's prompt goes in one step: it waits for a step with room for all of it
             if not self.kv.allocate_slots(request, num_new + self._lookahead(request, num_cached + num_new), computed):
+                self._drop_encoder_refs(request)
                 if not self.running and self._drop_held_blocks():
                     continue  # nothing runs: held requests must make room, or no one moves
                 break
@@ -167,6 +194,8 @@ class Scheduler:
             chosen.append((request, num_new))
             budget -= num_new
             in_flight.update(self.kv.uncached_prompt_hashes(request))
+        if self.waiting and self.waiting[0].mm_features:
+            self._drop_encoder_refs(self.waiting[0])  # it stopped the loop, perhaps with images booked
         self.waiting.extendleft(reversed(deferred))
         return self._build_output(chosen)
 
@@ -203,6 +232,38 @@ class Scheduler:
         count = max(low, 1) if first else low
         return count, room - self._chunk_cost(start, count)
 
+    def _schedule_encoder(self, request: Request, num_new: int, budget: int) -> tuple[int, int]:
+        """The images the step's tokens reach (from num_computed_tokens): a cached one is
+        referenced; another is encoded this step where the step's encoder budget and the cache
+        have room, else the step stops before it (perhaps at once). The tokens and the budget left."""
+        start = request.num_computed_tokens
+        for index, feature in enumerate(request.mm_features):
+            if not feature.overlaps(start, start + num_new) or self.encoder_cache.lookup(request.request_id, feature):
+                continue
+            if feature.length > budget or not self.encoder_cache.can_allocate(feature):
+                return max(feature.offset - start, 0), budget
+            self.encoder_cache.allocate(request.request_id, feature)
+            self._step_encodes.setdefault(request.request_id, []).append(index)
+            budget -= feature.length
+        return num_new, budget
+
+    def _drop_encoder_refs(self, request: Request) -> None:
+        """The request holds no images any more: those booked for a step it will not run go, the
+        rest stay cached, unreferenced."""
+        for index in self._step_encodes.pop(request.request_id, []):
+            self.encoder_cache.cancel(request.mm_features[index])
+        for feature in request.mm_features:
+            self.encoder_cache.release(request.request_id, feature)
+
+    def _release_encoded(self, request: Request) -> None:
+        """Images whose placeholders are all computed are no longer the request's to hold (unless
+        it shows the same image again further on)."""
+        done = request.num_computed_tokens
+        ahead = {f.identifier for f in request.mm_features if f.end > done}
+        for feature in request.mm_features:
+            if feature.end <= done and feature.identifier not in ahead:
+                self.encoder_cache.release(request.request_id, feature)
+
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots past the step's tokens for a request that samples in it (draft-model speculation)."""
         samples = request.num_computed_tokens + num_new >= request.num_tokens
@@ -235,6 +296,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        self._drop_encoder_refs(request)
         self._worker_ids.discard(request.request_id)
         self._preempted_ids.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
@@ -253,6 +315,7 @@ class Scheduler:
             return SchedulerOutput([])
         scheduled = [self._schedule_request(request, num_new) for request, num_new in chosen]
         output = SchedulerOutput(scheduled, self._finished_ids, self._preempted_ids, self.kv.take_copies())
+        output.evicted_encoder_ids = self.encoder_cache.take_evicted()
         self._finished_ids, self._preempted_ids = set(), set()
         return output
 
@@ -279,11 +342,13 @@ class Scheduler:
                 request.sampling_params,
                 request.eos_token_ids,
                 request.pooling_params,
+                request.mm_features,
             )
             if new
             else None,
             spec_token_ids=drafts,
             other_group_blocks=self.kv.take_other_group_block_ids(request.request_id, whole=new),
+            encoder_inputs=self._step_encodes.pop(request.request_id, []),
         )
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -295,6 +360,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
             touched.append(request)
+            if request.mm_features:
+                self._release_encoded(request)
             if not scheduled.sample:
                 self.kv.cache_full_blocks(request)
                 continue  # a prefill chunk: nothing sampled yet
@@ -345,6 +412,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._held_prefills.discard(request.request_id)
+        self._drop_encoder_refs(request)
         self.kv.free(request)
         self._worker_ids.discard(request.request_id)
         self._finished_ids.add(request.request_id)

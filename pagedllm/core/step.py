@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.core.messages import TokenLogprobs
+from pagedllm.multimodal import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     pooling_params: PoolingParams | None = None  # an embedding request: pooled at its prompt's end, not sampled
+    mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images, with the encoder's inputs
 
 
 @dataclass
@@ -51,6 +53,9 @@ class ScheduledRequest:
     # Models whose layers keep K/V in several groups (config.KVCacheGroups): the block tables of
     # groups 1.. as (num_kept_blocks, new_block_ids) each; the fields above are group 0's.
     other_group_blocks: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Indexes into the request's mm_features of the images to encode before this step (their
+    # outputs go into the worker's encoder cache, by identifier, until evicted).
+    encoder_inputs: list[int] = field(default_factory=list)
 
     @property
     def num_spec_tokens(self) -> int:
@@ -89,6 +94,8 @@ class SchedulerOutput:
     # Draft-model speculation: request id -> how many drafts the worker's draft model proposes for
     # it after this step's sampling (the engine core's choice; absent or 0: none).
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Images' identifiers the encoder cache evicted: the worker drops their outputs first.
+    evicted_encoder_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

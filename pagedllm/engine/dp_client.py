@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from multiprocessing.connection import wait
 
 import psutil
@@ -37,6 +38,7 @@ from pagedllm.core.request import RequestStatus
 from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.core_client import EngineCoreClient, ProcClient
 from pagedllm.executor.cpu_binding import BIND_ENV, parse_cpu_binding
+from pagedllm.multimodal import MultiModalFeature
 
 logger = logging.getLogger("pagedllm")
 AFFINITY_SLACK = 4
@@ -50,11 +52,16 @@ class PrefixRouter:
         # Each replica's routed prompt blocks (hash -> None), least recently routed first.
         self.prefixes: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
 
-    def choose(self, prompt_token_ids: list[int], cache_salt: str | None, loads: list[int]) -> int:
+    def choose(
+        self,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        loads: list[int],
+        mm_features: Sequence[MultiModalFeature] = (),
+    ) -> int:
         """The replica for a new prompt, given each replica's load; records the prompt's blocks there."""
-        hashes = extend_block_hashes(
-            [], prompt_token_ids, self.block_size, cache_salt, (len(prompt_token_ids) - 1) // self.block_size
-        )
+        num_blocks = (len(prompt_token_ids) - 1) // self.block_size
+        hashes = extend_block_hashes([], prompt_token_ids, self.block_size, cache_salt, num_blocks, mm_features)
         least = min(loads)
         eligible = [r for r, load in enumerate(loads) if load <= least + AFFINITY_SLACK]
         # The longest cached prefix first, then the lighter load, then the lower index.
@@ -109,7 +116,7 @@ class DPClient(EngineCoreClient):
         replica = self.owner.get(message.fork_of) if message.fork_of is not None else None
         if replica is None:  # (a fork whose parent has gone computes its prompt whole, anywhere)
             loads = [r.num_unfinished for r in self.replicas]
-            replica = self.router.choose(message.prompt_token_ids, message.cache_salt, loads)
+            replica = self.router.choose(message.prompt_token_ids, message.cache_salt, loads, message.mm_features)
         self.owner[message.request_id] = replica
         if message.hold:
             self._held.add(message.request_id)

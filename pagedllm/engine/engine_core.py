@@ -72,6 +72,7 @@ class EngineCore:
             cache_salt=message.cache_salt,
             hold=message.hold,
             pooling_params=message.pooling_params,
+            mm_features=message.mm_features,
         )
         constraint = message.sampling_params.structured_outputs
         if constraint is None:
