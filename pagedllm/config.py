@@ -201,6 +201,10 @@ class EngineArgs:
     # What a long prompt's tokens a step may cost while other requests decode (SchedulerConfig);
     # None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: no hold.
     long_prefill_token_threshold: float | None = None
+    # Images: the most a prompt may hold ({"image": N}; None: no limit), and the encoder cache's
+    # size in embedding rows (None: room for 8 of the model's largest images).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    mm_encoder_cache_tokens: int | None = None
     seed: int = 0
     device: str = "cpu"
     served_model_name: str | None = None
@@ -226,6 +230,15 @@ class EngineArgs:
         threshold = self.long_prefill_token_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
             raise ValueError(f"long_prefill_token_threshold must be a finite number >= 0, got {threshold}")
+        limits = self.limit_mm_per_prompt
+        if limits is not None and (
+            not isinstance(limits, dict)
+            or set(limits) - {"image"}
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limits.values())
+        ):
+            raise ValueError(f'limit_mm_per_prompt takes {{"image": N}} with N >= 0, got {limits!r}')
+        if self.mm_encoder_cache_tokens is not None and self.mm_encoder_cache_tokens < 1:
+            raise ValueError(f"mm_encoder_cache_tokens must be >= 1, got {self.mm_encoder_cache_tokens}")
         if self.distributed_executor_backend not in (None, "mp", "uni", "ray"):
             raise ValueError(
                 f"distributed_executor_backend {self.distributed_executor_backend!r}: expected mp, ray or uni"

@@ -42,6 +42,7 @@ from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
 from pagedllm.models.loader import check_tensor_parallel, load_model_config
+from pagedllm.multimodal.processing import tokens_per_image
 from pagedllm.spec_decode import speculative_proposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
@@ -56,11 +57,24 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # Chosen with benchmarks/long_prefill.py (BENCHMARKS.md): decodes' p99 time between tokens while a
 # long prompt prefills beside them, against the prompt's time to first token.
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 0.5
+IMAGES_IN_ENCODER_CACHE = 8
 
 
 def _long_prefill_token_threshold(args: EngineArgs) -> float:
     threshold = args.long_prefill_token_threshold
     return DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD if threshold is None else threshold
+
+
+def _encoder_budgets(args: EngineArgs, model_config: ModelConfig, batched: int) -> dict[str, int]:
+    """The encoder cache's rows (--mm-encoder-cache-tokens, else 8 of the largest images) and a
+    step's encoder rows (--max-num-batched-tokens), each at least one image; none for text models."""
+    largest = tokens_per_image(model_config.hf_config)
+    if not largest:
+        return {}
+    cache = args.mm_encoder_cache_tokens or IMAGES_IN_ENCODER_CACHE * largest
+    if cache < largest:
+        raise ValueError(f"mm_encoder_cache_tokens ({cache}) must hold an image: {largest} embeddings")
+    return {"encoder_cache_size": cache, "encoder_budget": max(batched, largest)}
 
 
 def load_config(args: EngineArgs) -> ModelConfig:
@@ -132,6 +146,7 @@ def make_engine_core(
             attention_keys_per_token=attention_keys_per_token(model_config.hf_config)
             if model_config.is_causal
             else 0.0,
+            **_encoder_budgets(args, model_config, batched),
         ),
         kv,
     )

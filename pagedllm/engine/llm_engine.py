@@ -31,6 +31,8 @@ from pagedllm.engine.builder import load_config, make_client
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.multimodal import MultiModalFeature
+from pagedllm.multimodal.processing import ImageProcessor, ImagePrompt, tokens_per_image
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -56,6 +58,7 @@ class ProcessedRequest:
     params: SamplingParams | PoolingParams | BeamSearchParams
     max_tokens: int
     cache_salt: str | None = None
+    mm_features: tuple[MultiModalFeature, ...] = ()
 
 
 class LLMEngine:
@@ -63,6 +66,8 @@ class LLMEngine:
         self.args = args
         self.model_config = load_config(args)
         self.tokenizers = PerThreadTokenizer(load_tokenizer(self.model_config, args.tokenizer))
+        hf = self.model_config.hf_config
+        self.images = ImageProcessor(self.model_config.path, hf) if tokens_per_image(hf) else None
         self.max_model_len = self.model_config.max_model_len
         self.engine_core: EngineCoreClient = make_client(args, self.model_config, self.tokenizers.get)
         self.output_processor = OutputProcessor(self.tokenizers)
@@ -99,23 +104,47 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None
+        self,
+        request_id: str | None,
+        prompt: str | list[int] | ImagePrompt,
+        params: SamplingParams | PoolingParams | None = None,
     ) -> str:
         """Validate and queue one request (n > 1 becomes n sequences); returns its id."""
         return self.add_processed(request_id, self.process_inputs(prompt, params))
 
     def process_inputs(
-        self, prompt: str | list[int], params: SamplingParams | PoolingParams | BeamSearchParams | None = None
+        self,
+        prompt: str | list[int] | ImagePrompt,
+        params: SamplingParams | PoolingParams | BeamSearchParams | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate; raises ValueError. Touches no engine state, so any thread may call it."""
         if isinstance(params, PoolingParams):
+            if isinstance(prompt, ImagePrompt):
+                raise ValueError("embedding requests take no images")
             return self._process_pooling(prompt, params)
         params = params or self.default_sampling_params()
         self.check_params(params)
-        text, token_ids = self._tokenize(prompt)
+        features: tuple[MultiModalFeature, ...] = ()
+        if isinstance(prompt, ImagePrompt):
+            if isinstance(params, BeamSearchParams):
+                raise ValueError("beam search takes no images yet")
+            text, token_ids, features = prompt.prompt, *self._process_images(prompt)
+        else:
+            text, token_ids = self._tokenize(prompt)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return ProcessedRequest(text, token_ids, params, max_tokens)
+        return ProcessedRequest(text, token_ids, params, max_tokens, mm_features=features)
+
+    def _process_images(self, prompt: ImagePrompt) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+        """A prompt with images: the model's processor expands and tokenizes it (checked as text is)."""
+        if self.images is None:
+            raise ValueError(f"this model ({self.model_config.hf_config.model_type}) takes no images")
+        limit = (self.args.limit_mm_per_prompt or {}).get("image")
+        if limit is not None and len(prompt.images) > limit:
+            raise ValueError(f"the prompt has {len(prompt.images)} images; --limit-mm-per-prompt allows {limit}")
+        token_ids, features = self.images(prompt)
+        self._tokenize(token_ids)  # the checks a prompt's ids get
+        return token_ids, features
 
     def _process_pooling(self, prompt: str | list[int], params: PoolingParams) -> ProcessedRequest:
         self.check_params(params)
@@ -222,6 +251,7 @@ class LLMEngine:
             processed.cache_salt,
             hold,
             fork_of,
+            mm_features=processed.mm_features,
         )
 
     def _start_beam_search(self, request_id: str, processed: ProcessedRequest, params: BeamSearchParams) -> None:

@@ -11,6 +11,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.beam_search import Hypothesis, beam_score
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
+from pagedllm.multimodal.processing import ImagePrompt, image_prompt
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -108,7 +109,9 @@ class LLM:
         eos = self.engine.model_config.eos_token_ids
         return [_beam_search_output(o, params, eos) for o in outputs]
 
-    def _run(self, prompts: list[str | list[int]], params: Sequence[EngineParams], use_tqdm: bool) -> list:
+    def _run(
+        self, prompts: list[str | list[int] | ImagePrompt], params: Sequence[EngineParams], use_tqdm: bool
+    ) -> list:
         """Every prompt through the engine's loop (LLMEngine.run) until all are done."""
         engine = self.engine
         ids: list[str] = []
@@ -157,8 +160,10 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _prompt_input(prompt: Prompt) -> str | list[int]:
+def _prompt_input(prompt: Prompt) -> str | list[int] | ImagePrompt:
     if isinstance(prompt, dict):
+        if "multi_modal_data" in prompt:
+            return image_prompt(prompt)
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:

@@ -341,8 +341,11 @@ class DecoderForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
+        """`inputs_embeds`: the step's embeddings where a caller made them (a vision-language
+        model's, with images' rows in them), else `input_ids` are embedded here."""
+        x, residual = self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None
         rope = self.model.rotary.tables(positions)  # once per step, shared by every layer
         if self.stack is not None:
             meta = attn_metadata
@@ -359,6 +362,9 @@ class DecoderForCausalLM(CausalLM):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
         return self.model.norm.add_and_norm(residual, x)[1]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Tensor parallelism: each rank's vocabulary share, gathered (every rank samples alike).

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -60,3 +62,31 @@ class Model(nn.Module, ABC):
 
 class CausalLM(Model):
     """A causal language model: it generates, and embeds by pooling its final hidden states."""
+
+
+@dataclass
+class MultiModalEmbeds:
+    """A step's images' rows: `embeds[i]` replaces the embedding of the step's token `rows[i]`."""
+
+    rows: torch.Tensor  # int64 [n]
+    embeds: torch.Tensor  # [n, hidden]
+
+
+class MultiModalLM(CausalLM):
+    """A language model that also reads images: its encoder turns one image's processed inputs
+    (a processor's arrays) into one embedding a placeholder token, which forward puts in place of
+    those tokens' own."""
+
+    @abstractmethod
+    def encode_image(self, data: dict[str, np.ndarray]) -> torch.Tensor:
+        """One image -> [placeholder tokens, hidden] in the model's dtype."""
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+        mm: MultiModalEmbeds | None = None,
+    ) -> torch.Tensor: ...

@@ -28,6 +28,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": Family("qwen2_moe", "qwen2_moe", "qwen2moe"),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "qwen3_moe", "qwen3moe"),
     "MixtralForCausalLM": Family("mixtral", "mixtral"),  # (llama.cpp writes Mixtral as "llama" with experts)
+    "LlavaForConditionalGeneration": Family("llava", "llava"),
     "BertModel": Family("bert"),
 }
 

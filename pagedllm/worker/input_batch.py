@@ -18,6 +18,7 @@ import torch
 from pagedllm.core.step import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.pooler import PoolingState
+from pagedllm.multimodal import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class RequestState:
     # The sampler's view at a step's draft position j (the state with drafts[:j] appended): its
     # token mask is the request's row + j.
     spec_position: int = 0
+    mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images
 
     @property
     def num_output_tokens(self) -> int:
@@ -99,6 +101,7 @@ class InputBatch:
             data.prompt_token_ids + data.output_token_ids,
             row=self._take_row(),
             pooling_params=data.pooling_params,
+            mm_features=data.mm_features,
         )
         self.requests[request_id] = state
         return state

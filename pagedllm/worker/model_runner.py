@@ -16,6 +16,7 @@ from pagedllm.distributed.parallel_state import head_share, max_kv_heads_per_ran
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.pooler import Pooler
+from pagedllm.models.interface import MultiModalEmbeds
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
@@ -70,6 +71,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.pooler = Pooler(model_config.pooler_config)
         self.input_batch = InputBatch(block_size, self.device)
+        self.encoder_cache: dict[int, torch.Tensor] = {}  # an image's identifier -> its embeddings
         # Draft-model speculation: the draft beside the target, under the same block tables.
         self.draft = DraftRunner(*draft, num_blocks, self.input_batch, self.device) if draft is not None else None
         if self.device.type == "cpu":
@@ -86,7 +88,8 @@ class ModelRunner:
                     self.draft.forget(r.request_id)
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        mm = self._images(output, states, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, **({"mm": mm} if mm is not None else {}))
         result = ModelRunnerOutput()
         self._pool(hidden, output.scheduled, states, meta, result)
         self._sample(hidden, output, states, meta, result)
@@ -106,6 +109,34 @@ class ModelRunner:
         if self.device.type == "cpu" and input_ids.shape[0] >= TRIM_AFTER_TOKENS:
             heap.trim()
         return result
+
+    def _images(
+        self, output: SchedulerOutput, states: list[RequestState], meta: AttentionMetadata
+    ) -> MultiModalEmbeds | None:
+        """Encode the step's new images into the encoder cache (dropping what the scheduler
+        evicted first), and gather the rows of every image the step's tokens reach."""
+        for identifier in output.evicted_encoder_ids:
+            self.encoder_cache.pop(identifier, None)
+        rows: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        starts = None
+        for i, (r, state) in enumerate(zip(output.scheduled, states)):
+            if not state.mm_features:
+                continue
+            for index in r.encoder_inputs:
+                feature = state.mm_features[index]
+                self.encoder_cache[feature.identifier] = self.model.encode_image(feature.data)
+            start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
+            for feature in state.mm_features:
+                if not feature.overlaps(start, end):
+                    continue
+                starts = meta.query_start_loc.tolist() if starts is None else starts
+                lo, hi = max(start, feature.offset), min(end, feature.end)
+                rows.append(torch.arange(starts[i] + lo - start, starts[i] + hi - start))
+                embeds.append(self.encoder_cache[feature.identifier][lo - feature.offset : hi - feature.offset])
+        if not rows:
+            return None
+        return MultiModalEmbeds(torch.cat(rows).to(self.device), torch.cat(embeds))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
