@@ -37,6 +37,10 @@ def test_generate_reports_bad_model_clearly(tmp_path):
         (["--speculative-config", "{not json"], "not JSON"),
         (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold must be a finite number >= 0"),
         (["--long-prefill-token-threshold", "nan"], "long_prefill_token_threshold must be a finite number >= 0"),
+        (["--limit-mm-per-prompt", '{"image": -1}'], 'limit_mm_per_prompt takes {"image": N} with N >= 0'),
+        (["--limit-mm-per-prompt", '{"audio": 1}'], 'limit_mm_per_prompt takes {"image": N} with N >= 0'),
+        (["--limit-mm-per-prompt", "image=2"], "not JSON"),
+        (["--mm-encoder-cache-tokens", "0"], "mm_encoder_cache_tokens must be >= 1"),
     ],
 )
 def test_serve_refuses_bad_chat_flags_before_loading(flags, message):

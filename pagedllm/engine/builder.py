@@ -190,6 +190,8 @@ def draft_model_config(spec: SpeculativeConfig | None, args: EngineArgs, target:
     vocabulary, context and layers (a ValueError at start-up, before any weight loads)."""
     if spec is None or not spec.uses_draft_model:
         return None
+    if tokens_per_image(target.hf_config):
+        raise ValueError("draft-model speculation does not take a vision-language model yet (ngram does)")
     draft = load_model_config(spec.model, args.dtype, None, args.device, spec.quantization, args.kv_cache_dtype)
     check_draft(target, draft)
     return draft

@@ -124,6 +124,7 @@ class LLMEngine:
             return self._process_pooling(prompt, params)
         params = params or self.default_sampling_params()
         self.check_params(params)
+        text: str | None
         features: tuple[MultiModalFeature, ...] = ()
         if isinstance(prompt, ImagePrompt):
             if isinstance(params, BeamSearchParams):

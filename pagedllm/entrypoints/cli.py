@@ -40,6 +40,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "that they keep their pace "
         "(default: 0.5; 0: only --max-num-batched-tokens)",
     )
+    parser.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object,
+        default=None,
+        help="the most images a prompt may hold, as JSON: '{\"image\": 2}' (default: no limit)",
+    )
+    parser.add_argument(
+        "--mm-encoder-cache-tokens",
+        type=int,
+        default=None,
+        help="the encoder cache's size in image embeddings (default: 8 of the model's largest images)",
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--served-model-name", default=None)
@@ -181,6 +193,16 @@ def add_server_limits(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="CORS origins allowed (comma-separated or a JSON list); CORS is off without it",
     )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_args(ns: argparse.Namespace) -> dict:
