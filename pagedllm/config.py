@@ -205,6 +205,7 @@ class EngineArgs:
     # size in embedding rows (None: room for 8 of the model's largest images).
     limit_mm_per_prompt: dict[str, int] | None = None
     mm_encoder_cache_tokens: int | None = None
+    allowed_local_media_path: str | None = None  # file: image URLs are read only under this folder
     seed: int = 0
     device: str = "cpu"
     served_model_name: str | None = None

@@ -52,6 +52,9 @@ class EngineMetrics:
         self.waiting = per_engine(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = per_engine(Gauge, "kv_cache_usage_perc", "KV cache usage: 1 means every block in use.")
         self.kv_blocks_free = per_engine(Gauge, "kv_cache_free_blocks", "KV cache blocks free.")
+        self.encoder_usage = per_engine(
+            Gauge, "encoder_cache_usage_perc", "Encoder cache usage (images' embeddings): 1 means full."
+        )
         self._totals = {  # SchedulerStats' running totals -> the counters that take what is new
             "num_preemptions": per_engine(Counter, "num_preemptions", "Requests preempted (recomputed later)."),
             "prefix_cache_queries": per_engine(
@@ -66,6 +69,12 @@ class EngineMetrics:
             ),
             "spec_num_accepted_tokens": per_engine(
                 Counter, "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+            ),
+            "encoder_cache_queries": per_engine(
+                Counter, "encoder_cache_queries", "Images looked up in the encoder cache."
+            ),
+            "encoder_cache_hits": per_engine(
+                Counter, "encoder_cache_hits", "Images found encoded in the encoder cache."
             ),
         }
         # As vLLM's: a counter a draft position, labelled `position` (0: a draft's first token).
@@ -123,6 +132,8 @@ class EngineMetrics:
             self.waiting.labels(*labels).set(stats.num_waiting)
             self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
             self.kv_blocks_free.labels(*labels).set(stats.kv_blocks_free)
+            size = stats.encoder_cache_size
+            self.encoder_usage.labels(*labels).set(stats.encoder_cache_used / size if size else 0.0)
             # The engine keeps running totals; the counters take what is new since the last scrape.
             for name, counter in self._totals.items():
                 self._advance(counter.labels(*labels), (labels[1], name), getattr(stats, name))

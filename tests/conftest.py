@@ -97,6 +97,13 @@ def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory, tokenizer_dir) -> str:
+    from vlm_utils import make_llava
+
+    return make_llava(tmp_path_factory.mktemp("llava"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tiny_models) -> str:
     return tiny_models["llama"]
 

@@ -54,7 +54,7 @@ BAD = [
         "/v1/chat/completions",
         {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         400,
-        None,
+        "messages",
     ),
     ("token out of vocabulary", "/v1/completions", {**GOOD, "prompt": [1, 10**9]}, 400, "prompt"),
     ("logprobs too large", "/v1/completions", {**GOOD, "logprobs": 50}, 400, "logprobs"),

@@ -5,98 +5,16 @@ and the bad inputs an image prompt can bring."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-
-MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory, tokenizer_dir) -> str:
-    """LLaVA-1.5's shape in small: a 2-layer CLIP tower (28 px, 14 px patches: 4 tokens an image,
-    the class token dropped), features from its last-but-one layer, a Llama of conftest's size."""
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
-    path = tmp_path_factory.mktemp("llava")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.2,
-    )
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        initializer_range=0.2,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-        image_seq_length=4,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
-    )
-    torch.manual_seed(0)
-    LlavaForConditionalGeneration(config).save_pretrained(path)
-    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    LlavaProcessor(
-        images, tokenizer, patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1
-    ).save_pretrained(path)
-    return str(path)
+from vlm_utils import MAX_TOKENS, hf_greedy, load_hf_llava, picture
 
 
 @pytest.fixture(scope="module")
 def hf_llava(llava_dir):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(llava_dir, backend="pil")
-
-
-def picture(seed: int, size: tuple[int, int] = (40, 33)):
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8))
-
-
-def hf_greedy(hf_llava, prompt: str, images: list) -> tuple[list[int], list[float]]:
-    """Greedy tokens by full forward passes over the prompt and the image, and their logprobs."""
-    model, processor = hf_llava
-    inputs = processor(text=prompt, images=images, return_tensors="pt")
-    ids, tokens, logprobs = inputs["input_ids"], [], []
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            logits = model(input_ids=ids, pixel_values=inputs["pixel_values"]).logits[0, -1].float()
-            token = int(logits.argmax())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return tokens, logprobs
+    return load_hf_llava(llava_dir)
 
 
 PROMPTS = [
@@ -160,6 +78,9 @@ def test_a_repeated_image_hits_the_prefix_cache_and_another_misses(llava_dir, hf
     moved = "Look. " + prompt
     assert list(_generate(llm, [(moved, [1])])[0].outputs[0].token_ids) == hf_greedy(hf_llava, moved, [picture(1)])[0]
     assert (encoder_cache.num_hits, encoder_cache.num_encoded) == (1, 2)
+    stats = llm.engine.stats()
+    assert (stats.encoder_cache_queries, stats.encoder_cache_hits, stats.encoder_cache_entries) == (3, 1, 2)
+    assert (stats.encoder_cache_used, stats.encoder_cache_size) == (8, 8 * 4)  # 2 images of 4; room for 8
 
 
 def test_samples_and_preemption_keep_the_images(llava_dir, hf_llava):
@@ -215,3 +136,41 @@ def test_bf16_outputs_are_batch_and_chunk_invariant(llava_dir):
             assert [e[t].logprob for e, t in zip(other.outputs[0].logprobs, other.outputs[0].token_ids)] == [
                 e[t].logprob for e, t in zip(single.outputs[0].logprobs, single.outputs[0].token_ids)
             ]
+
+
+@pytest.mark.parametrize(
+    "topology", [{"engine_core_process": True}, {"data_parallel_size": 2}], ids=["core-process", "dp2"]
+)
+def test_images_cross_process_boundaries(llava_dir, hf_llava, topology):
+    llm = LLM(llava_dir, dtype="float32", max_model_len=128, **topology)
+    for output, (prompt, seeds) in zip(_generate(llm, PROMPTS), PROMPTS, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf_llava, prompt, [picture(s) for s in seeds])[0]
+
+
+def test_chat_with_image_parts_equals_transformers(llava_dir, hf_llava, tmp_path):
+    import base64
+    import io
+
+    from vlm_utils import CHAT_TEMPLATE
+
+    buffer = io.BytesIO()
+    picture(7).save(buffer, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    picture(8).save(tmp_path / "eight.png")
+    llm = LLM(llava_dir, dtype="float32", max_model_len=256, allowed_local_media_path=str(tmp_path))
+    content = [
+        {"type": "image_pil", "image_pil": picture(6)},
+        {"type": "text", "text": "Which differs,"},
+        {"type": "image_url", "image_url": {"url": data_url}},
+        {"type": "text", "text": " or"},
+        {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/eight.png"}},
+        {"type": "text", "text": "?"},
+    ]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (output,) = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False, chat_template=CHAT_TEMPLATE)
+    text = "USER: <image>Which differs,<image> or<image>?\nASSISTANT:"
+    images = [picture(6), picture(7), picture(8)]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf_llava, text, images, add_special_tokens=False)[0]
+    outside = [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/../x.png"}}]
+    with pytest.raises(ValueError, match="outside --allowed-local-media-path"):
+        llm.chat([{"role": "user", "content": outside}], params, use_tqdm=False, chat_template=CHAT_TEMPLATE)

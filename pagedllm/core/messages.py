@@ -75,6 +75,13 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0  # draft tokens verified
     spec_num_accepted_tokens: int = 0  # draft tokens accepted
     spec_accepted_per_position: tuple[int, ...] = ()  # [j]: drafts whose token j + 1 was accepted
+    # Images (core/encoder_cache_manager.py): the cache's size and use in embedding rows, its
+    # entries, and the images looked up (hits: found encoded; the rest were encoded).
+    encoder_cache_size: int = 0
+    encoder_cache_used: int = 0
+    encoder_cache_entries: int = 0
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
     @staticmethod
     def merge(replicas: list[SchedulerStats]) -> SchedulerStats:
@@ -98,6 +105,11 @@ class SchedulerStats:
                 "spec_num_drafts",
                 "spec_num_draft_tokens",
                 "spec_num_accepted_tokens",
+                "encoder_cache_size",
+                "encoder_cache_used",
+                "encoder_cache_entries",
+                "encoder_cache_queries",
+                "encoder_cache_hits",
             )
         }
         return SchedulerStats(

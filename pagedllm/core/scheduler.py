@@ -437,4 +437,9 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_counts[1],
             spec_num_accepted_tokens=self.spec_counts[2],
             spec_accepted_per_position=tuple(self.spec_accepted_per_position),
+            encoder_cache_size=self.encoder_cache.capacity,
+            encoder_cache_used=self.encoder_cache.num_cached_rows,
+            encoder_cache_entries=len(self.encoder_cache.sizes),
+            encoder_cache_queries=self.encoder_cache.num_hits + self.encoder_cache.num_encoded,
+            encoder_cache_hits=self.encoder_cache.num_hits,
         )

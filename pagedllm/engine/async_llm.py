@@ -28,6 +28,7 @@ from pagedllm.core.messages import SchedulerStats
 from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
 from pagedllm.metrics import EngineMetrics
+from pagedllm.multimodal.processing import ImagePrompt
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -105,6 +106,7 @@ class AsyncLLM:
     engine: LLMEngine  # set by the engine thread, which loads it
 
     def __init__(self, args: EngineArgs, max_waiting_requests: int | None = None) -> None:
+        self.args = args
         self.error: BaseException | None = None
         self.max_waiting_requests = max_waiting_requests
         self.draining = False  # shutting down: no new requests
@@ -125,6 +127,7 @@ class AsyncLLM:
             raise engine
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
+        self.takes_images = engine.images is not None
         self.metrics = EngineMetrics(args.served_name())
         # Each engine replica's, as of its last step (one replica without data parallelism).
         self.replica_stats: list[SchedulerStats] = engine.replica_stats()
@@ -153,7 +156,7 @@ class AsyncLLM:
 
     # -- the event loop's side ------------------------------------------------------------------
     def process_inputs(
-        self, prompt: str | list[int], params: SamplingParams | PoolingParams | BeamSearchParams
+        self, prompt: str | list[int] | ImagePrompt, params: SamplingParams | PoolingParams | BeamSearchParams
     ) -> ProcessedRequest:
         """Tokenize and validate (raises ValueError); any thread may call it."""
         return self.engine.process_inputs(prompt, params)

@@ -52,6 +52,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the encoder cache's size in image embeddings (default: 8 of the model's largest images)",
     )
+    parser.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a folder whose images requests may name by file: URL (default: none may)",
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--served-model-name", default=None)

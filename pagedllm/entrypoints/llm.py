@@ -16,7 +16,7 @@ from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequ
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-Prompt = str | list[int] | dict
+Prompt = str | list[int] | dict | ImagePrompt
 EngineParams = SamplingParams | PoolingParams | BeamSearchParams
 
 
@@ -92,7 +92,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             apply_chat_template(
-                self.engine.tokenizer, c, chat_template, add_generation_prompt, tools, chat_template_kwargs
+                self.engine.tokenizer,
+                c,
+                chat_template,
+                add_generation_prompt,
+                tools,
+                chat_template_kwargs,
+                self.engine.args.allowed_local_media_path,
+                self.engine.images is not None,
             )
             for c in conversations
         ]
@@ -152,7 +159,7 @@ def _beam_search_output(output: RequestOutput, params: BeamSearchParams, eos: fr
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict, ImagePrompt)):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

@@ -21,6 +21,9 @@ class ImagePrompt:
 
     prompt: str
     images: tuple[Any, ...]  # PIL images
+    # False where a chat template already wrote the special tokens (as transformers' processors
+    # tokenize a rendered chat).
+    add_special_tokens: bool = True
 
 
 def tokens_per_image(hf_config) -> int:
@@ -67,7 +70,12 @@ class ImageProcessor:
         """The prompt's token ids (placeholders expanded) and its images' features, in order."""
         try:
             with self._lock:
-                out = self.processor(text=prompt.prompt, images=list(prompt.images) or None, return_tensors="np")
+                out = self.processor(
+                    text=prompt.prompt,
+                    images=list(prompt.images) or None,
+                    add_special_tokens=prompt.add_special_tokens,
+                    return_tensors="np",
+                )
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"cannot process the prompt's images: {exc}") from exc
         token_ids = [int(t) for t in out["input_ids"][0]]

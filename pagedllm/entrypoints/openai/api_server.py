@@ -118,7 +118,8 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = await chat.prompt_ids(body)
+            rendered = await chat.prompt_ids(body)
+            tokens = rendered if isinstance(rendered, list) else await chat.image_prompt_ids(rendered)
         else:
             # (engine.tokenizer is the calling thread's own copy: taken in the pool's thread)
             tokens = await off_loop(

@@ -304,6 +304,17 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str  # data:image/...;base64,..., file: (under --allowed-local-media-path) or http(s)
+    # Accepted as OpenAI's clients send it; every image is encoded at the model's own resolution.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Request):
     name: str
     arguments: str  # JSON text, as OpenAI sends it back
@@ -317,7 +328,7 @@ class MessageToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
@@ -331,9 +342,9 @@ class ChatMessage(_Request):
         return self
 
     def as_template_input(self) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        content: Any = self.content
+        if isinstance(content, list):  # (chat_utils joins text parts alone, loads the images)
+            content = [part.model_dump(exclude_none=True) for part in content]
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

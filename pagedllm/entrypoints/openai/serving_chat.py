@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.tool_parsers.constrained import (
     parameters_schema,
     required_schema,
 )
+from pagedllm.multimodal.processing import ImagePrompt
 from pagedllm.outputs import Logprob
 from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -72,11 +73,20 @@ class OpenAIServingChat(OpenAIServing):
             get_reasoning_parser(self.options.reasoning_parser) if self.options.reasoning_parser else None
         )
 
-    async def prompt_ids(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """The conversation's prompt token ids, rendered and tokenized off the event loop."""
+    async def prompt_ids(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int] | ImagePrompt:
+        """The conversation's prompt token ids (or, with images, its rendered text and images,
+        which the engine's processor tokenizes), off the event loop."""
         return await off_loop(self._prompt_ids, request)
 
-    def _prompt_ids(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    async def image_prompt_ids(self, prompt: ImagePrompt) -> list[int]:
+        """A conversation with images as the engine tokenizes it (placeholders expanded)."""
+        try:
+            processed = await off_loop(self.engine.process_inputs, prompt, SamplingParams(max_tokens=1))
+        except ValueError as exc:
+            raise APIError(str(exc), param="messages") from exc
+        return processed.prompt_token_ids
+
+    def _prompt_ids(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int] | ImagePrompt:
         tools = [tool.model_dump(by_alias=True, exclude_none=True) for tool in request.tools or []] or None
         try:
             return apply_chat_template(
@@ -86,6 +96,8 @@ class OpenAIServingChat(OpenAIServing):
                 request.add_generation_prompt,
                 tools,
                 request.chat_template_kwargs,
+                self.engine.args.allowed_local_media_path,
+                self.engine.takes_images,
             )
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from exc
@@ -107,10 +119,16 @@ class OpenAIServingChat(OpenAIServing):
         else:
             tools, params, field = self._sampling(request, max_tokens, top)
         prompt = await self.prompt_ids(request)
-        processed = await self.admit([prompt], params, max_tokens, request.cache_salt, field)
+        try:
+            processed = await self.admit([prompt], params, max_tokens, request.cache_salt, field)
+        except APIError as exc:
+            if isinstance(prompt, ImagePrompt) and exc.param == "prompt":
+                exc.param = "messages"  # (the images' processing: a chat request has no prompt field)
+            raise
         request_id = new_id("chatcmpl")
         streams = self.start(request_id, processed)
-        run = _Run(self, request, request_id, len(prompt), _OutputParser(self.reasoning_parser, tools))
+        num_prompt_tokens = len(processed[0].prompt_token_ids)
+        run = _Run(self, request, request_id, num_prompt_tokens, _OutputParser(self.reasoning_parser, tools))
         return await self.respond(request.stream, run, streams)
 
     def _sampling(
