@@ -137,3 +137,68 @@ def test_bad_images_are_400s_naming_messages_and_the_server_goes_on(server, medi
         assert message in error["message"], error
     ok = {**body, "messages": [{"role": "user", "content": [_image(data_url(png(picture(3))))]}]}
     assert httpx.post(f"{server.url}/v1/chat/completions", json=ok, timeout=60).status_code == 200
+
+
+def test_the_dashboard_and_metrics_show_the_encoder_cache(server, client):
+    _chat(client, [_image(data_url(png(picture(4))))])
+    # The same picture after other text: no cached blocks hold it, the encoder cache does.
+    _chat(client, [{"type": "text", "text": "Look:"}, _image(data_url(png(picture(4))))])
+    state = httpx.get(f"{server.url}/dashboard/state", timeout=30).json()
+    stats = state["replicas"][0]["stats"]
+    assert stats["encoder_cache_entries"] >= 1 and stats["encoder_cache_hits"] >= 1
+    assert stats["encoder_cache_used"] == 4 * stats["encoder_cache_entries"] and stats["encoder_cache_size"] == 32
+    assert state["embedding_bytes"] == 64 * 4  # the language model's width, fp32
+    assert 'id="encoder-card"' in httpx.get(f"{server.url}/dashboard").text
+    metrics = httpx.get(f"{server.url}/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith("pagedllm:encoder_cache_hits_total{")]
+    assert len(hits) == 1 and float(hits[0].split()[-1]) == stats["encoder_cache_hits"]
+
+
+def _encoded_image(draw) -> str:
+    """A data URL of random bytes, of a truncated image, or of a real image of a random mode, size
+    and format."""
+    from hypothesis import strategies as st
+    from PIL import Image
+
+    kind = draw(st.sampled_from(["image", "image", "truncated", "bytes"]))
+    if kind == "bytes":
+        return data_url(draw(st.binary(max_size=64)), draw(st.sampled_from(["png", "jpeg", "webp"])))
+    mode = draw(st.sampled_from(["RGB", "RGBA", "L", "1", "P", "I", "F", "CMYK"]))
+    size = (draw(st.integers(1, 80)), draw(st.integers(1, 80)))
+    fmt = draw(
+        st.sampled_from(["PNG", "TIFF", "GIF", "BMP"] if mode in ("I", "F") else ["PNG", "JPEG", "GIF", "BMP", "TIFF"])
+    )
+    image = Image.new(mode, size, color=draw(st.integers(0, 255)))
+    buffer = io.BytesIO()
+    try:
+        image.save(buffer, format=fmt)
+    except (OSError, ValueError, KeyError):
+        buffer = io.BytesIO(png(picture(0)))
+    data = buffer.getvalue()
+    return data_url(data[: len(data) // 2] if kind == "truncated" else data)
+
+
+def test_random_images_and_parts_get_200_or_a_400_and_the_server_goes_on(server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    part = st.one_of(
+        st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=12)),
+        st.composite(lambda draw: _image(_encoded_image(draw), draw(st.sampled_from([None, "low", "auto"]))))(),
+    )
+    statuses: list[int] = []
+
+    @given(content=st.lists(part, max_size=5))
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    def check(content: list[dict]) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        statuses.append(response.status_code)
+        assert response.status_code in (200, 400), response.text[:300]
+        if response.status_code == 400:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+    check()
+    assert statuses.count(200) >= 5 and statuses.count(400) >= 5, statuses
+    assert server.process.poll() is None

@@ -17,32 +17,21 @@ CHAT_TEMPLATE = (
 
 def make_llava(path, tokenizer_dir: str) -> str:
     """LLaVA-1.5's shape in small: a 3-layer CLIP tower (28 px, 14 px patches: 4 tokens an image,
-    the class token dropped), features from its last-but-one layer, a Llama of conftest's size."""
+    the class token dropped), features from its last-but-one layer, conftest's tiny Llama."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessorPil,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
     )
 
+    from conftest import _config
+
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.2,
-    )
+    text = _config("llama", len(tokenizer))  # conftest's tiny Llama: llama3 rope scaling, tied embeddings
     vision = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,

@@ -42,9 +42,9 @@ def decode_image(data: bytes):
         if width * height > MAX_IMAGE_PIXELS:
             raise ValueError(f"the image has {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} are taken")
         image.load()
+        return image.convert("RGB")
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError) as exc:
         raise ValueError(f"the image cannot be decoded: {exc}") from exc
-    return image.convert("RGB")
 
 
 def _data_url_bytes(url: str) -> bytes:

@@ -19,6 +19,7 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
+from pagedllm.config import text_config
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.entrypoints.openai.serving import off_loop
@@ -68,6 +69,8 @@ class CounterHistory:
 def install_dashboard(app: FastAPI, engine: AsyncLLM, model_name: str) -> CounterHistory:
     """The two routes; the caller runs the returned history's `run()` while serving."""
     history = CounterHistory(engine)
+    config = engine.model_config
+    embedding_bytes = text_config(config.hf_config).hidden_size * (4 if config.dtype == "float32" else 2)
     page = resources.files(__package__).joinpath("dashboard.html").read_text()
 
     @app.get("/dashboard", response_class=HTMLResponse)
@@ -84,6 +87,7 @@ def install_dashboard(app: FastAPI, engine: AsyncLLM, model_name: str) -> Counte
             "model": model_name,
             "time": time.time(),
             "replicas": [dataclasses.asdict(s) for s in snapshots],
+            "embedding_bytes": embedding_bytes,  # an encoder cache row's (an image token's embedding)
             "counters": history.read(),
             "history": list(history.samples),
         }
