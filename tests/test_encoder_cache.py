@@ -29,6 +29,8 @@ workload_st = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 5),
         "cache_slack": st.integers(0, 30),  # encoder cache rows past the largest image
         "encoder_slack": st.integers(0, 20),  # a step's encoder rows past the largest image
+        "threshold": st.sampled_from([0, 0, 0.5, 2]),  # long_prefill_token_threshold: prompts held beside decodes
+        "keys": st.sampled_from([0.0, 5.0]),
     }
 )
 
@@ -76,6 +78,8 @@ def test_the_worker_always_holds_the_images_a_step_reads_and_encodes_each_once_w
         MAX_MODEL_LEN,
         encoder_cache_size=largest + w["cache_slack"],
         encoder_budget=largest + w["encoder_slack"],
+        long_prefill_token_threshold=w["threshold"],
+        attention_keys_per_token=w["keys"],
     )
     scheduler = Scheduler(config, kv)
     worker: dict[int, int] = {}  # identifier -> rows: the worker's encoder cache
@@ -135,6 +139,23 @@ def test_a_repeated_image_is_a_hit_and_a_step_stops_before_an_image_it_cannot_en
     output = scheduler.schedule()
     assert [s.encoder_inputs for s in output.scheduled if s.request_id == "b"] == [[]]  # cached: a hit
     assert scheduler.encoder_cache.num_hits == 1 and scheduler.encoder_cache.num_encoded == 2
+
+
+def test_an_image_shown_again_later_does_not_hold_the_cache_against_the_one_between():
+    # Room for one image: holding A for its second showing would leave B no room, ever.
+    config = SchedulerConfig(4, 64, MAX_MODEL_LEN, encoder_cache_size=6, encoder_budget=6)
+    scheduler = Scheduler(config, KVCacheManager(64, 4))
+    scheduler.add_request(make_request("a", [(0, 6), 2, (1, 6), 2, (0, 6)], 1))
+    encoded = []
+    for _ in range(10):
+        output = scheduler.schedule()
+        if not output.scheduled:
+            break
+        (scheduled,) = output.scheduled
+        encoded += scheduled.encoder_inputs
+        sampled = {"a": [5]} if scheduled.sample else {}
+        scheduler.update(output, ModelRunnerOutput(sampled_token_ids=sampled))
+    assert not scheduler.has_unfinished_requests() and encoded == [0, 1, 2]  # A encoded again after B
 
 
 def test_block_hashes_hold_the_image_content():

@@ -9,6 +9,7 @@ import base64
 import functools
 import http.server
 import io
+import socket
 import threading
 
 import httpx
@@ -39,7 +40,16 @@ def media(tmp_path_factory):
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    banner = socket.create_server(("127.0.0.1", 0))  # answers like an SSH server, not http
+
+    def answer() -> None:
+        while True:
+            connection, _ = banner.accept()
+            connection.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            connection.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}", f"http://127.0.0.1:{banner.getsockname()[1]}"
     httpd.shutdown()
 
 
@@ -47,7 +57,7 @@ def media(tmp_path_factory):
 def server(llava_dir, media, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
-    root, _ = media
+    root = media[0]
     s = Server(
         llava_dir,
         "--dtype",
@@ -86,7 +96,7 @@ def _chat(client, content: list[dict]):
 
 
 def test_images_by_data_file_and_http_urls_equal_transformers(client, llava_dir, media):
-    root, base = media
+    root, base, _ = media
     content = [
         _image(data_url(png(picture(1))), "low"),
         {"type": "text", "text": "Which differs,"},
@@ -114,15 +124,17 @@ BAD = [
     ("outside the allowed path", [_image("file:///etc/hostname")], "outside --allowed-local-media-path"),
     ("an http URL that is not there", [_image("{base}/missing.png")], "cannot fetch"),
     ("an unknown scheme", [_image("ftp://example.com/x.png")], "data:, file: or http"),
+    ("a server that does not speak http", [_image("{not_http}/x.png")], "cannot fetch"),
+    ("a thin strip", [_image(data_url(png(picture(0, (1, 300)))))], "more than 200 to 1"),
     ("no placeholder's worth of text", [{"type": "text", "text": "hi"}, {"type": "image_url"}], None),
 ]
 
 
 @pytest.mark.parametrize("name, content, message", BAD, ids=[b[0] for b in BAD])
 def test_bad_images_are_400s_naming_messages_and_the_server_goes_on(server, media, name, content, message):
-    root, base = media
+    root, base, not_http = media
     content = [
-        {**part, "image_url": {"url": part["image_url"]["url"].format(root=root, base=base)}}
+        {**part, "image_url": {"url": part["image_url"]["url"].format(root=root, base=base, not_http=not_http)}}
         if part.get("image_url")
         else part
         for part in content

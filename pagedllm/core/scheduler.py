@@ -129,14 +129,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens + self._num_spec(request), budget)
+            before = None  # (room, chosen_prefill) before a held prompt's chunk took its share
             if request.num_tokens - request.num_computed_tokens > 1 and request.request_id in self._held_prefills:
+                before = room, chosen_prefill
                 num_new, room = self._chunk_within(request.num_computed_tokens, num_new, room, first=not chosen_prefill)
                 chosen_prefill = True
                 if num_new == 0:
                     i += 1
                     continue
             if request.mm_features:
-                num_new, encoder_budget = self._schedule_encoder(request, num_new, encoder_budget)
+                cut, encoder_budget = self._schedule_encoder(request, num_new, encoder_budget)
+                if cut < num_new and before is not None:
+                    room, chosen_prefill = self._refund(before, request.num_computed_tokens, cut)
+                num_new = cut
                 if num_new == 0:
                     i += 1
                     continue
@@ -159,16 +164,22 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(request)
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            before = None
             if request.request_id in self._held_prefills:
-                start = request.num_computed_tokens + num_cached
-                num_new, room = self._chunk_within(start, num_new, room, first=not chosen_prefill)
+                before = room, chosen_prefill
+                num_new, room = self._chunk_within(
+                    request.num_computed_tokens + num_cached, num_new, room, first=not chosen_prefill
+                )
                 if num_new == 0:
                     break
                 chosen_prefill = True
             if request.mm_features:
                 request.num_computed_tokens += num_cached  # (undone below unless it is admitted)
-                num_new, encoder_budget = self._schedule_encoder(request, num_new, encoder_budget)
+                cut, encoder_budget = self._schedule_encoder(request, num_new, encoder_budget)
                 request.num_computed_tokens -= num_cached
+                if cut < num_new and before is not None:
+                    room, chosen_prefill = self._refund(before, request.num_computed_tokens + num_cached, cut)
+                num_new = cut
                 if num_new == 0:
                     break
             # A block another request computes now is a hit once its step is done. (Past the first
@@ -247,6 +258,12 @@ class Scheduler:
             budget -= feature.length
         return num_new, budget
 
+    def _refund(self, before: tuple[float, bool], start: int, count: int) -> tuple[float, bool]:
+        """The prefill room and whether a held prompt has taken its share, once the encoder cut a
+        held prompt's chunk to `count` tokens: what it did not take goes back to the next one."""
+        room, chosen = before
+        return (room - self._chunk_cost(start, count), True) if count else (room, chosen)
+
     def _drop_encoder_refs(self, request: Request) -> None:
         """The request holds no images any more: those booked for a step it will not run go, the
         rest stay cached, unreferenced."""
@@ -256,12 +273,12 @@ class Scheduler:
             self.encoder_cache.release(request.request_id, feature)
 
     def _release_encoded(self, request: Request) -> None:
-        """Images whose placeholders are all computed are no longer the request's to hold (unless
-        it shows the same image again further on)."""
+        """Images whose placeholders are all computed are no longer the request's to hold, even if
+        it shows one again further on (held, it could fill the cache and stop the request for
+        good): that showing finds it still cached, or encodes it again."""
         done = request.num_computed_tokens
-        ahead = {f.identifier for f in request.mm_features if f.end > done}
         for feature in request.mm_features:
-            if feature.end <= done and feature.identifier not in ahead:
+            if feature.end <= done:
                 self.encoder_cache.release(request.request_id, feature)
 
     def _lookahead(self, request: Request, num_new: int) -> int:

@@ -21,21 +21,26 @@ def apply_chat_template(
     template_kwargs: dict[str, Any] | None = None,
     allowed_local_media_path: str | None = None,
     takes_images: bool = True,
+    max_images: int | None = None,
 ) -> list[int] | ImagePrompt:
     """Prompt token ids of a conversation under the model's (or the given) chat template. `tools`
     (OpenAI's tool definitions) go to the template as transformers hands them over, in the shape
     the templates of tool-calling models expect; `template_kwargs` are the template's own variables
     (Qwen3's enable_thinking). Image parts (OpenAI's image_url, or vLLM's image_pil) reach the
     template as {"type": "image"}, as vision-language models' templates take them (`takes_images`
-    False: the model reads none, and an image part is refused before anything is loaded)."""
+    False: the model reads none, and an image part is refused before anything is loaded; nor is
+    anything loaded for more images than `max_images`, --limit-mm-per-prompt's)."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("this model has no chat template; pass chat_template=...")
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"a chat message is a dict with 'role' and 'content', got {message!r}")
-    if not takes_images and any(_has_image(m) for m in messages):
+    num_images = sum(_num_images(m) for m in messages)
+    if num_images and not takes_images:
         raise ValueError("this model takes no images: its messages' content may hold text parts only")
+    if max_images is not None and num_images > max_images:
+        raise ValueError(f"the messages hold {num_images} images; --limit-mm-per-prompt allows {max_images}")
     images: list = []
     messages = [_with_image_slots(m, images, allowed_local_media_path) for m in messages]
     rendered = tokenizer.apply_chat_template(
@@ -53,11 +58,11 @@ def apply_chat_template(
     return list(rendered)
 
 
-def _has_image(message: Message) -> bool:
+def _num_images(message: Message) -> int:
     content = message.get("content")
-    return isinstance(content, list) and any(
-        isinstance(p, dict) and p.get("type") in ("image_url", "image_pil") for p in content
-    )
+    if not isinstance(content, list):
+        return 0
+    return sum(isinstance(p, dict) and p.get("type") in ("image_url", "image_pil") for p in content)
 
 
 def _with_image_slots(message: Message, images: list, allowed_local_media_path: str | None) -> Message:

@@ -100,6 +100,7 @@ class LLM:
                 chat_template_kwargs,
                 self.engine.args.allowed_local_media_path,
                 self.engine.images is not None,
+                (self.engine.args.limit_mm_per_prompt or {}).get("image"),
             )
             for c in conversations
         ]

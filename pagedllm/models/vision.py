@@ -73,7 +73,8 @@ class CLIPVisionEmbeddings(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[3, H, W] -> [1 + patches, hidden]: the class token, then the patches row by row."""
-        patches = self.patch_embedding(pixels[None].to(self.patch_embedding.weight.dtype)).flatten(2)[0].T
+        weight = self.patch_embedding.weight
+        patches = self.patch_embedding(pixels[None].to(weight.device, weight.dtype)).flatten(2)[0].T
         x = torch.cat([self.class_embedding[None], patches])
         return x + self.position_embedding.weight[: x.shape[0]]
 

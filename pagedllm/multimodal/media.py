@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import os
 import urllib.error
 import urllib.parse
 import urllib.request
+from time import monotonic
 
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 64 * 2**20  # about 8k x 8k; Pillow's own bomb check would warn, not refuse
-FETCH_TIMEOUT_S = 10.0
+MAX_ASPECT_RATIO = 200  # a 1 x 60M strip passes the pixel cap, and a processor resizing it would not
+FETCH_TIMEOUT_S = 10.0  # the whole download's, not each read's
 
 
 def load_image_url(url: str, allowed_local_media_path: str | None = None):
@@ -41,6 +44,8 @@ def decode_image(data: bytes):
         width, height = image.size
         if width * height > MAX_IMAGE_PIXELS:
             raise ValueError(f"the image has {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} are taken")
+        if max(width, height) > MAX_ASPECT_RATIO * max(min(width, height), 1):
+            raise ValueError(f"the image is {width}x{height}: sides more than {MAX_ASPECT_RATIO} to 1 are refused")
         image.load()
         return image.convert("RGB")
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError) as exc:
@@ -75,8 +80,18 @@ def _local_file_bytes(url: str, allowed: str | None) -> bytes:
 
 
 def _fetch(url: str) -> bytes:
+    """At most MAX_IMAGE_BYTES + 1 bytes, read in pieces until FETCH_TIMEOUT_S has passed."""
+    deadline = monotonic() + FETCH_TIMEOUT_S
+    data = bytearray()
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:  # noqa: S310 (http(s) only)
-            return response.read(MAX_IMAGE_BYTES + 1)
-    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as exc:
+            while len(data) <= MAX_IMAGE_BYTES:
+                if monotonic() > deadline:
+                    raise TimeoutError(f"not done in {FETCH_TIMEOUT_S:g} s")
+                piece = response.read1(64 * 1024)
+                if not piece:
+                    break
+                data += piece
+    except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError, ValueError) as exc:
         raise ValueError(f"cannot fetch the image at {url[:80]}: {getattr(exc, 'reason', exc)}") from exc
+    return bytes(data)

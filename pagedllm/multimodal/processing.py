@@ -76,7 +76,7 @@ class ImageProcessor:
                     add_special_tokens=prompt.add_special_tokens,
                     return_tensors="np",
                 )
-        except (ValueError, TypeError, OSError) as exc:
+        except (ValueError, TypeError, OSError, OverflowError, MemoryError, IndexError) as exc:
             raise ValueError(f"cannot process the prompt's images: {exc}") from exc
         token_ids = [int(t) for t in out["input_ids"][0]]
         pixels = out.get("pixel_values")

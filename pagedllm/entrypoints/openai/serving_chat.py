@@ -98,6 +98,7 @@ class OpenAIServingChat(OpenAIServing):
                 request.chat_template_kwargs,
                 self.engine.args.allowed_local_media_path,
                 self.engine.takes_images,
+                (self.engine.args.limit_mm_per_prompt or {}).get("image"),
             )
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from exc
