@@ -104,6 +104,13 @@ def llava_dir(tmp_path_factory, tokenizer_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen2_vl_dir(tmp_path_factory, tokenizer_dir) -> str:
+    from vlm_utils import make_qwen2_vl
+
+    return make_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tiny_models) -> str:
     return tiny_models["llama"]
 

@@ -1,15 +1,42 @@
 """Vision-language models on tiny random weights, held to transformers on the same folder: the
 encoder's output, greedy tokens and logprobs with images (chunked prefill cutting through them,
 several a prompt, n > 1, preemption), prefix-cache hits on a repeated image and misses on another,
-and the bad inputs an image prompt can bring."""
+and the bad inputs an image prompt can bring. Each family: LLaVA-1.5 (a fixed number of tokens an
+image), Qwen2-VL (each image's own resolution and token count, M-RoPE)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from vlm_utils import MAX_TOKENS, hf_greedy, load_hf_llava, picture
+from vlm_utils import MAX_TOKENS, QWEN2_VL_IMAGE, hf_greedy, load_hf_llava, load_hf_qwen2_vl, picture
+
+
+@dataclass
+class Family:
+    path: str
+    hf: tuple  # transformers' model and processor
+    image: str  # one image's placeholder in a prompt
+
+    def prompt(self, template: str) -> str:
+        return template.format(img=self.image)
+
+    def image_tokens(self, prompt: str, images: list) -> list[int]:
+        """Where the processor puts the images' placeholder tokens."""
+        ids = self.hf[1](text=prompt, images=images)["input_ids"][0]
+        return [i for i, t in enumerate(ids) if t == self.hf[0].config.image_token_id]
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+def vlm(request) -> Family:
+    if request.param == "llava":
+        path = request.getfixturevalue("llava_dir")
+        return Family(path, load_hf_llava(path), "<image>")
+    path = request.getfixturevalue("qwen2_vl_dir")
+    return Family(path, load_hf_qwen2_vl(path), QWEN2_VL_IMAGE)
 
 
 @pytest.fixture(scope="module")
@@ -17,100 +44,147 @@ def hf_llava(llava_dir):
     return load_hf_llava(llava_dir)
 
 
+# Pictures of several sizes: Qwen2-VL gives each its own grid (40x33 px: 6 tokens, 90x64: 12, 20x100: 8).
+SIZES = {1: (40, 33), 2: (90, 64), 3: (20, 100), 4: (40, 33)}
 PROMPTS = [
-    ("USER: <image>\nWhat is in the picture? ASSISTANT:", [1]),
-    ("USER: <image> or <image>, which is brighter? ASSISTANT:", [2, 3]),
-    ("<image><image>", [3, 1]),  # two images abut: their placeholders are one run
+    ("USER: {img}\nWhat is in the picture? ASSISTANT:", [1]),
+    ("USER: {img} or {img}, which is brighter? ASSISTANT:", [2, 3]),
+    ("{img}{img}", [3, 1]),  # two images abut: their placeholders are one run
 ]
 
 
-def _generate(llm: LLM, prompts, params: SamplingParams | None = None):
+def _pictures(seeds: list[int]) -> list:
+    return [picture(s, SIZES.get(s, (40, 33))) for s in seeds]
+
+
+def _generate(llm: LLM, vlm: Family, prompts, params: SamplingParams | None = None):
     params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    requests = [{"prompt": p, "multi_modal_data": {"image": [picture(s) for s in seeds]}} for p, seeds in prompts]
+    requests = [{"prompt": vlm.prompt(p), "multi_modal_data": {"image": _pictures(seeds)}} for p, seeds in prompts]
     return llm.generate(requests, params, use_tqdm=False)
 
 
-def test_the_vision_encoder_equals_transformers(llava_dir, hf_llava):
+def _expected(vlm: Family, template: str, seeds: list[int]) -> tuple[list[int], list[float]]:
+    return hf_greedy(vlm.hf, vlm.prompt(template), _pictures(seeds))
+
+
+def test_the_vision_encoder_equals_transformers(vlm):
     from pagedllm.config import EngineArgs
     from pagedllm.engine.builder import load_config
     from pagedllm.models.loader import load_model
 
-    model = load_model(load_config(EngineArgs(model=llava_dir, dtype="float32")), "cpu")
-    hf, processor = hf_llava
-    pixels = processor.image_processor(picture(5), return_tensors="np")["pixel_values"]
-    with torch.no_grad():
-        ours = model.encode_image({"pixel_values": pixels[0]})
-        theirs = hf.model.get_image_features(torch.from_numpy(pixels), vision_feature_layer=-2)
-    theirs = getattr(theirs, "pooler_output", theirs)
-    torch.testing.assert_close(ours, torch.cat(list(theirs)).reshape(ours.shape), atol=1e-5, rtol=1e-5)
+    model = load_model(load_config(EngineArgs(model=vlm.path, dtype="float32")), "cpu")
+    hf, processor = vlm.hf
+    for seed in (2, 3):
+        inputs = processor.image_processor(_pictures([seed]), return_tensors="np")
+        pixels = torch.from_numpy(inputs["pixel_values"])
+        with torch.no_grad():
+            if "image_grid_thw" in inputs:
+                grid = inputs["image_grid_thw"]
+                ours = model.encode_image({"pixel_values": inputs["pixel_values"], "image_grid_thw": grid[0]})
+                theirs = hf.model.get_image_features(pixels, torch.from_numpy(grid))
+            else:
+                ours = model.encode_image({"pixel_values": inputs["pixel_values"][0]})
+                theirs = hf.model.get_image_features(pixels, vision_feature_layer=-2)
+        theirs = getattr(theirs, "pooler_output", theirs)
+        torch.testing.assert_close(ours, torch.cat(list(theirs)).reshape(ours.shape), atol=1e-5, rtol=1e-5)
+
+
+def test_m_rope_positions_equal_transformers(qwen2_vl_dir):
+    """Qwen2-VL's three rotary positions of a prompt with images of different grids, and the offset
+    its generated tokens take, from the engine's features as transformers' get_rope_index has them."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.builder import load_config
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.models.loader import load_model
+    from pagedllm.multimodal.processing import ImagePrompt
+
+    args = EngineArgs(model=qwen2_vl_dir, dtype="float32")
+    model = load_model(load_config(args), "cpu")
+    hf, processor = load_hf_qwen2_vl(qwen2_vl_dir)
+    text = f"A {QWEN2_VL_IMAGE} then {QWEN2_VL_IMAGE}{QWEN2_VL_IMAGE} and text."
+    images = _pictures([2, 3, 1])
+    token_ids, features = LLMEngine(args).images(ImagePrompt(text, tuple(images)))
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    assert token_ids == inputs["input_ids"][0].tolist()
+    positions, delta = hf.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+    )
+    ours = model.rope_positions(features, len(token_ids))
+    assert ours.prompt.tolist() == positions[:, 0].tolist()
+    assert ours.delta == int(delta) < 0
 
 
 @pytest.mark.parametrize("budget", [8, 2048], ids=["chunks-cut-through-images", "whole-prompts"])
-def test_greedy_tokens_and_logprobs_equal_transformers(llava_dir, hf_llava, budget):
-    llm = LLM(llava_dir, dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=budget)
-    for output, (prompt, seeds) in zip(_generate(llm, PROMPTS), PROMPTS, strict=True):
-        tokens, logprobs = hf_greedy(hf_llava, prompt, [picture(s) for s in seeds])
+def test_greedy_tokens_and_logprobs_equal_transformers(vlm, budget):
+    llm = LLM(vlm.path, dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=budget)
+    for output, (template, seeds) in zip(_generate(llm, vlm, PROMPTS), PROMPTS, strict=True):
+        tokens, logprobs = _expected(vlm, template, seeds)
         sample = output.outputs[0]
         assert list(sample.token_ids) == tokens
         ours = [entry[t].logprob for entry, t in zip(sample.logprobs, sample.token_ids)]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
 
 
-def test_a_repeated_image_hits_the_prefix_cache_and_another_misses(llava_dir, hf_llava):
-    llm = LLM(llava_dir, dtype="float32", max_model_len=256, block_size=4)
-    prompt = "USER: <image>\nWhat is in the picture? Say it in a few words. ASSISTANT:"
-    first = _generate(llm, [(prompt, [1])])[0].outputs[0].token_ids
+def test_a_repeated_image_hits_the_prefix_cache_and_another_misses(vlm):
+    llm = LLM(vlm.path, dtype="float32", max_model_len=256, block_size=4)
+    template = "USER: {img}\nWhat is in the picture? Say it in a few words. ASSISTANT:"
+    first = _generate(llm, vlm, [(template, [1])])[0].outputs[0].token_ids
     hits = llm.engine.stats().prefix_cache_hits
-    again = _generate(llm, [(prompt, [1])])[0].outputs[0].token_ids
+    again = _generate(llm, vlm, [(template, [1])])[0].outputs[0].token_ids
     repeat_hits = llm.engine.stats().prefix_cache_hits - hits
-    other = _generate(llm, [(prompt, [4])])[0].outputs[0].token_ids
+    other = _generate(llm, vlm, [(template, [4])])[0].outputs[0].token_ids
     other_hits = llm.engine.stats().prefix_cache_hits - hits - repeat_hits
     # Every full block of the repeat is a hit; the other image's blocks from its first on miss.
-    num_tokens = len(hf_llava[1](text=prompt, images=[picture(1)])["input_ids"][0])
-    offset = hf_llava[1](text=prompt, images=[picture(1)])["input_ids"][0].index(hf_llava[0].config.image_token_index)
+    prompt = vlm.prompt(template)
+    num_tokens = len(vlm.hf[1](text=prompt, images=_pictures([1]))["input_ids"][0])
+    placeholders = vlm.image_tokens(prompt, _pictures([1]))
     assert repeat_hits == (num_tokens - 1) // 4 * 4
-    assert other_hits == offset // 4 * 4
+    assert other_hits == placeholders[0] // 4 * 4
     assert list(again) == list(first)
-    assert list(other) == hf_greedy(hf_llava, prompt, [picture(4)])[0]
+    assert list(other) == _expected(vlm, template, [4])[0]
     encoder_cache = llm.engine.engine_core.core.scheduler.encoder_cache
     assert (encoder_cache.num_hits, encoder_cache.num_encoded) == (0, 2)  # the repeat's image was in cached blocks
     # The first image after other text: no block hits, but its encoder output is cached.
-    moved = "Look. " + prompt
-    assert list(_generate(llm, [(moved, [1])])[0].outputs[0].token_ids) == hf_greedy(hf_llava, moved, [picture(1)])[0]
+    moved = "Look. " + template
+    assert list(_generate(llm, vlm, [(moved, [1])])[0].outputs[0].token_ids) == _expected(vlm, moved, [1])[0]
     assert (encoder_cache.num_hits, encoder_cache.num_encoded) == (1, 2)
     stats = llm.engine.stats()
     assert (stats.encoder_cache_queries, stats.encoder_cache_hits, stats.encoder_cache_entries) == (3, 1, 2)
-    assert (stats.encoder_cache_used, stats.encoder_cache_size) == (8, 8 * 4)  # 2 images of 4; room for 8
+    largest = {"llava": 4, "qwen2_vl": 16}[vlm.hf[0].config.model_type]  # (112x112 px for Qwen2-VL)
+    # Two images' rows held; room for 8 of the largest.
+    assert (stats.encoder_cache_used, stats.encoder_cache_size) == (2 * len(placeholders), 8 * largest)
 
 
-def test_samples_and_preemption_keep_the_images(llava_dir, hf_llava):
-    # 20 blocks of 4 tokens (2 KiB each) for 3 prompts of ~25 tokens and their samples' outputs:
+def test_samples_and_preemption_keep_the_images(vlm):
+    # 20 blocks of 4 tokens (2 KiB each) for 3 prompts of 20-40 tokens and their samples' outputs:
     # some are preempted and recomputed.
-    llm = LLM(llava_dir, dtype="float32", max_model_len=48, block_size=4, kv_cache_memory=str(20 * 2048))
+    llm = LLM(vlm.path, dtype="float32", max_model_len=64, block_size=4, kv_cache_memory=str(20 * 2048))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
-    outputs = _generate(llm, PROMPTS, params)
+    outputs = _generate(llm, vlm, PROMPTS, params)
     assert llm.engine.stats().num_preemptions > 0
-    for output, (prompt, seeds) in zip(outputs, PROMPTS, strict=True):
-        expected = hf_greedy(hf_llava, prompt, [picture(s) for s in seeds])[0]
+    for output, (template, seeds) in zip(outputs, PROMPTS, strict=True):
+        expected = _expected(vlm, template, seeds)[0]
         assert [list(s.token_ids) for s in output.outputs] == [expected, expected]
 
 
-def test_bad_image_prompts_are_refused_by_name(llava_dir, llama_dir):
-    llm = LLM(llava_dir, dtype="float32", max_model_len=256, limit_mm_per_prompt={"image": 1})
+def test_bad_image_prompts_are_refused_by_name(vlm, llama_dir):
+    llm = LLM(vlm.path, dtype="float32", max_model_len=256, limit_mm_per_prompt={"image": 1})
+    two, one = vlm.prompt("{img}{img}"), vlm.prompt("{img}")
     cases = [
-        ({"prompt": "<image><image>", "multi_modal_data": {"image": [picture(1), picture(2)]}}, "limit-mm-per-prompt"),
-        ({"prompt": "<image>", "multi_modal_data": {"image": "picture.png"}}, "PIL images"),
-        ({"prompt": "<image>", "multi_modal_data": {"video": [picture(1)]}}, "only 'image'"),
-        ({"prompt": "no placeholder", "multi_modal_data": {"image": picture(1)}}, "image"),
+        ({"prompt": two, "multi_modal_data": {"image": [picture(1), picture(2)]}}, "limit-mm-per-prompt"),
+        ({"prompt": one, "multi_modal_data": {"image": "picture.png"}}, "PIL images"),
+        ({"prompt": one, "multi_modal_data": {"video": [picture(1)]}}, "only 'image'"),
+        ({"prompt": "no placeholder", "multi_modal_data": {"image": picture(1)}}, "0 image placeholders"),
+        ({"prompt": two, "multi_modal_data": {"image": [picture(1)]}}, "2 image placeholders"),
     ]
     for prompt, message in cases:
         with pytest.raises(ValueError, match=message):
             llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
-    ok = llm.generate([{"prompt": "<image>", "multi_modal_data": {"image": picture(1)}}], use_tqdm=False)
+    ok = llm.generate([{"prompt": one, "multi_modal_data": {"image": picture(1)}}], use_tqdm=False)
     assert ok[0].outputs[0].token_ids  # the engine goes on
     text_only = LLM(llama_dir, dtype="float32", max_model_len=128)
     with pytest.raises(ValueError, match="takes no images"):
-        text_only.generate([{"prompt": "<image>", "multi_modal_data": {"image": picture(1)}}], use_tqdm=False)
+        text_only.generate([{"prompt": one, "multi_modal_data": {"image": picture(1)}}], use_tqdm=False)
 
 
 def test_what_a_vision_language_model_does_not_take_yet_is_refused_at_start(llava_dir, llama_dir):
@@ -122,15 +196,15 @@ def test_what_a_vision_language_model_does_not_take_yet_is_refused_at_start(llav
         LLM(llava_dir, tensor_parallel_size=2)
 
 
-def test_bf16_outputs_are_batch_and_chunk_invariant(llava_dir):
+def test_bf16_outputs_are_batch_and_chunk_invariant(vlm):
     """In bf16 (no oracle rounds alike): each prompt alone in whole steps gives bit for bit what it
     gives in a batch whose steps cut through its images, and again with its prefix cached."""
-    batched = LLM(llava_dir, dtype="bfloat16", max_model_len=256, block_size=4, max_num_batched_tokens=8)
-    together = _generate(batched, PROMPTS)
-    cached = _generate(batched, PROMPTS)
-    alone = LLM(llava_dir, dtype="bfloat16", max_model_len=256, block_size=4, enable_prefix_caching=False)
+    batched = LLM(vlm.path, dtype="bfloat16", max_model_len=256, block_size=4, max_num_batched_tokens=8)
+    together = _generate(batched, vlm, PROMPTS)
+    cached = _generate(batched, vlm, PROMPTS)
+    alone = LLM(vlm.path, dtype="bfloat16", max_model_len=256, block_size=4, enable_prefix_caching=False)
     for i, prompt in enumerate(PROMPTS):
-        (single,) = _generate(alone, [prompt])
+        (single,) = _generate(alone, vlm, [prompt])
         for other in (together[i], cached[i]):
             assert list(other.outputs[0].token_ids) == list(single.outputs[0].token_ids)
             assert [e[t].logprob for e, t in zip(other.outputs[0].logprobs, other.outputs[0].token_ids)] == [
@@ -141,10 +215,10 @@ def test_bf16_outputs_are_batch_and_chunk_invariant(llava_dir):
 @pytest.mark.parametrize(
     "topology", [{"engine_core_process": True}, {"data_parallel_size": 2}], ids=["core-process", "dp2"]
 )
-def test_images_cross_process_boundaries(llava_dir, hf_llava, topology):
-    llm = LLM(llava_dir, dtype="float32", max_model_len=128, **topology)
-    for output, (prompt, seeds) in zip(_generate(llm, PROMPTS), PROMPTS, strict=True):
-        assert list(output.outputs[0].token_ids) == hf_greedy(hf_llava, prompt, [picture(s) for s in seeds])[0]
+def test_images_cross_process_boundaries(vlm, topology):
+    llm = LLM(vlm.path, dtype="float32", max_model_len=128, **topology)
+    for output, (template, seeds) in zip(_generate(llm, vlm, PROMPTS), PROMPTS, strict=True):
+        assert list(output.outputs[0].token_ids) == _expected(vlm, template, seeds)[0]
 
 
 def test_chat_with_image_parts_equals_transformers(llava_dir, hf_llava, tmp_path):

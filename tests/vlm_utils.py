@@ -1,4 +1,5 @@
-"""A tiny LLaVA (conftest's llava_dir writes it once a session) and transformers' greedy tokens on it."""
+"""Tiny vision-language models (conftest's llava_dir and qwen2_vl_dir write them once a session)
+and transformers' greedy tokens on them."""
 
 from __future__ import annotations
 
@@ -58,11 +59,67 @@ def make_llava(path, tokenizer_dir: str) -> str:
     return str(path)
 
 
+QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def make_qwen2_vl(path, tokenizer_dir: str) -> str:
+    """Qwen2-VL's shape in small: a 2-block vision transformer (14 px patches, 2x2 merged: 56x56 to
+    112x112 pixels, 4 to 16 tokens an image), a 2-layer Qwen2 with M-RoPE sections [2, 3, 3]."""
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    specials = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    start, image, end, video = tokenizer.convert_tokens_to_ids(specials)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.2,
+    )
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, initializer_range=0.2)
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+    )
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def load_hf_llava(path: str):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     return model, AutoProcessor.from_pretrained(path, backend="pil")
+
+
+def load_hf_qwen2_vl(path: str):
+    """transformers' model and processor. Its processor class checks that it has a video processor,
+    which needs torchvision: this one skips that check (it is given none, and no videos)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    class ImagesOnly(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    images = AutoImageProcessor.from_pretrained(path, backend="pil")
+    return model, ImagesOnly(images, AutoTokenizer.from_pretrained(path), None)
 
 
 def picture(seed: int, size: tuple[int, int] = (40, 33)):
@@ -71,16 +128,21 @@ def picture(seed: int, size: tuple[int, int] = (40, 33)):
     return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8))
 
 
-def hf_greedy(hf_llava, prompt: str, images: list, add_special_tokens: bool = True) -> tuple[list[int], list[float]]:
+def hf_greedy(hf_vlm, prompt: str, images: list, add_special_tokens: bool = True) -> tuple[list[int], list[float]]:
     """Greedy tokens by full forward passes over the prompt and the images, and their logprobs."""
-    model, processor = hf_llava
-    inputs = processor(text=prompt, images=images, add_special_tokens=add_special_tokens, return_tensors="pt")
-    ids, tokens, logprobs = inputs["input_ids"], [], []
+    model, processor = hf_vlm
+    inputs = dict(
+        processor(text=prompt, images=images or None, add_special_tokens=add_special_tokens, return_tensors="pt")
+    )
+    tokens, logprobs = [], []
     with torch.no_grad():
         for _ in range(MAX_TOKENS):
-            logits = model(input_ids=ids, pixel_values=inputs["pixel_values"]).logits[0, -1].float()
+            logits = model(**inputs, use_cache=False).logits[0, -1].float()
             token = int(logits.argmax())
             tokens.append(token)
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            # The next pass's inputs: the token appended (a text token: attended, of type 0).
+            for name, column in (("input_ids", token), ("attention_mask", 1), ("mm_token_type_ids", 0)):
+                if name in inputs:
+                    inputs[name] = torch.cat([inputs[name], torch.tensor([[column]])], dim=1)
     return tokens, logprobs

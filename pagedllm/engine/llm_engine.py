@@ -67,7 +67,11 @@ class LLMEngine:
         self.model_config = load_config(args)
         self.tokenizers = PerThreadTokenizer(load_tokenizer(self.model_config, args.tokenizer))
         hf = self.model_config.hf_config
-        self.images = ImageProcessor(self.model_config.path, hf) if tokens_per_image(hf) else None
+        self.images = (
+            ImageProcessor(self.model_config.path, hf, self.tokenizers.get)
+            if tokens_per_image(hf, self.model_config.path)
+            else None
+        )
         self.max_model_len = self.model_config.max_model_len
         self.engine_core: EngineCoreClient = make_client(args, self.model_config, self.tokenizers.get)
         self.output_processor = OutputProcessor(self.tokenizers)

@@ -69,6 +69,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
         self.layer_type = layer_type
+        # M-RoPE (Qwen2-VL): a head's rotated pairs fall in sections, each turned by its own of a
+        # token's three positions (time, height, width); text tokens have all three equal.
+        section = _rope_params(config, layer_type).get("mrope_section")
+        self.mrope_stream = None if section is None else _mrope_streams(section, head_dim)
         self.build_tables("cpu")
 
     def build_tables(self, device: torch.device | str) -> None:
@@ -85,7 +89,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.cat([sin, sin], dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> RopeTables:
-        return RopeTables(self.cos[positions], self.sin[positions])
+        """positions: [tokens], or M-RoPE's [3, tokens] (each dim's angle from its section's row)."""
+        if positions.dim() == 1:
+            return RopeTables(self.cos[positions], self.sin[positions])
+        if self.mrope_stream is None:
+            raise ValueError("positions in three rows need a model with M-RoPE (rope_parameters' mrope_section)")
+        rows = positions[
+            self.mrope_stream.to(positions.device)
+        ].T.contiguous()  # [tokens, head_dim]: each dim's position
+        dims = torch.arange(self.head_dim, device=positions.device)
+        return RopeTables(self.cos[rows, dims], self.sin[rows, dims])
+
+
+def _mrope_streams(section: list[int], head_dim: int) -> torch.Tensor:
+    """Which of the three position rows turns each of a head's dims (both halves alike)."""
+    if sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section {section} must sum to half the head size ({head_dim // 2})")
+    half = [i % 3 for i, size in enumerate(section) for _ in range(size)]
+    return torch.tensor(half + half, device="cpu")  # (not on "meta", where the model is first built)
 
 
 @dataclass

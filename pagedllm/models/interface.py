@@ -5,7 +5,7 @@ found by its Hugging Face architecture name in models/registry.py."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedllm.config import PoolerConfig
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.multimodal.inputs import MultiModalFeature
 
 if TYPE_CHECKING:
     from pagedllm.models.gguf import GGUFFormat
@@ -80,6 +81,23 @@ class MultiModalLM(CausalLM):
     @abstractmethod
     def encode_image(self, data: dict[str, np.ndarray]) -> torch.Tensor:
         """One image -> [placeholder tokens, hidden] in the model's dtype."""
+
+    # Whether its rotary positions are M-RoPE's three a token, which images give (rope_positions);
+    # else a token's position is its index.
+    mrope: ClassVar[bool] = False
+
+    def rope_positions(self, features: Sequence[MultiModalFeature], num_prompt_tokens: int) -> RopePositions:
+        """An M-RoPE model's positions of a prompt with these images."""
+        raise NotImplementedError(f"{type(self).__name__} has no M-RoPE")
+
+
+@dataclass(frozen=True)
+class RopePositions:
+    """M-RoPE positions of a prompt with images: [3, prompt tokens] (time, height, width); each
+    token after the prompt, at index p, has p + delta in all three."""
+
+    prompt: np.ndarray
+    delta: int
 
     @abstractmethod
     def forward(

@@ -5,17 +5,14 @@ language model's own, causal."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.config import PoolerConfig, text_config
-from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.models.interface import KVCache, MultiModalEmbeds, MultiModalLM
+from pagedllm.config import text_config
 from pagedllm.models.registry import model_class
 from pagedllm.models.vision import CLIPVisionTower, activation
+from pagedllm.models.vlm import VisionLanguageModel
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -30,10 +27,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(MultiModalLM):
-    supports_tensor_parallel = False
-    default_pooler = PoolerConfig("LAST", normalize=True)
-
+class LlavaForConditionalGeneration(VisionLanguageModel):
     def __init__(self, config, max_positions: int, quant_config=None) -> None:
         super().__init__()
         text = text_config(config)
@@ -53,52 +47,17 @@ class LlavaForConditionalGeneration(MultiModalLM):
         features = self.vision_tower(torch.from_numpy(data["pixel_values"]))
         return self.multi_modal_projector(features if self.keep_class_token else features[1:])
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-        mm: MultiModalEmbeds | None = None,
-    ) -> torch.Tensor:
-        x = self.language_model.embed(input_ids)
-        if mm is not None:
-            x[mm.rows] = mm.embeds.to(x.dtype)
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def bind_kernels(self) -> None:
-        self.language_model.bind_kernels()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        vision: dict[str, torch.Tensor] = {}
-        self.language_model.load_weights(self._route(weights, vision))
-        params = dict(self.named_parameters())
-        missing = {n for n in params if not n.startswith("language_model.")} - set(vision)
-        if missing:
-            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:5]}")
-        for name, tensor in vision.items():
-            if name not in params or params[name].shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            params[name].data.copy_(tensor)
-
-    def _route(self, weights: Iterable[tuple[str, torch.Tensor]], vision: dict[str, torch.Tensor]) -> Iterator:
-        """The language model's tensors, renamed as a plain checkpoint of its family names them;
-        the tower's and the projector's go into `vision` (the layers past the one used, and the
-        unused final norm, dropped). Both the files' layout (language_model.model.*) and
-        transformers' own (model.language_model.*) are read."""
-        for name, tensor in weights:
-            name = name.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.")
-            if name.startswith("language_model.model.") or name.startswith("language_model.lm_head."):
-                yield name.removeprefix("language_model."), tensor
-            elif name.startswith("language_model."):
-                yield "model." + name.removeprefix("language_model."), tensor
-            elif name == "lm_head.weight":
-                yield name, tensor
-            elif name.startswith("vision_tower.encoder.layers."):
-                if int(name.split(".")[3]) < self.num_vision_layers:
-                    vision[name] = tensor
-            elif not name.startswith("vision_tower.post_layernorm."):
-                vision[name] = tensor
+    def route(self, name: str) -> tuple[str, str] | None:
+        """Both the files' layout (language_model.model.*) and transformers' own
+        (model.language_model.*) are read; the tower's layers past the one used, and its unused
+        final norm, are dropped."""
+        name = name.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.")
+        if name.startswith("language_model.model.") or name.startswith("language_model.lm_head."):
+            return "text", name.removeprefix("language_model.")
+        if name.startswith("language_model."):
+            return "text", "model." + name.removeprefix("language_model.")
+        if name == "lm_head.weight":
+            return "text", name
+        if name.startswith("vision_tower.encoder.layers.") and int(name.split(".")[3]) >= self.num_vision_layers:
+            return None
+        return None if name.startswith("vision_tower.post_layernorm.") else ("vision", name)

@@ -1,17 +1,21 @@
-"""Prompts with images, made ready for the engine by the model's own processor (transformers',
-on its Pillow backend): it expands each image's placeholder into the tokens its embeddings take,
-tokenizes, and makes the encoder's inputs. Each image becomes a MultiModalFeature."""
+"""Prompts with images, made ready for the engine as the model's transformers processor makes
+them: its image processor (on the Pillow backend) makes the encoder's inputs, each image's
+placeholder is expanded into the tokens its embeddings take, and the text is tokenized. Each
+image becomes a MultiModalFeature."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pagedllm.multimodal.inputs import MultiModalFeature, content_identifier
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,19 @@ class ImagePrompt:
     add_special_tokens: bool = True
 
 
-def tokens_per_image(hf_config) -> int:
-    """The most placeholder tokens one image of this model takes; 0 for a model without images."""
-    if getattr(hf_config, "model_type", None) == "llava":
+def tokens_per_image(hf_config, path: str) -> int:
+    """The most placeholder tokens one image of this model takes (its processor's largest image,
+    for a model of dynamic resolution); 0 for a model without images."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "llava":
         vision = hf_config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
         return patches + (1 if hf_config.vision_feature_select_strategy == "full" else 0)
+    if model_type == "qwen2_vl":
+        from transformers import AutoImageProcessor
+
+        images = AutoImageProcessor.from_pretrained(path, backend="pil")
+        return images.size["longest_edge"] // (images.patch_size * images.merge_size) ** 2
     return 0
 
 
@@ -55,54 +66,83 @@ def image_prompt(prompt: dict) -> ImagePrompt:
 
 
 class ImageProcessor:
-    """One per engine; callable from any thread (the processor is called under a lock)."""
+    """One per engine; callable from any thread. The image processor is transformers' (its Pillow
+    backend, under a lock); each image's placeholder is expanded into its tokens as the family's
+    transformers processor does, and the text tokenized by the engine's tokenizer. (Not the
+    processor class itself: Qwen2-VL's needs a video processor, which needs torchvision.)"""
 
-    def __init__(self, path: str, hf_config) -> None:
-        from transformers import AutoProcessor
+    def __init__(self, path: str, hf_config, tokenizer: Callable[[], PreTrainedTokenizerBase]) -> None:
+        from transformers import AutoImageProcessor
 
-        self.processor = AutoProcessor.from_pretrained(path, backend="pil")
-        self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
-        self.tokens_per_image = tokens_per_image(hf_config)
+        self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        self.tokenizer = tokenizer
         self.model_type = hf_config.model_type
+        self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
+        self.image_token = tokenizer().convert_ids_to_tokens(self.image_token_id)
+        self.tokens_per_image = tokens_per_image(hf_config, path)
         self._lock = threading.Lock()
 
     def __call__(self, prompt: ImagePrompt) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
         """The prompt's token ids (placeholders expanded) and its images' features, in order."""
-        try:
-            with self._lock:
-                out = self.processor(
-                    text=prompt.prompt,
-                    images=list(prompt.images) or None,
-                    add_special_tokens=prompt.add_special_tokens,
-                    return_tensors="np",
-                )
-        except (ValueError, TypeError, OSError, OverflowError, MemoryError, IndexError) as exc:
-            raise ValueError(f"cannot process the prompt's images: {exc}") from exc
-        token_ids = [int(t) for t in out["input_ids"][0]]
-        pixels = out.get("pixel_values")
-        offsets = self._placeholder_offsets(token_ids, len(prompt.images))
+        images = self._images(prompt.images)
+        lengths = [self._num_tokens(data) for data in images]
+        token_ids = self._expand_and_tokenize(prompt, lengths)
+        offsets = self._placeholder_offsets(token_ids, lengths)
         features = tuple(
-            MultiModalFeature(
-                "image",
-                content_identifier(self.model_type.encode(), str(p.shape).encode(), np.ascontiguousarray(p).tobytes()),
-                offset,
-                self.tokens_per_image,
-                {"pixel_values": np.ascontiguousarray(p)},
-            )
-            for offset, p in zip(offsets, pixels if pixels is not None else (), strict=True)
+            MultiModalFeature("image", _identifier(self.model_type, data), offset, length, data)
+            for offset, length, data in zip(offsets, lengths, images, strict=True)
         )
         return token_ids, features
 
-    def _placeholder_offsets(self, token_ids: Sequence[int], num_images: int) -> list[int]:
-        """Where each image's run of placeholder tokens starts (runs of adjacent images abut)."""
-        ids = np.asarray(token_ids)
-        positions = np.flatnonzero(ids == self.image_token_id)
-        if len(positions) != num_images * self.tokens_per_image:
+    def _images(self, images: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        """Each image's encoder inputs (its pixel values, and its patch grid where the size varies)."""
+        if not images:
+            return []
+        try:
+            with self._lock:
+                out = self.image_processor(list(images), return_tensors="np")
+        except (ValueError, TypeError, OSError, OverflowError, MemoryError, IndexError) as exc:
+            raise ValueError(f"cannot process the prompt's images: {exc}") from exc
+        pixels = out["pixel_values"]
+        if "image_grid_thw" not in out:
+            return [{"pixel_values": np.ascontiguousarray(p)} for p in pixels]
+        grids = out["image_grid_thw"]
+        ends = np.cumsum(grids.prod(axis=1))  # the images' patches, one after another
+        return [
+            {"pixel_values": np.ascontiguousarray(pixels[end - grid.prod() : end]), "image_grid_thw": grid}
+            for end, grid in zip(ends, grids, strict=True)
+        ]
+
+    def _num_tokens(self, data: dict[str, np.ndarray]) -> int:
+        if "image_grid_thw" in data:
+            return int(data["image_grid_thw"].prod()) // self.image_processor.merge_size**2
+        return self.tokens_per_image
+
+    def _expand_and_tokenize(self, prompt: ImagePrompt, lengths: list[int]) -> list[int]:
+        pieces = prompt.prompt.split(self.image_token)
+        if len(pieces) - 1 != len(lengths):
             raise ValueError(
-                f"the prompt has {len(positions)} image placeholder tokens for {num_images} image(s) "
-                f"of {self.tokens_per_image} each"
+                f"the prompt has {len(pieces) - 1} image placeholders ({self.image_token}) for {len(lengths)} image(s)"
             )
-        runs = positions.reshape(num_images, self.tokens_per_image)
-        if (runs[:, -1] - runs[:, 0] != self.tokens_per_image - 1).any():
-            raise ValueError("an image's placeholder tokens are not all together in the prompt")
-        return [int(start) for start in runs[:, 0]]
+        text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(lengths, pieces[1:]))
+        return list(self.tokenizer()(text, add_special_tokens=prompt.add_special_tokens)["input_ids"])
+
+    def _placeholder_offsets(self, token_ids: Sequence[int], lengths: list[int]) -> list[int]:
+        """Where each image's run of placeholder tokens starts (runs of adjacent images abut)."""
+        positions = np.flatnonzero(np.asarray(token_ids) == self.image_token_id)
+        if len(positions) != sum(lengths):
+            raise ValueError(f"the prompt tokenizes to {len(positions)} image placeholder tokens, not {sum(lengths)}")
+        starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
+        for start, n in zip(starts, lengths):
+            if positions[start + n - 1] - positions[start] != n - 1:
+                raise ValueError("an image's placeholder tokens are not all together in the prompt")
+        return [int(positions[start]) for start in starts]
+
+
+def _identifier(model_type: str, data: dict[str, np.ndarray]) -> int:
+    """The content hash of what the encoder is fed: every array, its name and shape included."""
+    parts = [model_type.encode()]
+    for name in sorted(data):
+        array = np.ascontiguousarray(data[name])
+        parts += [name.encode(), str(array.dtype).encode(), str(array.shape).encode(), array.tobytes()]
+    return content_identifier(*parts)

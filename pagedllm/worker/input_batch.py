@@ -11,6 +11,7 @@ a large batch are one copy out of an int32 array that keeps every table in a row
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +45,8 @@ class RequestState:
     # token mask is the request's row + j.
     spec_position: int = 0
     mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images
+    # Its prompt's M-RoPE positions (the model's RopePositions), made at its first step that needs them.
+    rope_positions: Any = None
 
     @property
     def num_output_tokens(self) -> int:

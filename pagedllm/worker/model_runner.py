@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
 from pagedllm import heap
@@ -89,6 +90,7 @@ class ModelRunner:
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
         mm = self._images(output, states, meta)
+        positions = self._rope_positions(states, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, **({"mm": mm} if mm is not None else {}))
         result = ModelRunnerOutput()
         self._pool(hidden, output.scheduled, states, meta, result)
@@ -139,6 +141,27 @@ class ModelRunner:
         if not rows:
             return None
         return MultiModalEmbeds(torch.cat(rows).to(self.device), torch.cat(embeds))
+
+    def _rope_positions(
+        self, states: list[RequestState], positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """A model with M-RoPE, in a step with a request whose prompt has images: [3, tokens] rows
+        of rotary positions, its own from the model for that request's tokens; else `positions`."""
+        if not getattr(self.model, "mrope", False) or not any(state.mm_features for state in states):
+            return positions
+        rows = positions.expand(3, -1).clone()
+        first = 0
+        for state, num_rows in zip(states, meta.query_lens_list):
+            if state.mm_features:
+                if state.rope_positions is None:
+                    state.rope_positions = self.model.rope_positions(state.mm_features, state.num_prompt_tokens)
+                prompt, delta = state.rope_positions.prompt, state.rope_positions.delta
+                index = np.arange(state.num_computed_tokens, state.num_computed_tokens + num_rows)
+                inside = index < prompt.shape[1]
+                block = np.where(inside, prompt[:, np.minimum(index, prompt.shape[1] - 1)], index + delta)
+                rows[:, first : first + num_rows] = torch.from_numpy(block)
+            first += num_rows
+        return rows
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
