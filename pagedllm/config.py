@@ -181,6 +181,9 @@ class SchedulerConfig:
     # what a step may encode (at least the largest image); 0: the model takes no images.
     encoder_cache_size: int = 0
     encoder_budget: int = 0
+    # An image's tokens attend to each other both ways (Gemma 3): a step never ends inside an
+    # image, nor does a request's run of prefix hits.
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

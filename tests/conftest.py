@@ -111,6 +111,13 @@ def qwen2_vl_dir(tmp_path_factory, tokenizer_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def gemma3_vl_dir(tmp_path_factory, tokenizer_dir) -> str:
+    from vlm_utils import make_gemma3_vl
+
+    return make_gemma3_vl(tmp_path_factory.mktemp("gemma3_vl"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tiny_models) -> str:
     return tiny_models["llama"]
 

@@ -31,6 +31,7 @@ workload_st = st.fixed_dictionaries(
         "encoder_slack": st.integers(0, 20),  # a step's encoder rows past the largest image
         "threshold": st.sampled_from([0, 0, 0.5, 2]),  # long_prefill_token_threshold: prompts held beside decodes
         "keys": st.sampled_from([0.0, 5.0]),
+        "whole_images": st.booleans(),  # Gemma 3's: no step, and no run of prefix hits, ends inside an image
     }
 )
 
@@ -74,12 +75,13 @@ def test_the_worker_always_holds_the_images_a_step_reads_and_encodes_each_once_w
     kv = KVCacheManager(cdiv(MAX_MODEL_LEN, w["block_size"]) + w["spare_blocks"], w["block_size"])
     config = SchedulerConfig(
         w["max_num_seqs"],
-        w["budget"],
+        max(w["budget"], largest) if w["whole_images"] else w["budget"],  # (as the builder requires)
         MAX_MODEL_LEN,
         encoder_cache_size=largest + w["cache_slack"],
         encoder_budget=largest + w["encoder_slack"],
         long_prefill_token_threshold=w["threshold"],
         attention_keys_per_token=w["keys"],
+        whole_images=w["whole_images"],
     )
     scheduler = Scheduler(config, kv)
     worker: dict[int, int] = {}  # identifier -> rows: the worker's encoder cache
@@ -103,10 +105,12 @@ def test_the_worker_always_holds_the_images_a_step_reads_and_encodes_each_once_w
                 assert feature.identifier not in worker  # encoded again while cached
                 worker[feature.identifier] = feature.length
                 encoded += feature.length
-            end = scheduled.num_computed_tokens + scheduled.num_new_tokens
+            start, end = scheduled.num_computed_tokens, scheduled.num_computed_tokens + scheduled.num_new_tokens
             for feature in request.mm_features:
-                if feature.overlaps(scheduled.num_computed_tokens, end):
+                if feature.overlaps(start, end):
                     assert worker.get(feature.identifier) == feature.length  # the step reads it
+                if config.whole_images:
+                    assert not feature.offset < start < feature.end and not feature.offset < end < feature.end
         assert encoded <= config.encoder_budget
         assert output.num_scheduled_tokens <= config.max_num_batched_tokens
         assert set(worker) == set(scheduler.encoder_cache.sizes)

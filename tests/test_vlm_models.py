@@ -2,7 +2,8 @@
 encoder's output, greedy tokens and logprobs with images (chunked prefill cutting through them,
 several a prompt, n > 1, preemption), prefix-cache hits on a repeated image and misses on another,
 and the bad inputs an image prompt can bring. Each family: LLaVA-1.5 (a fixed number of tokens an
-image), Qwen2-VL (each image's own resolution and token count, M-RoPE)."""
+image), Qwen2-VL (each image's own resolution and token count, M-RoPE), Gemma 3 (an image's tokens
+attend to each other both ways: no step cuts through one)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from vlm_utils import MAX_TOKENS, QWEN2_VL_IMAGE, hf_greedy, load_hf_llava, load_hf_qwen2_vl, picture
+from vlm_utils import (
+    GEMMA3_IMAGE,
+    MAX_TOKENS,
+    QWEN2_VL_IMAGE,
+    hf_greedy,
+    load_hf_gemma3,
+    load_hf_llava,
+    load_hf_qwen2_vl,
+    picture,
+)
 
 
 @dataclass
@@ -30,13 +40,18 @@ class Family:
         return [i for i, t in enumerate(ids) if t == self.hf[0].config.image_token_id]
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+FAMILIES = {
+    "llava": ("llava_dir", load_hf_llava, "<image>"),
+    "qwen2_vl": ("qwen2_vl_dir", load_hf_qwen2_vl, QWEN2_VL_IMAGE),
+    "gemma3": ("gemma3_vl_dir", load_hf_gemma3, GEMMA3_IMAGE),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def vlm(request) -> Family:
-    if request.param == "llava":
-        path = request.getfixturevalue("llava_dir")
-        return Family(path, load_hf_llava(path), "<image>")
-    path = request.getfixturevalue("qwen2_vl_dir")
-    return Family(path, load_hf_qwen2_vl(path), QWEN2_VL_IMAGE)
+    fixture, load, placeholder = FAMILIES[request.param]
+    path = request.getfixturevalue(fixture)
+    return Family(path, load(path), placeholder)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +99,8 @@ def test_the_vision_encoder_equals_transformers(vlm):
                 theirs = hf.model.get_image_features(pixels, torch.from_numpy(grid))
             else:
                 ours = model.encode_image({"pixel_values": inputs["pixel_values"][0]})
-                theirs = hf.model.get_image_features(pixels, vision_feature_layer=-2)
+                layer = {"vision_feature_layer": -2} if hf.config.model_type == "llava" else {}
+                theirs = hf.model.get_image_features(pixels, **layer)
         theirs = getattr(theirs, "pooler_output", theirs)
         torch.testing.assert_close(ours, torch.cat(list(theirs)).reshape(ours.shape), atol=1e-5, rtol=1e-5)
 
@@ -150,7 +166,7 @@ def test_a_repeated_image_hits_the_prefix_cache_and_another_misses(vlm):
     assert (encoder_cache.num_hits, encoder_cache.num_encoded) == (1, 2)
     stats = llm.engine.stats()
     assert (stats.encoder_cache_queries, stats.encoder_cache_hits, stats.encoder_cache_entries) == (3, 1, 2)
-    largest = {"llava": 4, "qwen2_vl": 16}[vlm.hf[0].config.model_type]  # (112x112 px for Qwen2-VL)
+    largest = {"llava": 4, "qwen2_vl": 16, "gemma3": 4}[vlm.hf[0].config.model_type]  # (112x112 px for Qwen2-VL)
     # Two images' rows held; room for 8 of the largest.
     assert (stats.encoder_cache_used, stats.encoder_cache_size) == (2 * len(placeholders), 8 * largest)
 
@@ -187,13 +203,15 @@ def test_bad_image_prompts_are_refused_by_name(vlm, llama_dir):
         text_only.generate([{"prompt": one, "multi_modal_data": {"image": picture(1)}}], use_tqdm=False)
 
 
-def test_what_a_vision_language_model_does_not_take_yet_is_refused_at_start(llava_dir, llama_dir):
+def test_what_a_vision_language_model_does_not_take_yet_is_refused_at_start(llava_dir, gemma3_vl_dir, llama_dir):
     with pytest.raises(ValueError, match="draft-model speculation does not take a vision-language model"):
         LLM(llava_dir, speculative_config={"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="mm_encoder_cache_tokens .3. must hold an image: 4 embeddings"):
         LLM(llava_dir, mm_encoder_cache_tokens=3)
     with pytest.raises(ValueError, match="does not split over tensor-parallel ranks"):
         LLM(llava_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(3\) must hold an image's 4 tokens"):
+        LLM(gemma3_vl_dir, max_num_batched_tokens=3)
 
 
 def test_bf16_outputs_are_batch_and_chunk_invariant(vlm):

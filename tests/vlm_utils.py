@@ -1,4 +1,4 @@
-"""Tiny vision-language models (conftest's llava_dir and qwen2_vl_dir write them once a session)
+"""Tiny vision-language models (conftest's llava_dir, qwen2_vl_dir and gemma3_vl_dir write them once a session)
 and transformers' greedy tokens on them."""
 
 from __future__ import annotations
@@ -101,6 +101,80 @@ def make_qwen2_vl(path, tokenizer_dir: str) -> str:
     return str(path)
 
 
+GEMMA3_IMAGE = "<start_of_image>"
+
+
+def make_gemma3_vl(path, tokenizer_dir: str) -> str:
+    """Gemma 3's shape in small: a 2-layer SigLIP tower (56 px, 14 px patches pooled 2x2: 4 tokens
+    an image), test_gemma3's 4-layer text model (windows of 8 beside a full layer)."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+    )
+
+    specials = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens=specials)
+    boi, eoi, image = tokenizer.convert_tokens_to_ids(list(specials.values()))
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=512,
+        sliding_window=8,  # smaller than the prompts, and than an image's reach
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        },
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.2,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=56,
+        patch_size=14,
+        initializer_range=0.2,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=image,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # HF starts Gemma's norm weights at 0 (a scale of 1): make them matter
+        for name, param in model.named_parameters():
+            if "norm" in name and "vision_tower" not in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    images = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    Gemma3Processor(images, tokenizer, image_seq_length=4).save_pretrained(path)
+    return str(path)
+
+
+def load_hf_gemma3(path: str):
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(path, backend="pil")
+
+
 def load_hf_llava(path: str):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
@@ -142,7 +216,12 @@ def hf_greedy(hf_vlm, prompt: str, images: list, add_special_tokens: bool = True
             tokens.append(token)
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
             # The next pass's inputs: the token appended (a text token: attended, of type 0).
-            for name, column in (("input_ids", token), ("attention_mask", 1), ("mm_token_type_ids", 0)):
+            for name, column in (
+                ("input_ids", token),
+                ("attention_mask", 1),
+                ("mm_token_type_ids", 0),
+                ("token_type_ids", 0),
+            ):
                 if name in inputs:
                     inputs[name] = torch.cat([inputs[name], torch.tensor([[column]])], dim=1)
     return tokens, logprobs

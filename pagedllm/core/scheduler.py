@@ -132,7 +132,9 @@ class Scheduler:
             before = None  # (room, chosen_prefill) before a held prompt's chunk took its share
             if request.num_tokens - request.num_computed_tokens > 1 and request.request_id in self._held_prefills:
                 before = room, chosen_prefill
-                num_new, room = self._chunk_within(request.num_computed_tokens, num_new, room, first=not chosen_prefill)
+                num_new, room = self._held_chunk(
+                    request, request.num_computed_tokens, num_new, room, not chosen_prefill
+                )
                 chosen_prefill = True
                 if num_new == 0:
                     i += 1
@@ -162,13 +164,15 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed = self.kv.get_computed_blocks(request)
+            if self.config.whole_images:
+                del computed[self._blocks_before_image(request, len(computed)) :]
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             before = None
             if request.request_id in self._held_prefills:
                 before = room, chosen_prefill
-                num_new, room = self._chunk_within(
-                    request.num_computed_tokens + num_cached, num_new, room, first=not chosen_prefill
+                num_new, room = self._held_chunk(
+                    request, request.num_computed_tokens + num_cached, num_new, room, not chosen_prefill
                 )
                 if num_new == 0:
                     break
@@ -249,7 +253,11 @@ class Scheduler:
         have room, else the step stops before it (perhaps at once). The tokens and the budget left."""
         start = request.num_computed_tokens
         for index, feature in enumerate(request.mm_features):
-            if not feature.overlaps(start, start + num_new) or self.encoder_cache.lookup(request.request_id, feature):
+            if not feature.overlaps(start, start + num_new):
+                continue
+            if self.config.whole_images and feature.end > start + num_new:
+                return max(feature.offset - start, 0), budget
+            if self.encoder_cache.lookup(request.request_id, feature):
                 continue
             if feature.length > budget or not self.encoder_cache.can_allocate(feature):
                 return max(feature.offset - start, 0), budget
@@ -257,6 +265,26 @@ class Scheduler:
             self._step_encodes.setdefault(request.request_id, []).append(index)
             budget -= feature.length
         return num_new, budget
+
+    def _blocks_before_image(self, request: Request, num_hits: int) -> int:
+        """How many of a request's first `num_hits` cached blocks it takes where no run of hits
+        may end inside an image: those before the image their end would cut."""
+        end = num_hits * self.kv.block_size
+        for feature in request.mm_features:
+            if feature.offset < end < feature.end:
+                return feature.offset // self.kv.block_size
+        return num_hits
+
+    def _held_chunk(self, request: Request, start: int, num_new: int, room: float, first: bool) -> tuple[int, float]:
+        """_chunk_within for a held prompt. Where images are whole, the step's first prefill, had it
+        to end inside an image, goes on to the image's end if `num_new` reaches it (else it could
+        never pass an image larger than the room: _schedule_encoder stops a chunk before it)."""
+        count, left = self._chunk_within(start, num_new, room, first)
+        if self.config.whole_images and first:
+            for feature in request.mm_features:
+                if feature.offset < start + count < feature.end <= start + num_new:
+                    return feature.end - start, room - self._chunk_cost(start, feature.end - start)
+        return count, left
 
     def _refund(self, before: tuple[float, bool], start: int, count: int) -> tuple[float, bool]:
         """The prefill room and whether a held prompt has taken its share, once the encoder cut a

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -42,6 +42,7 @@ from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.layers.compile import compile_torch_paths
 from pagedllm.models.loader import check_tensor_parallel, load_model_config
+from pagedllm.models.registry import model_class
 from pagedllm.multimodal.processing import tokens_per_image
 from pagedllm.spec_decode import speculative_proposer
 from pagedllm.structured_output import StructuredOutputManager
@@ -65,16 +66,23 @@ def _long_prefill_token_threshold(args: EngineArgs) -> float:
     return DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD if threshold is None else threshold
 
 
-def _encoder_budgets(args: EngineArgs, model_config: ModelConfig, batched: int) -> dict[str, int]:
+def _encoder_budgets(args: EngineArgs, model_config: ModelConfig, batched: int) -> dict[str, Any]:
     """The encoder cache's rows (--mm-encoder-cache-tokens, else 8 of the largest images) and a
-    step's encoder rows (--max-num-batched-tokens), each at least one image; none for text models."""
+    step's encoder rows (--max-num-batched-tokens), each at least one image, and whether a step must
+    hold whole images; none for text models."""
     largest = tokens_per_image(model_config.hf_config, model_config.path)
     if not largest:
         return {}
     cache = args.mm_encoder_cache_tokens or IMAGES_IN_ENCODER_CACHE * largest
     if cache < largest:
         raise ValueError(f"mm_encoder_cache_tokens ({cache}) must hold an image: {largest} embeddings")
-    return {"encoder_cache_size": cache, "encoder_budget": max(batched, largest)}
+    whole = getattr(model_class(model_config.hf_config), "bidirectional_images", False)
+    if whole and batched < largest:
+        raise ValueError(
+            f"max_num_batched_tokens ({batched}) must hold an image's {largest} tokens: this model's image "
+            "tokens attend to each other both ways, so a step never cuts through an image"
+        )
+    return {"encoder_cache_size": cache, "encoder_budget": max(batched, largest), "whole_images": whole}
 
 
 def load_config(args: EngineArgs) -> ModelConfig:
@@ -117,6 +125,13 @@ def make_engine_core(
     if spec is not None:
         logger.info("Speculative decoding: %s", spec.describe())
     draft_config = draft_model_config(spec, args, model_config)
+    batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
+    if not model_config.is_causal and batched < model_config.max_model_len:
+        raise ValueError(
+            f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
+            f"must be at least max_model_len ({model_config.max_model_len})"
+        )
+    encoder = _encoder_budgets(args, model_config, batched)
     executor = make_executor(args, model_config, draft_config)
     try:
         num_blocks = _num_kv_blocks(args, model_config, executor.kv_cache_bytes_per_block())
@@ -127,12 +142,6 @@ def make_engine_core(
     except BaseException:
         executor.shutdown()  # no worker process outlives a failed start
         raise
-    batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.block_size)
-    if not model_config.is_causal and batched < model_config.max_model_len:
-        raise ValueError(
-            f"an encoder computes each prompt in one step: max_num_batched_tokens ({batched}) "
-            f"must be at least max_model_len ({model_config.max_model_len})"
-        )
     kv = _kv_cache_manager(args, model_config, num_blocks)
     lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
     scheduler = Scheduler(
@@ -146,7 +155,7 @@ def make_engine_core(
             attention_keys_per_token=attention_keys_per_token(model_config.hf_config)
             if model_config.is_causal
             else 0.0,
-            **_encoder_budgets(args, model_config, batched),
+            **encoder,
         ),
         kv,
     )

@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Models with several groups of layers (config.KVCacheGroups): groups 1..'s (slot_mapping,
     # block_tables); the fields above are group 0's.
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Images whose tokens attend to each other both ways (Gemma 3), each wholly in this step: (the
+    # sequence's index in the step, its first row, one past its last row).
+    image_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of `group` attends with: its group's slots and block tables."""
@@ -148,27 +151,71 @@ def paged_attention_reference(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Pure-torch attention, one sequence at a time: the oracle for the kernel and its fallback."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = q.shape[1] // num_kv_heads
     outputs = []
     start = 0
     for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.query_lens_list)):
-        blocks = meta.block_tables[b, : -(-seq_len // block_size)].long()
-        k = from_cache(k_cache[blocks], q.dtype, scales.k).reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = from_cache(v_cache[blocks], q.dtype, scales.v).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos
         if sliding_window:
             mask &= k_pos > q_pos - sliding_window
-        qs = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-        ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
-        vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        if softcap:
-            scores = torch.tanh(qs @ ks.transpose(1, 2) * scale / softcap) * softcap
-            out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float).to(vs.dtype) @ vs
-        else:
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        outputs.append(out.transpose(0, 1))
+        rows = q[start : start + q_len]
+        outputs.append(_attend(rows, k_cache, v_cache, meta.block_tables[b], seq_len, mask, scale, scales, softcap))
         start += q_len
     return torch.cat(outputs, dim=0)
+
+
+def image_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    scales: KVScales = KVScales(),
+    softcap: float | None = None,
+) -> None:
+    """Over `out` (the causal attention's), each of meta.image_spans' rows attends as transformers'
+    Gemma 3 has it: to every key up to its image's last token (those after it in the same image
+    too), within its window. Each image is computed alone, whatever else its step holds."""
+    starts = meta.query_start_loc.tolist()
+    for b, lo, hi in meta.image_spans:
+        first = meta.seq_lens_list[b] - meta.query_lens_list[b]  # the position of the sequence's row starts[b]
+        end = first + hi - starts[b]  # one past the image's last position: its keys' end
+        mask = None
+        if sliding_window:
+            q_pos = torch.arange(first + lo - starts[b], end, device=q.device)[:, None]
+            mask = torch.arange(end, device=q.device)[None, :] > q_pos - sliding_window
+        out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, meta.block_tables[b], end, mask, scale, scales, softcap)
+
+
+def _attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    mask: torch.Tensor | None,
+    scale: float,
+    scales: KVScales,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q: [rows, heads, head_dim] over a sequence's first `num_keys` cached keys where `mask`
+    ([rows, num_keys]; None: all) allows -> [rows, heads, head_dim]."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    blocks = block_table[: -(-num_keys // block_size)].long()
+    k = from_cache(k_cache[blocks], q.dtype, scales.k).reshape(-1, num_kv_heads, head_dim)[:num_keys]
+    v = from_cache(v_cache[blocks], q.dtype, scales.v).reshape(-1, num_kv_heads, head_dim)[:num_keys]
+    qs = q.transpose(0, 1)  # [H, rows, D]
+    ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
+    vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    if softcap:
+        scores = torch.tanh(qs @ ks.transpose(1, 2) * scale / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1, dtype=torch.float).to(vs.dtype) @ vs
+    else:
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)

@@ -16,7 +16,13 @@ from torch import nn
 from pagedllm.config import head_dim, kv_cache_groups, sliding_windows
 from pagedllm.distributed.parallel_state import all_gather_shares, head_share, tensor_parallel
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.attention import AttentionMetadata, KVScales, paged_attention, rotary_and_write_kv
+from pagedllm.layers.attention import (
+    AttentionMetadata,
+    KVScales,
+    image_attention,
+    paged_attention,
+    rotary_and_write_kv,
+)
 from pagedllm.layers.linear import GateUpLinear, Linear, LinearMethodBase, QKVLinear, SiluAndMulLinear, load_weight
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
@@ -131,9 +137,10 @@ class Attention(nn.Module):
         q, _, _ = rotary_and_write_kv(
             qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads, self.kv_scales
         )
-        out = paged_attention(
-            q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.kv_scales, self.logit_softcap
-        )
+        args = (kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.kv_scales, self.logit_softcap)
+        out = paged_attention(q, *args)
+        if meta.image_spans:
+            image_attention(out, q, *args)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def kernel_spec(self) -> tuple | str:

@@ -158,13 +158,19 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.model.embed_scale).to(x.dtype)  # an fp32 scalar in the model's dtype, as HF rounds it
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         ropes = {kind: rotary.tables(positions) for kind, rotary in self.model.rotary.items()}
         for layer, kind, kv_cache in zip(self.model.layers, self.model.layer_types, kv_caches):
             x = layer(x, ropes[kind], kv_cache, attn_metadata)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        return x * torch.tensor(self.model.embed_scale).to(
+            x.dtype
+        )  # an fp32 scalar in the model's dtype, as HF rounds it
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

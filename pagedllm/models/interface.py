@@ -82,6 +82,9 @@ class MultiModalLM(CausalLM):
     def encode_image(self, data: dict[str, np.ndarray]) -> torch.Tensor:
         """One image -> [placeholder tokens, hidden] in the model's dtype."""
 
+    # Whether an image's tokens attend to each other both ways (Gemma 3): the runner marks each
+    # image's rows (AttentionMetadata.image_spans), and no step may end inside an image.
+    bidirectional_images: ClassVar[bool] = False
     # Whether its rotary positions are M-RoPE's three a token, which images give (rope_positions);
     # else a token's position is its index.
     mrope: ClassVar[bool] = False

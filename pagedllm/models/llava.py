@@ -12,7 +12,7 @@ from torch import nn
 from pagedllm.config import text_config
 from pagedllm.models.registry import model_class
 from pagedllm.models.vision import CLIPVisionTower, activation
-from pagedllm.models.vlm import VisionLanguageModel
+from pagedllm.models.vlm import VisionLanguageModel, language_model_tensor
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -51,13 +51,10 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         """Both the files' layout (language_model.model.*) and transformers' own
         (model.language_model.*) are read; the tower's layers past the one used, and its unused
         final norm, are dropped."""
+        text = language_model_tensor(name)
+        if text is not None:
+            return "text", text
         name = name.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.")
-        if name.startswith("language_model.model.") or name.startswith("language_model.lm_head."):
-            return "text", name.removeprefix("language_model.")
-        if name.startswith("language_model."):
-            return "text", "model." + name.removeprefix("language_model.")
-        if name == "lm_head.weight":
-            return "text", name
         if name.startswith("vision_tower.encoder.layers.") and int(name.split(".")[3]) >= self.num_vision_layers:
             return None
         return None if name.startswith("vision_tower.post_layernorm.") else ("vision", name)

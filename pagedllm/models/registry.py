@@ -30,6 +30,7 @@ _MODELS = {
     "MixtralForCausalLM": Family("mixtral", "mixtral"),  # (llama.cpp writes Mixtral as "llama" with experts)
     "LlavaForConditionalGeneration": Family("llava", "llava"),
     "Qwen2VLForConditionalGeneration": Family("qwen2_vl", "qwen2_vl"),
+    "Gemma3ForConditionalGeneration": Family("gemma3_mm", "gemma3"),
     "BertModel": Family("bert"),
 }
 

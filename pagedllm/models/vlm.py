@@ -15,6 +15,18 @@ from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.interface import KVCache, MultiModalEmbeds, MultiModalLM
 
 
+def language_model_tensor(name: str) -> str | None:
+    """A tensor's name in a plain checkpoint of the language model's family, from the layout of
+    LLaVA's and Gemma 3's files (language_model.model.*, language_model.lm_head.*) or transformers'
+    own (model.language_model.*, lm_head.*); None: not the language model's."""
+    name = name.removeprefix("model.")
+    if name.startswith("language_model.model.") or name.startswith("language_model.lm_head."):
+        return name.removeprefix("language_model.")
+    if name.startswith("language_model."):
+        return "model." + name.removeprefix("language_model.")
+    return name if name == "lm_head.weight" else None
+
+
 class VisionLanguageModel(MultiModalLM):
     supports_tensor_parallel = False
     default_pooler = PoolerConfig("LAST", normalize=True)

@@ -38,6 +38,8 @@ def tokens_per_image(hf_config, path: str) -> int:
         vision = hf_config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
         return patches + (1 if hf_config.vision_feature_select_strategy == "full" else 0)
+    if model_type == "gemma3":
+        return hf_config.mm_tokens_per_image
     if model_type == "qwen2_vl":
         from transformers import AutoImageProcessor
 
@@ -77,8 +79,16 @@ class ImageProcessor:
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         self.tokenizer = tokenizer
         self.model_type = hf_config.model_type
+        if getattr(self.image_processor, "do_pan_and_scan", False):
+            raise ValueError("the image processor's do_pan_and_scan (Gemma 3's crops) is not supported")
         self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
         self.image_token = tokenizer().convert_ids_to_tokens(self.image_token_id)
+        # What stands for an image in a prompt, and the text it becomes for an image of n tokens.
+        self.placeholder, self._around = self.image_token, ("", "")
+        if self.model_type == "gemma3":  # <start_of_image> becomes its soft tokens, wrapped
+            self.placeholder = tokenizer().convert_ids_to_tokens(hf_config.boi_token_index)
+            end = tokenizer().convert_ids_to_tokens(hf_config.eoi_token_index)
+            self._around = (f"\n\n{self.placeholder}", f"{end}\n\n")
         self.tokens_per_image = tokens_per_image(hf_config, path)
         self._lock = threading.Lock()
 
@@ -119,12 +129,15 @@ class ImageProcessor:
         return self.tokens_per_image
 
     def _expand_and_tokenize(self, prompt: ImagePrompt, lengths: list[int]) -> list[int]:
-        pieces = prompt.prompt.split(self.image_token)
+        pieces = prompt.prompt.split(self.placeholder)
         if len(pieces) - 1 != len(lengths):
             raise ValueError(
-                f"the prompt has {len(pieces) - 1} image placeholders ({self.image_token}) for {len(lengths)} image(s)"
+                f"the prompt has {len(pieces) - 1} image placeholders ({self.placeholder}) for {len(lengths)} image(s)"
             )
-        text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(lengths, pieces[1:]))
+        before, after = self._around
+        text = pieces[0] + "".join(
+            before + self.image_token * n + after + piece for n, piece in zip(lengths, pieces[1:])
+        )
         return list(self.tokenizer()(text, add_special_tokens=prompt.add_special_tokens)["input_ids"])
 
     def _placeholder_offsets(self, token_ids: Sequence[int], lengths: list[int]) -> list[int]:

@@ -135,6 +135,8 @@ class ModelRunner:
                 starts = meta.query_start_loc.tolist() if starts is None else starts
                 lo, hi = max(start, feature.offset), min(end, feature.end)
                 rows.append(torch.arange(starts[i] + lo - start, starts[i] + hi - start))
+                if self.model.bidirectional_images:
+                    meta.image_spans.append((i, starts[i] + lo - start, starts[i] + hi - start))
                 if feature.identifier not in self.encoder_cache:  # (a failed step's, booked but never run)
                     self.encoder_cache[feature.identifier] = self.model.encode_image(feature.data)
                 embeds.append(self.encoder_cache[feature.identifier][lo - feature.offset : hi - feature.offset])
