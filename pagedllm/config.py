@@ -69,6 +69,7 @@ class ModelConfig:
     supported_tasks: tuple[str, ...] = ("generate",)
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     is_causal: bool = True  # False: an encoder (no KV cache, prompts computed whole)
+    mmproj: str | None = None  # the vision projector file beside a GGUF text model (EngineArgs.mmproj)
 
     @property
     def cache_dtype(self) -> str:
@@ -209,6 +210,8 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | None = None
     mm_encoder_cache_tokens: int | None = None
     allowed_local_media_path: str | None = None  # file: image URLs are read only under this folder
+    # A vision projector GGUF file (llama.cpp's mmproj) that makes a GGUF text model take images.
+    mmproj: str | None = None
     seed: int = 0
     device: str = "cpu"
     served_model_name: str | None = None

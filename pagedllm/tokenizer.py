@@ -15,6 +15,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from pagedllm.config import text_config
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -35,7 +37,7 @@ def load_tokenizer(model_config: ModelConfig, tokenizer: str | None = None) -> P
     elif model_config.is_gguf:
         from pagedllm.models.gguf import load_gguf_tokenizer
 
-        loaded = load_gguf_tokenizer(model_config.path, model_config.hf_config)
+        loaded = load_gguf_tokenizer(model_config.path, text_config(model_config.hf_config))
     else:
         loaded = AutoTokenizer.from_pretrained(model_config.path)
     family = model_class(model_config.hf_config)

@@ -104,9 +104,11 @@ def make_qwen2_vl(path, tokenizer_dir: str) -> str:
 GEMMA3_IMAGE = "<start_of_image>"
 
 
-def make_gemma3_vl(path, tokenizer_dir: str) -> str:
+def make_gemma3_vl(path, tokenizer_dir: str, **text_overrides) -> str:
     """Gemma 3's shape in small: a 2-layer SigLIP tower (56 px, 14 px patches pooled 2x2: 4 tokens
-    an image), test_gemma3's 4-layer text model (windows of 8 beside a full layer)."""
+    an image), test_gemma3's 4-layer text model (windows of 8 beside a full layer). The tower's and
+    the projector's weights come from a generator of their own, whatever the text model is, so
+    that tests/data's mmproj file (made from them by llama.cpp's converter) holds them."""
     from transformers import (
         AutoTokenizer,
         Gemma3Config,
@@ -118,28 +120,30 @@ def make_gemma3_vl(path, tokenizer_dir: str) -> str:
     specials = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens=specials)
     boi, eoi, image = tokenizer.convert_tokens_to_ids(list(specials.values()))
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=24,
-        max_position_embeddings=512,
-        sliding_window=8,  # smaller than the prompts, and than an image's reach
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "max_position_embeddings": 512,
+        "sliding_window": 8,  # smaller than the prompts, and than an image's reach
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
         },
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.2,
-    )
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "initializer_range": 0.2,
+        **text_overrides,
+    }
     vision = dict(
+        vision_use_head=False,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -162,10 +166,25 @@ def make_gemma3_vl(path, tokenizer_dir: str) -> str:
         for name, param in model.named_parameters():
             if "norm" in name and "vision_tower" not in name:
                 param.normal_(0.0, 0.3)
+        set_vision_weights(model)
     model.save_pretrained(path)
     images = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
     Gemma3Processor(images, tokenizer, image_seq_length=4).save_pretrained(path)
     return str(path)
+
+
+def set_vision_weights(model) -> None:
+    """The tower's and the projector's weights from their own seeded generator, in name order: norm
+    weights near 1 (the projector's Gemma norm near 0, an offset from 1), the rest N(0, 0.2). The
+    projection is rounded to float16, as llama.cpp's converter keeps it."""
+    generator = torch.Generator().manual_seed(46)
+    for name, param in sorted(model.named_parameters()):
+        if "language_model" in name:
+            continue
+        noise = torch.randn(param.shape, generator=generator) * (0.1 if "norm" in name else 0.2)
+        param.copy_(noise + 1 if "layer_norm" in name or "layernorm" in name else noise)
+        if "mm_input_projection" in name:
+            param.copy_(param.half().float())
 
 
 def load_hf_gemma3(path: str):

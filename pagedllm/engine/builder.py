@@ -96,6 +96,7 @@ def load_config(args: EngineArgs) -> ModelConfig:
         args.kv_cache_dtype,
         args.runner,
         args.pooler_config,
+        args.mmproj,
     )
 
 

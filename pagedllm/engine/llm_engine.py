@@ -68,7 +68,7 @@ class LLMEngine:
         self.tokenizers = PerThreadTokenizer(load_tokenizer(self.model_config, args.tokenizer))
         hf = self.model_config.hf_config
         self.images = (
-            ImageProcessor(self.model_config.path, hf, self.tokenizers.get)
+            ImageProcessor(self.model_config.path, hf, self.tokenizers.get, self.model_config.mmproj)
             if tokens_per_image(hf, self.model_config.path)
             else None
         )

@@ -57,6 +57,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a folder whose images requests may name by file: URL (default: none may)",
     )
+    parser.add_argument(
+        "--mmproj",
+        default=None,
+        help="a vision projector GGUF file (llama.cpp's mmproj) for a GGUF model: images in (Gemma 3's)",
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--served-model-name", default=None)

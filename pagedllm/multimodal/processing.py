@@ -73,10 +73,15 @@ class ImageProcessor:
     transformers processor does, and the text tokenized by the engine's tokenizer. (Not the
     processor class itself: Qwen2-VL's needs a video processor, which needs torchvision.)"""
 
-    def __init__(self, path: str, hf_config, tokenizer: Callable[[], PreTrainedTokenizerBase]) -> None:
+    def __init__(
+        self, path: str, hf_config, tokenizer: Callable[[], PreTrainedTokenizerBase], mmproj: str | None = None
+    ) -> None:
         from transformers import AutoImageProcessor
 
-        self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        if mmproj is not None:
+            self.image_processor = mmproj_image_processor(mmproj)
+        else:
+            self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         self.tokenizer = tokenizer
         self.model_type = hf_config.model_type
         if getattr(self.image_processor, "do_pan_and_scan", False):
@@ -150,6 +155,26 @@ class ImageProcessor:
             if positions[start + n - 1] - positions[start] != n - 1:
                 raise ValueError("an image's placeholder tokens are not all together in the prompt")
         return [int(positions[start]) for start in starts]
+
+
+def mmproj_image_processor(mmproj: str):
+    """Gemma 3's image processor (transformers', on Pillow) with a projector file's settings: its
+    image size, mean and standard deviation, as llama.cpp preprocesses for it."""
+    import gguf
+    from transformers import Gemma3ImageProcessorPil
+
+    fields = gguf.GGUFReader(mmproj).fields
+
+    def value(key: str):
+        field = fields.get(f"clip.vision.{key}")
+        if field is None:
+            raise ValueError(f"{mmproj}: the projector file lacks clip.vision.{key}")
+        return field.contents()
+
+    size = int(value("image_size"))
+    return Gemma3ImageProcessorPil(
+        size={"height": size, "width": size}, image_mean=list(value("image_mean")), image_std=list(value("image_std"))
+    )
 
 
 def _identifier(model_type: str, data: dict[str, np.ndarray]) -> int:
