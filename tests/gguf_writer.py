@@ -193,11 +193,13 @@ def write_gguf(
     if hf_arch not in _ARCHS:
         raise NotImplementedError(f"unsupported architecture {hf_arch}")
     arch = _ARCHS[hf_arch]
+    rope = cfg.get("rope_parameters") or {}
+    if arch == gguf.MODEL_ARCH.QWEN2 and "mrope_section" in rope:
+        arch = gguf.MODEL_ARCH.QWEN2VL  # Qwen2-VL's language model, as llama.cpp writes it
     n_layer, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     # transformers 5 moved rope_theta into rope_parameters; older configs keep it top-level.
-    rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3: per kind of layer; the file holds the global base
     rope_theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
 
@@ -222,6 +224,8 @@ def write_gguf(
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    if arch == gguf.MODEL_ARCH.QWEN2VL:  # M-RoPE's sections, four as llama.cpp keeps them
+        w.add_rope_dimension_sections([*rope["mrope_section"], 0, 0, 0][:4])
     if cfg.get("head_dim"):  # explicit head_dim (e.g. Qwen3) may differ from hidden/heads
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

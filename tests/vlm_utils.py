@@ -85,7 +85,8 @@ def make_qwen2_vl(path, tokenizer_dir: str) -> str:
         pad_token_id=2,
         initializer_range=0.2,
     )
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, initializer_range=0.2)
+    # Three blocks: llama.cpp's converter maps the merger's "mlp.2" as a block index.
+    vision = dict(depth=3, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, initializer_range=0.2)
     config = Qwen2VLConfig(
         text_config=text,
         vision_config=vision,
@@ -95,7 +96,10 @@ def make_qwen2_vl(path, tokenizer_dir: str) -> str:
         vision_end_token_id=end,
     )
     torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
+    model = Qwen2VLForConditionalGeneration(config)
+    with torch.no_grad():
+        set_vision_weights(model)
+    model.save_pretrained(path)
     Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -174,15 +178,18 @@ def make_gemma3_vl(path, tokenizer_dir: str, **text_overrides) -> str:
 
 
 def set_vision_weights(model) -> None:
-    """The tower's and the projector's weights from their own seeded generator, in name order: norm
-    weights near 1 (the projector's Gemma norm near 0, an offset from 1), the rest N(0, 0.2). The
+    """The tower's and the projector's weights from their own seeded generator, in name order:
+    LayerNorm weights near 1 (Gemma's norm near 0, an offset from 1), the rest N(0, 0.2). Gemma's
     projection is rounded to float16, as llama.cpp's converter keeps it."""
     generator = torch.Generator().manual_seed(46)
+    layer_norm_weights = {
+        f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.LayerNorm)
+    }
     for name, param in sorted(model.named_parameters()):
-        if "language_model" in name:
+        if "language_model" in name or name == "lm_head.weight":
             continue
-        noise = torch.randn(param.shape, generator=generator) * (0.1 if "norm" in name else 0.2)
-        param.copy_(noise + 1 if "layer_norm" in name or "layernorm" in name else noise)
+        noise = torch.randn(param.shape, generator=generator) * (0.1 if "norm" in name or "ln_" in name else 0.2)
+        param.copy_(noise + 1 if name in layer_norm_weights else noise)
         if "mm_input_projection" in name:
             param.copy_(param.half().float())
 

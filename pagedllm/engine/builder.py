@@ -70,7 +70,7 @@ def _encoder_budgets(args: EngineArgs, model_config: ModelConfig, batched: int) 
     """The encoder cache's rows (--mm-encoder-cache-tokens, else 8 of the largest images) and a
     step's encoder rows (--max-num-batched-tokens), each at least one image, and whether a step must
     hold whole images; none for text models."""
-    largest = tokens_per_image(model_config.hf_config, model_config.path)
+    largest = tokens_per_image(model_config.hf_config, model_config.path, model_config.mmproj)
     if not largest:
         return {}
     cache = args.mm_encoder_cache_tokens or IMAGES_IN_ENCODER_CACHE * largest
@@ -200,7 +200,7 @@ def draft_model_config(spec: SpeculativeConfig | None, args: EngineArgs, target:
     vocabulary, context and layers (a ValueError at start-up, before any weight loads)."""
     if spec is None or not spec.uses_draft_model:
         return None
-    if tokens_per_image(target.hf_config, target.path):
+    if tokens_per_image(target.hf_config, target.path, target.mmproj):
         raise ValueError("draft-model speculation does not take a vision-language model yet (ngram does)")
     draft = load_model_config(spec.model, args.dtype, None, args.device, spec.quantization, args.kv_cache_dtype)
     check_draft(target, draft)

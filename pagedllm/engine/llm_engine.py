@@ -69,7 +69,7 @@ class LLMEngine:
         hf = self.model_config.hf_config
         self.images = (
             ImageProcessor(self.model_config.path, hf, self.tokenizers.get, self.model_config.mmproj)
-            if tokens_per_image(hf, self.model_config.path)
+            if tokens_per_image(hf, self.model_config.path, self.model_config.mmproj)
             else None
         )
         self.max_model_len = self.model_config.max_model_len

@@ -15,10 +15,11 @@ from torch import nn
 
 from pagedllm.config import text_config
 from pagedllm.layers.rotary import RopeTables, apply_rotary
+from pagedllm.models.gguf import GGUFFormat, field_value
 from pagedllm.models.interface import RopePositions
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.vision import VisionMLP
-from pagedllm.models.vlm import VisionLanguageModel
+from pagedllm.models.vlm import VisionLanguageModel, language_model_tensor
 from pagedllm.multimodal.inputs import MultiModalFeature
 
 
@@ -108,8 +109,22 @@ class Qwen2VisionTransformer(nn.Module):
         return RopeTables(angles.cos(), angles.sin())
 
 
+def qwen2vl_gguf_config(reader, values: dict):
+    """A text file of llama.cpp's qwen2vl architecture: Qwen2's config with its M-RoPE sections
+    (the file's rope.dimension_sections), for the language model alone (Qwen2ForCausalLM); its
+    projector file (--mmproj) makes the vision-language model of it."""
+    from pagedllm.models.gguf_config import gguf_config
+
+    sections = [int(n) for n in field_value(reader, "qwen2vl.rope.dimension_sections") or []][:3]
+    if not sections:
+        raise ValueError("a qwen2vl GGUF file needs qwen2vl.rope.dimension_sections (M-RoPE)")
+    rope = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta", 1000000.0)), "mrope_section": sections}
+    return gguf_config({**values, "rope_parameters": rope, "architectures": ["Qwen2ForCausalLM"]})
+
+
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     mrope = True
+    gguf = GGUFFormat(transformers_key="qwen2", config=qwen2vl_gguf_config)
 
     def __init__(self, config, max_positions: int, quant_config=None) -> None:
         super().__init__()
@@ -140,10 +155,11 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         return RopePositions(positions, int(positions.max()) + 1 - num_prompt_tokens)
 
     def route(self, name: str) -> tuple[str, str] | None:
-        """The original files' layout (model.*, visual.*) and transformers' (model.language_model.*,
-        model.visual.*)."""
-        if name.startswith("model.language_model."):
-            return "text", "model." + name.removeprefix("model.language_model.")
+        """The original files' layout (model.*, visual.*), transformers' (model.language_model.*,
+        model.visual.*), and a GGUF text file's beside a projector file (language_model.*)."""
+        text = language_model_tensor(name)
+        if text is not None:
+            return "text", text
         if name.startswith("visual.") or name.startswith("model.visual."):
             return "vision", name.removeprefix("model.")
         return "text", name

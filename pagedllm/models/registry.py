@@ -29,7 +29,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "qwen3_moe", "qwen3moe"),
     "MixtralForCausalLM": Family("mixtral", "mixtral"),  # (llama.cpp writes Mixtral as "llama" with experts)
     "LlavaForConditionalGeneration": Family("llava", "llava"),
-    "Qwen2VLForConditionalGeneration": Family("qwen2_vl", "qwen2_vl"),
+    "Qwen2VLForConditionalGeneration": Family("qwen2_vl", "qwen2_vl", "qwen2vl"),  # (a text file: Qwen2's)
     "Gemma3ForConditionalGeneration": Family("gemma3_mm", "gemma3"),
     "BertModel": Family("bert"),
 }

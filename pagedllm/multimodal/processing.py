@@ -30,7 +30,7 @@ class ImagePrompt:
     add_special_tokens: bool = True
 
 
-def tokens_per_image(hf_config, path: str) -> int:
+def tokens_per_image(hf_config, path: str, mmproj: str | None = None) -> int:
     """The most placeholder tokens one image of this model takes (its processor's largest image,
     for a model of dynamic resolution); 0 for a model without images."""
     model_type = getattr(hf_config, "model_type", None)
@@ -41,9 +41,7 @@ def tokens_per_image(hf_config, path: str) -> int:
     if model_type == "gemma3":
         return hf_config.mm_tokens_per_image
     if model_type == "qwen2_vl":
-        from transformers import AutoImageProcessor
-
-        images = AutoImageProcessor.from_pretrained(path, backend="pil")
+        images = load_image_processor(path, mmproj)
         return images.size["longest_edge"] // (images.patch_size * images.merge_size) ** 2
     return 0
 
@@ -76,12 +74,7 @@ class ImageProcessor:
     def __init__(
         self, path: str, hf_config, tokenizer: Callable[[], PreTrainedTokenizerBase], mmproj: str | None = None
     ) -> None:
-        from transformers import AutoImageProcessor
-
-        if mmproj is not None:
-            self.image_processor = mmproj_image_processor(mmproj)
-        else:
-            self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        self.image_processor = load_image_processor(path, mmproj)
         self.tokenizer = tokenizer
         self.model_type = hf_config.model_type
         if getattr(self.image_processor, "do_pan_and_scan", False):
@@ -94,7 +87,7 @@ class ImageProcessor:
             self.placeholder = tokenizer().convert_ids_to_tokens(hf_config.boi_token_index)
             end = tokenizer().convert_ids_to_tokens(hf_config.eoi_token_index)
             self._around = (f"\n\n{self.placeholder}", f"{end}\n\n")
-        self.tokens_per_image = tokens_per_image(hf_config, path)
+        self.tokens_per_image = tokens_per_image(hf_config, path, mmproj)
         self._lock = threading.Lock()
 
     def __call__(self, prompt: ImagePrompt) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
@@ -157,24 +150,33 @@ class ImageProcessor:
         return [int(positions[start]) for start in starts]
 
 
-def mmproj_image_processor(mmproj: str):
-    """Gemma 3's image processor (transformers', on Pillow) with a projector file's settings: its
-    image size, mean and standard deviation, as llama.cpp preprocesses for it."""
+def load_image_processor(path: str, mmproj: str | None = None):
+    """The model's image processor (transformers', on Pillow): its folder's, or for a GGUF model
+    the family's with its projector file's settings."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path, backend="pil") if mmproj is None else _mmproj_images(mmproj)
+
+
+def _mmproj_images(mmproj: str):
+    """The family's image processor with a projector file's mean and deviation (and Gemma 3's image
+    size; Qwen2-VL's resolution limits are its processor's defaults: the file has none)."""
     import gguf
-    from transformers import Gemma3ImageProcessorPil
+    from transformers import Gemma3ImageProcessorPil, Qwen2VLImageProcessorPil
 
     fields = gguf.GGUFReader(mmproj).fields
 
     def value(key: str):
-        field = fields.get(f"clip.vision.{key}")
+        field = fields.get(key)
         if field is None:
-            raise ValueError(f"{mmproj}: the projector file lacks clip.vision.{key}")
+            raise ValueError(f"{mmproj}: the projector file lacks {key}")
         return field.contents()
 
-    size = int(value("image_size"))
-    return Gemma3ImageProcessorPil(
-        size={"height": size, "width": size}, image_mean=list(value("image_mean")), image_std=list(value("image_std"))
-    )
+    normalize = {"image_mean": list(value("clip.vision.image_mean")), "image_std": list(value("clip.vision.image_std"))}
+    if value("clip.projector_type") == "qwen2vl_merger":
+        return Qwen2VLImageProcessorPil(patch_size=int(value("clip.vision.patch_size")), **normalize)
+    size = int(value("clip.vision.image_size"))
+    return Gemma3ImageProcessorPil(size={"height": size, "width": size}, **normalize)
 
 
 def _identifier(model_type: str, data: dict[str, np.ndarray]) -> int:

@@ -46,19 +46,21 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from conftest import _DEFAULT_GGUF, default_model_dir
-    from vlm_utils import make_gemma3_vl
+    from vlm_utils import make_gemma3_vl, make_qwen2_vl
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=_DEFAULT_GGUF).save_pretrained(work / "tok")
         make_gemma3_vl(work / "gemma3", str(work / "tok"))
         as_original_files(work / "gemma3", work / "gemma3-original")
+        make_qwen2_vl(work / "qwen2-vl-original", str(work / "tok"))  # (saved in the original layout)
         env = {**os.environ, "PYTHONPATH": str(args.llama_cpp / "gguf-py")}
-        out = HERE / "gemma3-tiny-mmproj-f32.gguf"
         converter = [sys.executable, str(args.llama_cpp / "convert_hf_to_gguf.py")]
-        options = ["--mmproj", "--outtype", "f32", "--outfile", str(out)]
-        subprocess.run([*converter, str(work / "gemma3-original"), *options], check=True, env=env)
-        print(f"wrote {out} ({out.stat().st_size} bytes)")
+        for family in ("gemma3", "qwen2-vl"):
+            out = HERE / f"{family}-tiny-mmproj-f32.gguf"
+            options = ["--mmproj", "--outtype", "f32", "--outfile", str(out)]
+            subprocess.run([*converter, str(work / f"{family}-original"), *options], check=True, env=env)
+            print(f"wrote {out} ({out.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":
