@@ -27,7 +27,12 @@ the requests, --json-fraction ask for JSON under a schema (response_format on ch
 structured_outputs on completions) and --tools-fraction are chat requests whose tool_choice is
 "required" or a named function (streamed or not); and --embeddings-fraction go to a second server
 beside it (--embeddings-model, default: the default model with --runner pooling), as embeddings of
-one to four texts. Their checks: a JSON answer parses and holds to its schema; every tool call
+one to four texts. --images-fraction (with a vision-language --model, and a chat template that
+writes its image placeholder: benchmarks/data/qwen2_vl_chat_template.jinja for a tiny Qwen2-VL)
+sends chat requests with an image part (a base64 PNG, one of four pictures of different sizes, so
+that the encoder cache and the prefix cache see repeats) and text, greedy or sampled, streamed or
+not, n = 1 or 2; the greedy ones are replayed alone like text requests. Their checks: a JSON
+answer parses and holds to its schema; every tool call
 names a tool and its arguments hold to that tool's parameters (a choice that max_tokens cut
 short, its finish reason "length", is not judged: the grammars allow any whitespace, which a
 sampled request can draw until it runs out); each embedding has the same
@@ -59,6 +64,16 @@ Checks (any failing makes the exit status 1):
   (1; at least 10 samples are needed); growth = median of the last 10% of samples / median of
   the 10% around the run's midpoint - 1 < 5%;
 - the server exits 0 on SIGTERM, and its log holds no Traceback or ERROR line.
+
+A quick run with images (a minute) on a tiny Qwen2-VL:
+
+    .venv/bin/python -c "import sys; sys.path[:0] = ['tests']; import conftest, vlm_utils; \
+        from transformers import AutoTokenizer; \
+        AutoTokenizer.from_pretrained(conftest.default_model_dir(), gguf_file=conftest._DEFAULT_GGUF)\
+        .save_pretrained('/tmp/tok'); vlm_utils.make_qwen2_vl('/tmp/tiny-vl', '/tmp/tok')"
+    .venv/bin/python benchmarks/soak.py --model /tmp/tiny-vl --requests 100 --kv-cache-memory 1MiB \
+        --rss-interval 0.1 --images-fraction 0.5 \
+        --extra-server-args "--chat-template benchmarks/data/qwen2_vl_chat_template.jinja"
 
 --timeout must suit the machine: with 48 requests in flight, a request's latency is about 48 /
 (requests/s). On the project's 2-core machine (shared) the default run took 4-5 minutes in bf16;
@@ -141,6 +156,26 @@ TOOLS = [
 ]
 TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 CONSTRAINED_MAX_TOKENS = 64
+
+
+def _pictures() -> list[str]:
+    """Four random pictures of different sizes, as base64 PNG data URLs."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(46)
+    urls = []
+    for size in ((40, 33), (90, 64), (20, 100), (64, 64)):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(buffer, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode())
+    return urls
+
+
+PICTURES = _pictures()
 MIXED_SERVER_ARGS = (
     '-dp 2 --speculative-config \'{"method": "ngram", "num_speculative_tokens": 3}\' '
     "--chat-template "
@@ -163,8 +198,9 @@ class Spec:
     seed: int | None
     drop_after: int | None  # streams only: chunks read before the client closes the connection
     prompt: str
-    kind: str = "text"  # "text", "json" (a schema), "tools" (tool_choice required or named), "embed", "beams"
+    kind: str = "text"  # "text", "json" (a schema), "tools" (tool_choice required or named), "embed", "beams", "image"
     tool_choice: str | dict | None = None
+    picture: int = 0  # an "image" request's: which of PICTURES
 
     @property
     def ends_itself(self) -> bool:
@@ -190,7 +226,10 @@ class Spec:
             body["cache_salt"] = cache_salt
         if self.kind == "embed":
             return {"input": self.prompt.split(" | ")}
-        if self.chat:
+        if self.kind == "image":
+            parts = [{"type": "image_url", "image_url": {"url": PICTURES[self.picture]}}]
+            body["messages"] = [{"role": "user", "content": [*parts, {"type": "text", "text": self.prompt}]}]
+        elif self.chat:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
             body["prompt"] = self.prompt
@@ -242,6 +281,9 @@ def make_prompt(rng: random.Random, long: bool, long_words: tuple[int, int], pre
 
 def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble: list[str]) -> Spec:
     draw = rng.random()
+    if draw < args.images_fraction:
+        return image_spec(index, rng, args)
+    draw -= args.images_fraction
     if draw < args.embeddings_fraction:
         texts = [
             make_prompt(rng, rng.random() < args.long_fraction, args.long_words, preamble)
@@ -285,6 +327,28 @@ def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble
         # from 2 on, so that a chat stream is past its role chunk, into the tokens
         drop_after=rng.randint(2, max(2, max_tokens // 2)) if drop else None,
         prompt=make_prompt(rng, long, args.long_words, preamble),
+    )
+
+
+def image_spec(index: int, rng: random.Random, args: argparse.Namespace) -> Spec:
+    """A chat request with one of PICTURES and a short question: greedy or sampled, streamed or not
+    (a quarter of the streams dropped), n = 1 or 2."""
+    stream, greedy = rng.random() < 0.5, rng.random() < 0.5
+    max_tokens = rng.randint(*args.max_tokens)
+    return Spec(
+        index=index,
+        chat=True,
+        stream=stream,
+        n=2 if rng.random() < args.n2_fraction else 1,
+        greedy=greedy,
+        long=False,
+        max_tokens=max_tokens,
+        ignore_eos=rng.random() < 0.8,
+        seed=rng.randrange(2**31) if not greedy and rng.random() < 0.5 else None,
+        drop_after=rng.randint(2, max(2, max_tokens // 2)) if stream and rng.random() < args.drop_fraction else None,
+        prompt=f"What is in the picture, {rng.choice(TOPICS)} or {rng.choice(WORDS)}?",
+        kind="image",
+        picture=rng.randrange(len(PICTURES)),
     )
 
 
@@ -532,8 +596,12 @@ async def soak(client: Clients, specs: list[Spec], concurrency: int, timeout: fl
 
 
 def greedy_kept(results: list[Result]) -> list[Result]:
-    # Text requests only: a constrained one's pick at a bf16 near-tie has no text to locate it by.
-    return [r for r in results if r.spec.greedy and r.spec.kind == "text" and not r.dropped and incomplete(r) is None]
+    # Text requests (with images or not) only: a constrained one's pick at a bf16 near-tie has no text to locate it by.
+    return [
+        r
+        for r in results
+        if r.spec.greedy and r.spec.kind in ("text", "image") and not r.dropped and incomplete(r) is None
+    ]
 
 
 def split_siblings(results: list[Result]) -> list[Result]:
@@ -851,6 +919,7 @@ def mix(specs: list[Spec]) -> str:
         "json": lambda s: s.kind == "json",
         "tools": lambda s: s.kind == "tools",
         "embeddings": lambda s: s.kind == "embed",
+        "images": lambda s: s.kind == "image",
     }
     counts = ", ".join(f"{name} {sum(map(test, specs))}" for name, test in kinds.items())
     return f"{len(specs)} requests: {counts}"
@@ -1014,6 +1083,12 @@ def parse_args() -> argparse.Namespace:
         "--embeddings-model",
         default=None,
         help="the embeddings server's model (default: the generation server's, --runner pooling)",
+    )
+    p.add_argument(
+        "--images-fraction",
+        type=float,
+        default=0.0,
+        help="chat requests with an image (a vision-language --model and a chat template that writes its placeholder)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="0: a free one")
