@@ -29,8 +29,12 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, hidden = x.shape
-        q, k, v = (p(x).view(tokens, self.heads, -1).transpose(0, 1) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v)  # not causal: every patch sees every other
+        # [1, heads, tokens, head_dim]: with a batch dimension, PyTorch's fused CPU attention takes it
+        # (3-D inputs go to its unfused path, several times slower). Not causal: each patch sees all.
+        q, k, v = (
+            p(x).view(tokens, self.heads, -1).transpose(0, 1)[None] for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = F.scaled_dot_product_attention(q, k, v)[0]
         return self.out_proj(out.transpose(0, 1).reshape(tokens, hidden))
 
 
