@@ -75,6 +75,9 @@ A quick run with images (a minute) on a tiny Qwen2-VL:
         --rss-interval 0.1 --images-fraction 0.5 \
         --extra-server-args "--chat-template benchmarks/data/qwen2_vl_chat_template.jinja"
 
+(A GGUF text model with its projector file: --model TEXT.gguf and "--mmproj FILE" among the
+--extra-server-args.)
+
 --timeout must suit the machine: with 48 requests in flight, a request's latency is about 48 /
 (requests/s). On the project's 2-core machine (shared) the default run took 4-5 minutes in bf16;
 with --extra-server-args "--dtype float32" 2.5x longer, and it needs --timeout 300.
