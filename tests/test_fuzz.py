@@ -4,7 +4,8 @@ with every feature a request can reach: tool calls (auto, with the hermes parser
 reasoning, n-gram speculation, structured output (always on), embeddings (a decoder serves them)
 and the dashboard. Two phases: schemathesis' coverage phase (deterministic boundary and
 missing-field cases of every schema) and random fuzzing, 20 examples a route and mode here;
-`PAGEDLLM_FUZZ_EXAMPLES=500 pytest tests/test_fuzz.py` is the longer one (docs/benchmarks-history.md)."""
+`PAGEDLLM_FUZZ_EXAMPLES=500 pytest tests/test_fuzz.py` is the longer one (docs/benchmarks-history.md).
+A second server, a vision-language model's, has its image-carrying routes fuzzed the same way."""
 
 from __future__ import annotations
 
@@ -97,13 +98,17 @@ def _check_response(route: str, case, fuzz_server) -> None:
 def test_coverage_phase_no_5xx_and_every_4xx_in_openai_shape(route, api_schema, fuzz_server):
     """Schemathesis' coverage phase: each schema's boundary values, missing required fields,
     wrong types, with and without `model` (as the CLI's `--phases coverage` generates them)."""
+    _coverage_phase(route, api_schema, fuzz_server)
+
+
+def _coverage_phase(route: str, schema, server) -> None:
     from schemathesis.generation.drivers import CoverageGenerator
     from schemathesis.generation.feedback import FeedbackSources
     from schemathesis.generation.overrides import Override
 
     method, path = route.split()
-    operation = api_schema[path][method]
-    config = api_schema.config.generation_for(operation=operation, phase="coverage")
+    operation = schema[path][method]
+    config = schema.config.generation_for(operation=operation, phase="coverage")
     cases = CoverageGenerator(
         operation=operation,
         generation_modes=list(schemathesis.GenerationMode),
@@ -114,16 +119,20 @@ def test_coverage_phase_no_5xx_and_every_4xx_in_openai_shape(route, api_schema, 
     )
     count = 0
     for case in cases:
-        _check_response(route, case, fuzz_server)
+        _check_response(route, case, server)
         count += 1
     assert count > 0
-    assert fuzz_server.process.poll() is None, "the server died under the coverage phase"
+    assert server.process.poll() is None, "the server died under the coverage phase"
 
 
 @pytest.mark.parametrize("route, mode", CASES, ids=[f"{r}-{m.value}" for r, m in CASES])
 def test_no_5xx_and_every_4xx_in_openai_shape(route, mode, api_schema, fuzz_server):
+    _random_phase(route, mode, api_schema, fuzz_server)
+
+
+def _random_phase(route: str, mode, schema, server) -> None:
     method, path = route.split()
-    operation = api_schema[path][method]
+    operation = schema[path][method]
 
     # The plugin's own parametrize does not run under this pytest; a plain hypothesis test does.
     # Half the bodies drop their random `model`, which would otherwise stop nearly every request at the
@@ -135,10 +144,46 @@ def test_no_5xx_and_every_4xx_in_openai_shape(route, mode, api_schema, fuzz_serv
     def check(case, any_model: bool) -> None:
         if not any_model and isinstance(case.body, dict):
             case.body.pop("model", None)
-        _check_response(route, case, fuzz_server)
+        _check_response(route, case, server)
 
     check()
-    assert fuzz_server.process.poll() is None, "the server died under fuzzing"
+    assert server.process.poll() is None, "the server died under fuzzing"
+
+
+# A vision-language server (the tiny LLaVA, its image template, at most 2 images a prompt): the
+# routes whose bodies carry image parts, both phases.
+IMAGE_ROUTES = ["POST /v1/chat/completions", "POST /tokenize"]
+
+
+@pytest.fixture(scope="module")
+def image_server(llava_dir, tmp_path_factory):
+    from vlm_utils import CHAT_TEMPLATE
+
+    template = tmp_path_factory.mktemp("fuzz_images") / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    server = Server(
+        llava_dir,
+        "--max-model-len",
+        "64",
+        "--kv-cache-memory",
+        "16MiB",
+        "--chat-template",
+        str(template),
+        "--limit-mm-per-prompt",
+        '{"image": 2}',
+    )
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("route", IMAGE_ROUTES)
+def test_images_fuzzed_on_a_vision_language_server(route, image_server):
+    schema = schemathesis.openapi.from_url(f"{image_server.url}/openapi.json")
+    _coverage_phase(route, schema, image_server)
+    for mode in schemathesis.GenerationMode:
+        _random_phase(route, mode, schema, image_server)
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 2}
+    assert httpx.post(f"{image_server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
 def test_the_server_still_serves_after_fuzzing(fuzz_server):
