@@ -178,3 +178,17 @@ def test_block_hashes_hold_the_image_content():
     assert hashes(MultiModalFeature("image", one, 2, 4)) != hashes()  # text alone hashes as before
     assert hashes() == extend_block_hashes([], tokens, 4, None, 2)
     assert content_identifier(b"ab", b"c") != content_identifier(b"a", b"bc")
+
+
+def test_whole_images_prefix_hits_stop_before_every_image_they_would_cut():
+    """Two images back to back, the second ending past the last cached block: cut back to the
+    second image's block boundary, the hits would end inside the first; they stop before both."""
+    config = SchedulerConfig(4, 64, MAX_MODEL_LEN, encoder_cache_size=13, encoder_budget=13, whole_images=True)
+    scheduler = Scheduler(config, KVCacheManager(64, 4))
+    scheduler.add_request(make_request("a", [(0, 10), (1, 3)], 3))  # still running: its blocks cached
+    output = scheduler.schedule()
+    scheduler.update(output, ModelRunnerOutput(sampled_token_ids={"a": [5]}))
+    scheduler.add_request(make_request("b", [(0, 10), (1, 3)], 1))
+    output = scheduler.schedule()
+    (scheduled,) = [s for s in output.scheduled if s.request_id == "b"]
+    assert scheduled.num_computed_tokens == 0 and scheduled.num_new_tokens == 13

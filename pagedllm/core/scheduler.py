@@ -270,10 +270,11 @@ class Scheduler:
         """How many of a request's first `num_hits` cached blocks it takes where no run of hits
         may end inside an image: those before the image their end would cut."""
         end = num_hits * self.kv.block_size
-        for feature in request.mm_features:
+        # Last image first: the block boundary before one image may fall inside the image before it.
+        for feature in reversed(request.mm_features):
             if feature.offset < end < feature.end:
-                return feature.offset // self.kv.block_size
-        return num_hits
+                end = feature.offset // self.kv.block_size * self.kv.block_size
+        return end // self.kv.block_size
 
     def _held_chunk(self, request: Request, start: int, num_new: int, room: float, first: bool) -> tuple[int, float]:
         """_chunk_within for a held prompt. Where images are whole, the step's first prefill, had it
