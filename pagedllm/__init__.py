@@ -13,6 +13,7 @@ from pagedllm.logger import configure_logging  # noqa: E402
 configure_logging()  # before the imports below, so a line logged while they load is shown
 
 from pagedllm.config import EngineArgs  # noqa: E402
+from pagedllm.lora.request import LoRARequest  # noqa: E402
 from pagedllm.outputs import (  # noqa: E402
     BeamSearchOutput,
     CompletionOutput,
@@ -42,6 +43,7 @@ __all__ = [
     "BeamSearchParams",
     "PoolingParams",
     "EngineArgs",
+    "LoRARequest",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

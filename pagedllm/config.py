@@ -45,6 +45,28 @@ class PoolerConfig:
             raise ValueError(f"unknown pooling_type {self.pooling_type!r}; choose from {', '.join(POOLING_TYPES)}")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (--enable-lora): `max_loras` distinct adapters in one step (the worker's
+    slots in each layer), each of rank up to `max_lora_rank`; `max_cpu_loras` adapters kept
+    loaded in memory, the least recently used dropped past that (None: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 # The dtypes a model computes in and its KV cache holds, by their torch attribute names (the
 # config stays plain data: workers turn a name into the torch dtype, getattr(torch, name)).
 DTYPES = ("float32", "bfloat16", "float16")
@@ -70,6 +92,7 @@ class ModelConfig:
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     is_causal: bool = True  # False: an encoder (no KV cache, prompts computed whole)
     mmproj: str | None = None  # the vision projector file beside a GGUF text model (EngineArgs.mmproj)
+    lora: LoRAConfig | None = None  # LoRA adapters, where enabled (EngineArgs.enable_lora)
 
     @property
     def cache_dtype(self) -> str:
@@ -185,6 +208,8 @@ class SchedulerConfig:
     # An image's tokens attend to each other both ways (Gemma 3): a step never ends inside an
     # image, nor does a request's run of prefix hits.
     whole_images: bool = False
+    # LoRA adapters: the most distinct ones a step runs (the worker's slots); 0: no limit.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -227,9 +252,15 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks the model's layers split over (worker processes)
     distributed_executor_backend: str | None = None  # "mp" (default where tensor_parallel_size > 1), "ray", "uni"
     data_parallel_size: int = 1  # engine replicas, a process each (engine/dp_client.py)
+    # LoRA adapters (vLLM's flags): requests may name an adapter; LoRAConfig's limits.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         parse_speculative_config(self.speculative_config)  # a bad config stops the start before anything loads
+        self.lora_config()  # (checks the LoRA limits)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
@@ -257,6 +288,11 @@ class EngineArgs:
             )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("the uni executor runs one rank: tensor_parallel_size > 1 needs mp or ray")
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def served_name(self) -> str:
         """The name clients ask for and metrics are labelled with: --served-model-name, else the model

@@ -15,7 +15,7 @@ and never attends to them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
@@ -126,7 +126,7 @@ class KVCacheManager:
             request.block_hashes,
             request.all_token_ids,
             self.block_size,
-            request.cache_salt,
+            request.cache_root,
             num_blocks,
             request.mm_features,
         )
@@ -326,7 +326,7 @@ def extend_block_hashes(
     hashes: list[int],
     token_ids: Sequence[int],
     block_size: int,
-    salt: str | None,
+    root: Hashable,
     num_blocks: int,
     features: Sequence[MultiModalFeature] = (),
 ) -> list[int]:
@@ -337,7 +337,7 @@ def extend_block_hashes(
     while len(hashes) < num_blocks:
         i = len(hashes)
         start, end = i * block_size, (i + 1) * block_size
-        parent = hashes[-1] if hashes else hash(("pagedllm-root", salt))
+        parent = hashes[-1] if hashes else hash(("pagedllm-root", root))
         key: tuple = (parent, tuple(token_ids[start:end]))
         images = tuple((f.identifier, f.offset - start) for f in features if f.overlaps(start, end))
         hashes.append(hash((*key, images) if images else key))

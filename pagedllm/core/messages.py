@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ class EngineCoreRequest:
     # ends there (max_tokens 0), keeping no KV.
     pooling_params: PoolingParams | None = None
     mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images (placeholders expanded)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass

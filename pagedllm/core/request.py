@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -38,6 +39,12 @@ _FINISH_REASONS = {
 }
 
 
+def cache_root(cache_salt: str | None, lora_request: LoRARequest | None) -> tuple:
+    """What a request's first block hash starts from: blocks are shared only between requests of
+    the same salt and the same adapter (K/V computed under an adapter are not the base model's)."""
+    return (cache_salt, lora_request.cache_key if lora_request is not None else None)
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -64,10 +71,20 @@ class Request:
     num_reported_tokens: int = 0  # output tokens already sent out in an EngineCoreOutput
     pooling_params: PoolingParams | None = None  # an embedding request (prompt only, pooled)
     mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images, by offset
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[int] = []  # of its full blocks, filled by the KV cache manager
+
+    @property
+    def cache_root(self) -> tuple:
+        return cache_root(self.cache_salt, self.lora_request)
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -86,7 +86,7 @@ class Scheduler:
         if (
             computed == 0
             or computed >= child.num_tokens
-            or child.cache_salt != parent.cache_salt
+            or child.cache_root != parent.cache_root
             or child.all_token_ids[:computed] != parent.all_token_ids[:computed]
             or [f.identifier for f in child.mm_features] != [f.identifier for f in parent.mm_features]
         ):
@@ -125,9 +125,13 @@ class Scheduler:
         preempted = False
         room, chosen_prefill = self._prefill_room(), False
         encoder_budget = self.config.encoder_budget
+        adapters: set[int] = set()  # the LoRA adapters of the requests chosen so far
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not self._adapter_fits(request, adapters):
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens + self._num_spec(request), budget)
             before = None  # (room, chosen_prefill) before a held prompt's chunk took its share
             if request.num_tokens - request.num_computed_tokens > 1 and request.request_id in self._held_prefills:
@@ -150,6 +154,7 @@ class Scheduler:
             if self._allocate_or_preempt(request, num_new, self._lookahead(request, num_new)):
                 chosen.append((request, num_new))
                 budget -= num_new
+                adapters.add(request.lora_id)
                 i += 1
             else:
                 preempted = True  # `request` itself was preempted; nothing after it is left
@@ -163,6 +168,9 @@ class Scheduler:
         deferred: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._adapter_fits(request, adapters):
+                deferred.append(self.waiting.popleft())
+                continue
             computed = self.kv.get_computed_blocks(request)
             if self.config.whole_images:
                 del computed[self._blocks_before_image(request, len(computed)) :]
@@ -208,11 +216,18 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             chosen.append((request, num_new))
             budget -= num_new
+            adapters.add(request.lora_id)
             in_flight.update(self.kv.uncached_prompt_hashes(request))
         if self.waiting and self.waiting[0].mm_features:
             self._drop_encoder_refs(self.waiting[0])  # it stopped the loop, perhaps with images booked
         self.waiting.extendleft(reversed(deferred))
         return self._build_output(chosen)
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """Whether the request may join a step whose chosen requests run `adapters` (0: the base
+        model's): a step runs at most `max_loras` distinct adapters, as the worker has slots."""
+        limit = self.config.max_loras
+        return not limit or not request.lora_id or request.lora_id in adapters or len(adapters - {0}) < limit
 
     def _long(self, request: Request) -> bool:
         return request.num_prompt_tokens > LONG_PROMPT_SHARE * self.config.max_model_len
@@ -389,6 +404,7 @@ class Scheduler:
                 request.eos_token_ids,
                 request.pooling_params,
                 request.mm_features,
+                request.lora_request,
             )
             if new
             else None,

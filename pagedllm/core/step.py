@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.core.messages import TokenLogprobs
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()
     pooling_params: PoolingParams | None = None  # an embedding request: pooled at its prompt's end, not sampled
     mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images, with the encoder's inputs
+    lora_request: LoRARequest | None = None  # the adapter it runs under
 
 
 @dataclass

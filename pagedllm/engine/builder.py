@@ -87,7 +87,7 @@ def _encoder_budgets(args: EngineArgs, model_config: ModelConfig, batched: int) 
 
 def load_config(args: EngineArgs) -> ModelConfig:
     """The model the arguments name, read from its files and checked (a ValueError says why not)."""
-    return load_model_config(
+    config = load_model_config(
         args.model,
         args.dtype,
         args.max_model_len,
@@ -98,6 +98,18 @@ def load_config(args: EngineArgs) -> ModelConfig:
         args.pooler_config,
         args.mmproj,
     )
+    config.lora = args.lora_config()
+    if config.lora is not None:
+        _check_lora_model(config)
+    return config
+
+
+def _check_lora_model(config: ModelConfig) -> None:
+    """LoRA adapters go on a text decoder's linear layers (a ValueError at start-up otherwise)."""
+    if not config.is_causal or "generate" not in config.supported_tasks:
+        raise ValueError("--enable-lora: LoRA adapters are served on text generation models only")
+    if tokens_per_image(config.hf_config, config.path, config.mmproj):
+        raise ValueError("--enable-lora: LoRA adapters on a vision-language model are not supported yet")
 
 
 def make_client(
@@ -156,6 +168,7 @@ def make_engine_core(
             attention_keys_per_token=attention_keys_per_token(model_config.hf_config)
             if model_config.is_causal
             else 0.0,
+            max_loras=model_config.lora.max_loras if model_config.lora is not None else 0,
             **encoder,
         ),
         kv,

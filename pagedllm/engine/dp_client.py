@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from multiprocessing.connection import wait
 
 import psutil
@@ -34,7 +34,7 @@ import psutil
 from pagedllm.config import EngineArgs, ModelConfig, parse_memory
 from pagedllm.core.kv_cache_manager import extend_block_hashes
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from pagedllm.core.request import RequestStatus
+from pagedllm.core.request import RequestStatus, cache_root
 from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.core_client import EngineCoreClient, ProcClient
 from pagedllm.executor.cpu_binding import BIND_ENV, parse_cpu_binding
@@ -55,13 +55,13 @@ class PrefixRouter:
     def choose(
         self,
         prompt_token_ids: list[int],
-        cache_salt: str | None,
+        root: Hashable,
         loads: list[int],
         mm_features: Sequence[MultiModalFeature] = (),
     ) -> int:
         """The replica for a new prompt, given each replica's load; records the prompt's blocks there."""
         num_blocks = (len(prompt_token_ids) - 1) // self.block_size
-        hashes = extend_block_hashes([], prompt_token_ids, self.block_size, cache_salt, num_blocks, mm_features)
+        hashes = extend_block_hashes([], prompt_token_ids, self.block_size, root, num_blocks, mm_features)
         least = min(loads)
         eligible = [r for r, load in enumerate(loads) if load <= least + AFFINITY_SLACK]
         # The longest cached prefix first, then the lighter load, then the lower index.
@@ -116,7 +116,8 @@ class DPClient(EngineCoreClient):
         replica = self.owner.get(message.fork_of) if message.fork_of is not None else None
         if replica is None:  # (a fork whose parent has gone computes its prompt whole, anywhere)
             loads = [r.num_unfinished for r in self.replicas]
-            replica = self.router.choose(message.prompt_token_ids, message.cache_salt, loads, message.mm_features)
+            root = cache_root(message.cache_salt, message.lora_request)
+            replica = self.router.choose(message.prompt_token_ids, root, loads, message.mm_features)
         self.owner[message.request_id] = replica
         if message.hold:
             self._held.add(message.request_id)

@@ -73,6 +73,7 @@ class EngineCore:
             hold=message.hold,
             pooling_params=message.pooling_params,
             mm_features=message.mm_features,
+            lora_request=message.lora_request,
         )
         constraint = message.sampling_params.structured_outputs
         if constraint is None:

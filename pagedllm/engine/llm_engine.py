@@ -31,6 +31,8 @@ from pagedllm.engine.builder import load_config, make_client
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.adapter import AdapterInfo, check_adapter, read_adapter
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal import MultiModalFeature
 from pagedllm.multimodal.processing import ImageProcessor, ImagePrompt, tokens_per_image
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -59,6 +61,7 @@ class ProcessedRequest:
     max_tokens: int
     cache_salt: str | None = None
     mm_features: tuple[MultiModalFeature, ...] = ()
+    lora_request: LoRARequest | None = None
 
 
 class LLMEngine:
@@ -81,6 +84,8 @@ class LLMEngine:
         # Beam searches: request id -> its driver, and each live beam's core request id -> the request's.
         self._beams: dict[str, BeamSearchDriver] = {}
         self._beam_of: dict[str, str] = {}
+        # LoRA adapters checked against the model, by id: (their request, what they update).
+        self._adapters: dict[int, tuple[LoRARequest, AdapterInfo]] = {}
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -112,16 +117,25 @@ class LLMEngine:
         request_id: str | None,
         prompt: str | list[int] | ImagePrompt,
         params: SamplingParams | PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue one request (n > 1 becomes n sequences); returns its id."""
-        return self.add_processed(request_id, self.process_inputs(prompt, params))
+        return self.add_processed(request_id, self.process_inputs(prompt, params, lora_request))
 
     def process_inputs(
         self,
         prompt: str | list[int] | ImagePrompt,
         params: SamplingParams | PoolingParams | BeamSearchParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
-        """Tokenize and validate; raises ValueError. Touches no engine state, so any thread may call it."""
+        """Tokenize and validate; raises ValueError. Touches no engine state but the cache of checked
+        adapters, so any thread may call it."""
+        if lora_request is not None:
+            self.check_lora(lora_request)
+            if not isinstance(params, SamplingParams | None):
+                raise ValueError("a LoRA adapter runs with sampling requests only (not embeddings or beam search)")
+            processed = self.process_inputs(prompt, params)
+            return dataclasses.replace(processed, lora_request=lora_request)
         if isinstance(params, PoolingParams):
             if isinstance(prompt, ImagePrompt):
                 raise ValueError("embedding requests take no images")
@@ -257,7 +271,28 @@ class LLMEngine:
             hold,
             fork_of,
             mm_features=processed.mm_features,
+            lora_request=processed.lora_request,
         )
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """That LoRA is enabled and the adapter fits the model (read once per id; an id already
+        checked with another path is refused: the worker keeps adapters by id)."""
+        config = self.model_config.lora
+        if config is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r}: this engine serves no adapters (start it with --enable-lora)"
+            )
+        known = self._adapters.get(lora_request.lora_int_id)
+        if known is not None:
+            if known[0].lora_path != lora_request.lora_path:
+                raise ValueError(
+                    f"LoRA id {lora_request.lora_int_id} is already {known[0].lora_path!r}, "
+                    f"not {lora_request.lora_path!r}"
+                )
+            return
+        info = read_adapter(lora_request.lora_path)
+        check_adapter(info, self.model_config.hf_config, config.max_lora_rank)
+        self._adapters[lora_request.lora_int_id] = (lora_request, info)
 
     def _start_beam_search(self, request_id: str, processed: ProcessedRequest, params: BeamSearchParams) -> None:
         driver = BeamSearchDriver(

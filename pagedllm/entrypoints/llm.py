@@ -11,6 +11,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.beam_search import Hypothesis, beam_score
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.processing import ImagePrompt, image_prompt
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -38,16 +39,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+        `lora_request`: the adapter every prompt runs under, or one per prompt (enable_lora=True)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         normalized = [_prompt_input(p) for p in prompts]
+        loras = _as_lora_list(lora_request, len(prompts))
         for p in params:  # validate everything before anything is queued
             self.engine.check_params(p)
+        for lora in set(loras) - {None}:
+            self.engine.check_lora(lora)
         # One output per request, at its end: no per-step copies of growing outputs.
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
-        return self._run(normalized, params, use_tqdm)
+        return self._run(normalized, params, use_tqdm, loras)
 
     def embed(
         self,
@@ -85,6 +91,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Conversations through the chat template (with `tools`, OpenAI's tool definitions, where
         the template takes them), then generate. The output is the model's text: reading tool calls
@@ -104,7 +111,7 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The beam_width best continuations of each prompt, best first (see engine/beam_search.py)."""
@@ -118,14 +125,18 @@ class LLM:
         return [_beam_search_output(o, params, eos) for o in outputs]
 
     def _run(
-        self, prompts: list[str | list[int] | ImagePrompt], params: Sequence[EngineParams], use_tqdm: bool
+        self,
+        prompts: list[str | list[int] | ImagePrompt],
+        params: Sequence[EngineParams],
+        use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list:
         """Every prompt through the engine's loop (LLMEngine.run) until all are done."""
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
+                ids.append(engine.add_request(None, prompt, p, lora))
             done: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
 
@@ -157,6 +168,17 @@ def _beam_search_output(output: RequestOutput, params: BeamSearchParams, eos: fr
         for beam in output.outputs
     ]
     return BeamSearchOutput(output.prompt, output.prompt_token_ids, sequences)
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"{len(loras)} LoRA requests for {count} prompts")
+    return loras
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -36,6 +36,7 @@ _SOURCES = (
     "decoder_stack.cpp",
     "quant_linear.cpp",
     "shm_collectives.cpp",
+    "lora.cpp",
 )
 _CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)

@@ -702,6 +702,8 @@ std::vector<std::pair<int64_t, int64_t>> work_split_trace(int64_t items, int64_t
 void argmax_rows(torch::Tensor out, torch::Tensor x);
 void apply_token_mask(torch::Tensor logits, torch::Tensor rows, torch::Tensor words);
 void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
+void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor bt, torch::Tensor row_slot,
+              torch::Tensor ranks, torch::Tensor runs);  // lora.cpp
 void bind_quant_linear(pybind11::module& m);   // quant_linear.cpp
 void bind_blocked_linear(pybind11::module& m);  // packed_linear.cpp
 void bind_shm_collectives(pybind11::module& m);  // shm_collectives.cpp
@@ -724,6 +726,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_available", &packed_linear_available, "whether packed_linear_rows was built");
   m.def("blocked_linear_rows", &blocked_linear_rows, "x W^T (+ bias) over fp32 or bf16 weights packed [N / 16, K, 16]",
         release());
+  m.def("lora_add", &lora_add, "out[r] += x[r] A^T B^T by each row's adapter slot (LoRA), in place", release());
   bind_decoder_stack(m);  // first: it binds LinearOp, which quant_linear's class derives from
   bind_quant_linear(m);
   bind_blocked_linear(m);

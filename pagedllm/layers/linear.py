@@ -26,6 +26,7 @@ import ctypes
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,20 @@ class LinearMethodBase(ABC):
         """The layer as the C++ decoder stack takes it; None where the stack has no kernel for it."""
         return None
 
+    # A gated MLP's gate/up product taken apart, for LoRA (layers/lora.py), which adds its update
+    # to the product before the activation:
+    def apply_product(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A SiluAndMulLinear's gate/up product, its columns in `product_order`."""
+        return self.apply(layer, x)
+
+    def product_order(self, layer: Linear) -> torch.Tensor | None:
+        """The layer's output column each column of `apply_product` holds; None: in order."""
+        return None
+
+    def silu_of_product(self, layer: Linear, product: torch.Tensor) -> torch.Tensor:
+        """SiLU-and-mul of an `apply_product` result: what apply_silu_and_mul returns, bit for bit."""
+        return silu_and_mul(product)
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain [out, in] weights in the model's dtype, applied by F.linear (other devices, fp16);
@@ -202,8 +217,18 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
             return silu_and_mul(self.apply(layer, x))
         if _rows_kernel_takes(layer, x):
             return _packed_rows(layer, x, True)
-        out = _library_linear(layer, x)  # columns in the interleaved order
-        return silu_and_mul(out.view(*out.shape[:-1], -1, 2, _BLOCK_N).transpose(-3, -2).reshape(out.shape))
+        return self.silu_of_product(layer, _library_linear(layer, x))  # columns in the interleaved order
+
+    def product_order(self, layer: Linear) -> torch.Tensor | None:
+        if not layer._interleaved:
+            return None
+        return _interleave_halves(torch.arange(layer.out_features).view(-1, 1), _BLOCK_N).view(-1)
+
+    def silu_of_product(self, layer: Linear, product: torch.Tensor) -> torch.Tensor:
+        if not layer._interleaved:
+            return silu_and_mul(product)
+        halves = product.view(*product.shape[:-1], -1, 2, _BLOCK_N).transpose(-3, -2).reshape(product.shape)
+        return silu_and_mul(halves)
 
     def kernel_spec(self, layer: Linear) -> KernelSpec | None:
         """Where the rows kernel takes every batch size, its input needs no padding, and (on a
@@ -263,6 +288,8 @@ class Linear(nn.Module):
 
     # Shard id -> this rank's output rows that checkpoint shard fills; {None: all} for a layer of one shard.
     shards: dict[str | int | None, ShardRows] = {}
+    # Its LoRA adapters' slots (layers/lora.py's LoRASlots), where the worker serves adapters.
+    lora: Any = None
 
     def __init__(
         self,
@@ -302,6 +329,8 @@ class Linear(nn.Module):
         # At batch 1 this runs 65 times a step on the 250M model: one call into the method, which
         # keeps nn.Module's attribute lookups off the kernel's path.
         out = self.method.apply(self, x)
+        if self.lora is not None and self.lora.ctx.row_slot is not None:
+            self.lora.add(out, x)  # (a row-parallel share: each rank adds its columns' share)
         if not self.reduce_results:
             return out
         # The ranks' shares added in fp32 and rounded once (where the rows kernel ran: it leaves
@@ -390,6 +419,8 @@ class SiluAndMulLinear(GateUpLinear):
     _interleaved = False  # PackedBF16LinearMethod: gate and up interleaved in the packed weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.ctx.row_slot is not None:
+            return self.lora.silu_and_mul(x)
         return self.method.apply_silu_and_mul(self, x)
 
 

@@ -182,7 +182,8 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MLP_ROWS or x.device.type != "cpu":
+        lora = self.gate_up_proj.lora  # a step with adapters: its rows' slots are the whole step's
+        if x.shape[0] <= MLP_ROWS or x.device.type != "cpu" or lora is not None and lora.ctx.active:
             return self._rows(x)
         out = x.new_empty(x.shape)
         for start in range(0, x.shape[0], MLP_ROWS):
@@ -405,6 +406,8 @@ class DecoderForCausalLM(CausalLM):
             return "tensor parallelism sums each layer's outputs over the ranks, between the stack's kernels"
         if len(self.kv_groups.windows) > 1:
             return "the C++ decoder stack reads one block table a step; the layers keep K/V in several groups"
+        if any(isinstance(m, Linear) and m.lora is not None for m in self.model.layers.modules()):
+            return "LoRA adapters are added between the linear layers' kernels"
         if self.model.norm.weight.dtype not in (torch.bfloat16, torch.float32):
             return f"the C++ decoder stack computes in bf16 or fp32, the weights are {self.model.norm.weight.dtype}"
         for layer in self.model.layers:  # each layer says whether its parts plug in, and if not why

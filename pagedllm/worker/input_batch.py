@@ -19,6 +19,7 @@ import torch
 from pagedllm.core.step import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.pooler import PoolingState
+from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class RequestState:
     mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images
     # Its prompt's M-RoPE positions (the model's RopePositions), made at its first step that needs them.
     rope_positions: Any = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under
 
     @property
     def num_output_tokens(self) -> int:
@@ -105,6 +107,7 @@ class InputBatch:
             row=self._take_row(),
             pooling_params=data.pooling_params,
             mm_features=data.mm_features,
+            lora_request=data.lora_request,
         )
         self.requests[request_id] = state
         return state

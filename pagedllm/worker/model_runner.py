@@ -21,6 +21,7 @@ from pagedllm.models.interface import MultiModalEmbeds
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
+from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.rejection_sampler import rejection_sample
 from pagedllm.worker.sampler import Sampler, token_logprobs
 
@@ -75,6 +76,7 @@ class ModelRunner:
         self.encoder_cache: dict[int, torch.Tensor] = {}  # an image's identifier -> its embeddings
         # Draft-model speculation: the draft beside the target, under the same block tables.
         self.draft = DraftRunner(*draft, num_blocks, self.input_batch, self.device) if draft is not None else None
+        self.lora = self._lora_manager(model_config)
         if self.device.type == "cpu":
             cpu_ops()  # build (or load) the kernels now, not inside the first request's time
 
@@ -89,6 +91,9 @@ class ModelRunner:
                     self.draft.forget(r.request_id)
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
+        if self.lora is not None:
+            live = {s.lora_request.lora_int_id for s in self.input_batch.requests.values() if s.lora_request}
+            self.lora.prepare_step([s.lora_request for s in states], meta.query_lens_list, live)
         mm = self._images(output, states, meta)
         positions = self._rope_positions(states, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, **({"mm": mm} if mm is not None else {}))
@@ -111,6 +116,15 @@ class ModelRunner:
         if self.device.type == "cpu" and input_ids.shape[0] >= TRIM_AFTER_TOKENS:
             heap.trim()
         return result
+
+    def _lora_manager(self, model_config: ModelConfig) -> LoRAManager | None:
+        """Adapter slots in the model's layers, where LoRA is enabled (its layers then leave the
+        C++ stack: the updates go between their kernels)."""
+        if model_config.lora is None:
+            return None
+        manager = LoRAManager(self.model, model_config.lora, getattr(torch, model_config.dtype), self.device)
+        self.model.bind_kernels()
+        return manager
 
     def _images(
         self, output: SchedulerOutput, states: list[RequestState], meta: AttentionMetadata

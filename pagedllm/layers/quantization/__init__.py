@@ -51,11 +51,12 @@ class PackedQuantMethod(LinearMethodBase):
         for i, (packed, _, _) in enumerate(segments):
             layer.register_buffer(f"packed_{i}", packed, persistent=False)
         layer.formats = labels
-        layer._op = cpu_ops().QuantLinear(
-            [(packed, fmt.format_id, rows) for packed, fmt, rows in segments],
-            layer.in_features,
-            layer._parameters["bias"],
-            isinstance(layer, SiluAndMulLinear),
+        records = [(packed, fmt.format_id, rows) for packed, fmt, rows in segments]
+        silu_mul = isinstance(layer, SiluAndMulLinear)
+        layer._op = cpu_ops().QuantLinear(records, layer.in_features, layer._parameters["bias"], silu_mul)
+        # A gated MLP's gate/up product without the activation (LoRA adds to it): the same records.
+        layer._product_op = (
+            cpu_ops().QuantLinear(records, layer.in_features, layer._parameters["bias"], False) if silu_mul else None
         )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +69,9 @@ class PackedQuantMethod(LinearMethodBase):
 
     def apply_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return layer._op(x)  # built with silu_mul on a SiluAndMulLinear
+
+    def apply_product(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer._product_op(x) if layer._product_op is not None else self.apply(layer, x)
 
     def kernel_spec(self, layer: Linear) -> KernelSpec | None:
         return layer._op
