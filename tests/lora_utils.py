@@ -20,10 +20,26 @@ def make_adapter(
 ) -> str:
     """A PEFT adapter of `base_dir`'s model with random A and B (PEFT starts B at zero, which would
     change nothing), saved to `path`."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return adapter_of(base, path, rank, seed, targets, alpha, use_rslora, scale, **config)
+
+
+def adapter_of(
+    base,
+    path,
+    rank: int = 8,
+    seed: int = 0,
+    targets: tuple[str, ...] = ALL_TARGETS,
+    alpha: float = 16,
+    use_rslora: bool = False,
+    scale: float = 0.2,
+    **config,
+) -> str:
+    """make_adapter's adapter of a transformers model (which peft wraps in place)."""
+    from peft import LoraConfig, get_peft_model
+
     lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, **config)
     model = get_peft_model(base, lora)
     g = torch.Generator().manual_seed(1000 + seed)

@@ -27,6 +27,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.messages import SchedulerStats
 from pagedllm.core.snapshot import EngineSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.multimodal.processing import ImagePrompt
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -156,10 +157,17 @@ class AsyncLLM:
 
     # -- the event loop's side ------------------------------------------------------------------
     def process_inputs(
-        self, prompt: str | list[int] | ImagePrompt, params: SamplingParams | PoolingParams | BeamSearchParams
+        self,
+        prompt: str | list[int] | ImagePrompt,
+        params: SamplingParams | PoolingParams | BeamSearchParams,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate (raises ValueError); any thread may call it."""
-        return self.engine.process_inputs(prompt, params)
+        return self.engine.process_inputs(prompt, params, lora_request)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """That LoRA is enabled and the adapter fits the model (LLMEngine.check_lora; ValueError)."""
+        self.engine.check_lora(lora_request)
 
     def check_task(self, task: str) -> None:
         """Raises ValueError if this engine does not serve `task` ("generate" or "embed")."""

@@ -145,6 +145,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="torch.compile the elementwise work the C++ kernels do not take (other devices, dtypes)",
     )
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (requests name one as their model)"
+    )
+    parser.add_argument(
+        "--max-loras", type=positive(int), default=defaults.max_loras, help="the most distinct adapters in one step"
+    )
+    parser.add_argument(
+        "--max-lora-rank", type=positive(int), default=defaults.max_lora_rank, help="the largest adapter rank served"
+    )
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=positive(int),
+        default=None,
+        help="adapters kept loaded in memory, the least recently used dropped past it (default: --max-loras)",
+    )
 
 
 def _json_object(value: str) -> dict:
@@ -155,6 +170,15 @@ def _json_object(value: str) -> dict:
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError("a JSON object is needed")
     return parsed
+
+
+def _lora_module(value: str):
+    from pagedllm.entrypoints.openai.serving_models import LoRAModulePath
+
+    try:
+        return LoRAModulePath.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _port(value: str) -> int:
@@ -255,7 +279,15 @@ def _serve(ns: argparse.Namespace) -> int:
         _read_template(ns.chat_template), ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser
     )
     return run_server(
-        EngineArgs(**args), ns.host, ns.port, ns.api_key, chat, limits, ns.max_waiting_requests, ns.shutdown_timeout
+        EngineArgs(**args),
+        ns.host,
+        ns.port,
+        ns.api_key,
+        chat,
+        limits,
+        ns.max_waiting_requests,
+        ns.shutdown_timeout,
+        ns.lora_modules,
     )
 
 
@@ -331,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         choices=sorted(REASONING_PARSERS),
         help="split the model's thinking (<think>...</think>) into reasoning_content",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        help='LoRA adapters served under their names: name=path, or JSON {"name", "path", "base_model_name"}',
     )
     add_server_limits(serve)
     gen = commands.add_parser("generate", help="complete prompts offline and print the text")

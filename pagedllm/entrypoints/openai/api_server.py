@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
@@ -28,13 +28,16 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     error_response,
 )
 from pagedllm.entrypoints.openai.serving import api_error, off_loop
 from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 
 logger = logging.getLogger("pagedllm")
 
@@ -54,8 +57,13 @@ def build_app(
     api_key: str | None = None,
     chat_options: ChatOptions | None = None,
     limits: ServerLimits | None = None,
+    lora_modules: list[LoRAModulePath] | None = None,
 ) -> FastAPI:
+    """The app over `engine`, served as `model_name` with its LoRA adapters (--lora-modules: each
+    checked against the model here, a ValueError for one that does not fit)."""
     limits = limits or ServerLimits()
+    models = ServingModels(engine, model_name)
+    models.add_at_start(lora_modules or [])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -66,9 +74,9 @@ def build_app(
         engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    completions = OpenAIServingCompletion(engine, model_name, limits.request_timeout)
-    chat = OpenAIServingChat(engine, model_name, chat_options, limits.request_timeout)
-    embeddings = OpenAIServingEmbedding(engine, model_name, limits.request_timeout)
+    completions = OpenAIServingCompletion(engine, models, limits.request_timeout)
+    chat = OpenAIServingChat(engine, models, chat_options, limits.request_timeout)
+    embeddings = OpenAIServingEmbedding(engine, models, limits.request_timeout)
     _install_guards(app, api_key, limits)
     history = install_dashboard(app, engine, model_name)
 
@@ -85,20 +93,18 @@ def build_app(
         return await _until_disconnect(raw, embeddings.create(body))
 
     @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "pagedllm",
-                    "root": engine.model_config.path,
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
-        }
+    async def list_models():
+        return {"object": "list", "data": models.cards()}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        await models.load(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        models.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health():
@@ -320,6 +326,7 @@ def run_server(
     limits: ServerLimits | None = None,
     max_waiting_requests: int | None = None,
     shutdown_timeout: float = 10.0,
+    lora_modules: list[LoRAModulePath] | None = None,
 ) -> int:
     """Serve until stopped; returns the process's exit code (non-zero if the engine died)."""
     chat_options.check()  # before the model loads
@@ -327,7 +334,11 @@ def run_server(
     sock = bind_socket(host, port)
     engine = AsyncLLM(args, max_waiting_requests=max_waiting_requests)
     name = args.served_name()
-    app = build_app(engine, name, api_key, chat_options, limits)
+    try:
+        app = build_app(engine, name, api_key, chat_options, limits, lora_modules)
+    except BaseException:
+        engine.shutdown()
+        raise
     logger.info("Serving %s (max_model_len %d) at http://%s:%d/v1", name, engine.max_model_len, host, port)
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
     server = _Server(config, engine, shutdown_timeout)

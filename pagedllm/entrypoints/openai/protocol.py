@@ -433,3 +433,21 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[Int64]
+
+
+# An adapter's name, as a request's `model` names it; a path on the server's disk.
+AdapterName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: AdapterName
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: AdapterName
+    lora_int_id: int | None = None

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -25,9 +25,13 @@ from pagedllm.engine.async_llm import (
 )
 from pagedllm.engine.llm_engine import ProcessedRequest
 from pagedllm.entrypoints.openai.protocol import APIError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured_output.backend import InvalidConstraintError
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.serving_models import ServingModels
 
 
 def sse(payload: dict | str) -> str:
@@ -86,15 +90,16 @@ class Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str, request_timeout: float | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, models: ServingModels, request_timeout: float | None = None) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.models = models
+        self.model_name = models.base_name
         self.request_timeout = request_timeout  # seconds from admission to the last token, or None
         self.defaults = engine.default_sampling_params()
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names, None for the served model (an unknown name: 404)."""
+        return self.models.lookup(name)
 
     def check_task(self, task: str) -> None:
         """400 if the model does not serve `task` (embeddings from a generation-only engine, or the reverse)."""
@@ -110,6 +115,7 @@ class OpenAIServing:
         requested_max_tokens: int | None,
         cache_salt: str | None = None,
         constraint_field: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> list[ProcessedRequest]:
         """Tokenize (off the event loop) and validate every prompt before any is queued.
         `constraint_field`: the request field a structured output constraint came from (named by
@@ -118,7 +124,7 @@ class OpenAIServing:
         processed = []
         for prompt in prompts:
             try:
-                item = await off_loop(self.engine.process_inputs, prompt, params)
+                item = await off_loop(self.engine.process_inputs, prompt, params, lora)
                 item.cache_salt = cache_salt
             except InvalidConstraintError as exc:
                 raise APIError(str(exc), param=constraint_field) from exc
@@ -235,6 +241,8 @@ class Run:
     def __init__(self, serving: OpenAIServing, request, request_id: str, num_prompt_tokens: int) -> None:
         self.serving, self.request, self.id = serving, request, request_id
         self.num_prompt_tokens = num_prompt_tokens
+        # The name asked for: the model's, or an adapter's (as vLLM answers).
+        self.model_name = request.model if request.model in serving.models.adapters else serving.model_name
         self.completion_tokens = 0  # counted by events()
         self.created = serving.created()
 
@@ -257,7 +265,7 @@ class Run:
             "id": self.id,
             "object": self.object_name,
             "created": self.created,
-            "model": self.serving.model_name,
+            "model": self.model_name,
             "choices": choices,
         }
         if self.request.include_usage:

@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.serving import (
     top_entries,
     usage,
 )
+from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.entrypoints.openai.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser, get_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers.constrained import (
     NamedFunctionOutput,
@@ -61,11 +62,11 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine: AsyncLLM,
-        model_name: str,
+        models: ServingModels,
         options: ChatOptions | None = None,
         request_timeout: float | None = None,
     ) -> None:
-        super().__init__(engine, model_name, request_timeout)
+        super().__init__(engine, models, request_timeout)
         self.options = options or ChatOptions()
         self.options.check()
         self.tool_parser = get_tool_parser(self.options.tool_call_parser) if self.options.tool_call_parser else None
@@ -106,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from exc
 
     async def create(self, request: ChatCompletionRequest):
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_task("generate")
         max_tokens = request.max_completion_tokens or request.max_tokens
         top = request.top_logprobs if request.logprobs else None
@@ -121,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
             tools, params, field = self._sampling(request, max_tokens, top)
         prompt = await self.prompt_ids(request)
         try:
-            processed = await self.admit([prompt], params, max_tokens, request.cache_salt, field)
+            processed = await self.admit([prompt], params, max_tokens, request.cache_salt, field, lora)
         except APIError as exc:
             if isinstance(prompt, ImagePrompt) and exc.param == "prompt":
                 exc.param = "messages"  # (the images' processing: a chat request has no prompt field)
@@ -305,7 +306,7 @@ class _Run(Run):
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
-            "model": self.serving.model_name,
+            "model": self.model_name,
             "choices": body,
             "usage": usage(self.num_prompt_tokens, completion_tokens),
         }

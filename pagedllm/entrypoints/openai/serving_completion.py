@@ -11,7 +11,7 @@ from pagedllm.outputs import Logprob
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest):
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_task("generate")
         if request.suffix:
             raise APIError("suffix is not supported", param="suffix")
@@ -25,7 +25,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.use_beam_search
             else request.sampling_params(self.defaults, request.max_tokens, request.logprobs, echo_logprobs, constraint)
         )
-        processed = await self.admit(prompts, params, request.max_tokens, request.cache_salt, field)
+        processed = await self.admit(prompts, params, request.max_tokens, request.cache_salt, field, lora)
         request_id = new_id("cmpl")
         streams = self.start(request_id, processed)
         prompt_texts = [
@@ -89,7 +89,7 @@ class _Run(Run):
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.serving.model_name,
+            "model": self.model_name,
             "choices": body,
             "usage": usage(self.num_prompt_tokens, completion_tokens),
         }

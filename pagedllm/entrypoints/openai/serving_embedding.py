@@ -17,7 +17,8 @@ MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, request: EmbeddingRequest) -> JSONResponse:
-        self.check_model(request.model)
+        if self.check_model(request.model) is not None:
+            raise APIError("LoRA adapters serve text generation, not embeddings", param="model")
         self.check_task("embed")
         inputs = _input_list(request.input)
         params = PoolingParams(
