@@ -93,6 +93,27 @@ class EngineMetrics:
         self._success = Counter(
             "pagedllm:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
         )
+        # LoRA adapters: vLLM's info gauge (its labels name the running and waiting adapters; its
+        # value the time it was set), and requests and tokens per adapter.
+        self._lora_info = Gauge(
+            "pagedllm:lora_requests_info",
+            "Running stats on LoRA requests.",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=r,
+        )
+        per_adapter = labels + ["lora_name"]
+        self._lora_requests = Counter(
+            "pagedllm:lora_requests", "Finished requests per LoRA adapter.", per_adapter, registry=r
+        )
+        self._lora_prompt_tokens = Counter(
+            "pagedllm:lora_prompt_tokens",
+            "Prompt tokens of finished requests per LoRA adapter.",
+            per_adapter,
+            registry=r,
+        )
+        self._lora_generation_tokens = Counter(
+            "pagedllm:lora_generation_tokens", "Tokens generated per LoRA adapter.", per_adapter, registry=r
+        )
         self.model_name = model_name
         self._seen: dict[tuple[str, str], int] = {}  # (engine, total's name or position) -> last seen
 
@@ -105,10 +126,15 @@ class EngineMetrics:
         stream.last_token = now
         stream.num_generated += count
         self.generation_tokens.inc(count)
+        if stream.lora_name is not None:
+            self._lora_generation_tokens.labels(self.model_name, stream.lora_name).inc(count)
 
     def observe_finished(self, stream, output: RequestOutput | EmbeddingRequestOutput, now: float) -> None:
         self.e2e.observe(now - stream.arrival)
         self.prompt_tokens.inc(stream.num_prompt_tokens)
+        if stream.lora_name is not None:
+            self._lora_requests.labels(self.model_name, stream.lora_name).inc()
+            self._lora_prompt_tokens.labels(self.model_name, stream.lora_name).inc(stream.num_prompt_tokens)
         if isinstance(output, EmbeddingRequestOutput):  # ends in one step: no tokens, no queue time kept
             self._success.labels(self.model_name, "stop" if output.error is None else "error").inc()
             return
@@ -139,7 +165,15 @@ class EngineMetrics:
                 self._advance(counter.labels(*labels), (labels[1], name), getattr(stats, name))
             for position, total in enumerate(stats.spec_accepted_per_position):
                 self._advance(self._spec_per_position.labels(*labels, str(position)), (labels[1], str(position)), total)
+        self._set_lora_info(SchedulerStats.merge(replicas) if replicas else None)
         return generate_latest(self.registry)
+
+    def _set_lora_info(self, stats: SchedulerStats | None) -> None:
+        self._lora_info.clear()  # one series: the current adapters (the gauge's labels change)
+        if stats is None or not stats.max_loras:
+            return
+        running, waiting = ",".join(stats.running_loras), ",".join(stats.waiting_loras)
+        self._lora_info.labels(running, waiting, str(stats.max_loras)).set_to_current_time()
 
     def _advance(self, counter: Counter, key: tuple[str, str], total: int) -> None:
         counter.inc(total - self._seen.get(key, 0))

@@ -114,3 +114,33 @@ def test_bad_adapter_requests_are_refused_and_the_server_goes_on(server, client,
         client.embeddings.create(model="r8", input="hi")
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert _complete(client, "r8")
+
+
+def _metric_lines(server, name: str) -> list[str]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return [line for line in text.splitlines() if line.startswith(name)]
+
+
+def test_metrics_and_dashboard_show_adapters(server, client):
+    before = _metric_lines(server, "pagedllm:lora_requests_total")
+    # While a long r8 request runs, the info gauge names it running.
+    with httpx.Client(base_url=server.url, timeout=60, headers=server.headers) as http:
+        body = {"model": "r8", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            info = _metric_lines(server, "pagedllm:lora_requests_info")
+            state = http.get("/dashboard/state").json()
+            for _ in lines:
+                pass
+    assert len(info) == 1 and 'running_lora_adapters="r8"' in info[0] and 'max_lora="2"' in info[0]
+    views = [q for replica in state["replicas"] for q in replica["requests"]]
+    assert [q["lora"] for q in views] == ["r8"]
+    assert state["replicas"][0]["stats"]["running_loras"] == ["r8"]
+    after = _metric_lines(server, "pagedllm:lora_requests_total")
+    count = lambda lines: sum(float(x.split()[-1]) for x in lines if 'lora_name="r8"' in x)  # noqa: E731
+    assert count(after) == count(before) + 1
+    tokens = _metric_lines(server, "pagedllm:lora_generation_tokens_total")
+    assert any('lora_name="r8"' in x and float(x.split()[-1]) >= 200 for x in tokens)
+    idle = _metric_lines(server, "pagedllm:lora_requests_info")
+    assert len(idle) == 1 and 'running_lora_adapters=""' in idle[0]

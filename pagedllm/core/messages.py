@@ -84,6 +84,10 @@ class SchedulerStats:
     encoder_cache_entries: int = 0
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
+    # LoRA adapters (by name) of the running and the waiting requests, and the most one step runs.
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @staticmethod
     def merge(replicas: list[SchedulerStats]) -> SchedulerStats:
@@ -122,4 +126,7 @@ class SchedulerStats:
                 sum(s.spec_accepted_per_position[j] for s in replicas if j < len(s.spec_accepted_per_position))
                 for j in range(width)
             ),
+            running_loras=tuple(sorted({name for s in replicas for name in s.running_loras})),
+            waiting_loras=tuple(sorted({name for s in replicas for name in s.waiting_loras})),
+            max_loras=replicas[0].max_loras,
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.encoder_cache_manager import EncoderCacheManager
@@ -498,6 +499,9 @@ class Scheduler:
             spec_num_drafts=self.spec_counts[0],
             spec_num_draft_tokens=self.spec_counts[1],
             spec_num_accepted_tokens=self.spec_counts[2],
+            running_loras=_adapter_names(self.running),
+            waiting_loras=_adapter_names(self.waiting),
+            max_loras=self.config.max_loras,
             spec_accepted_per_position=tuple(self.spec_accepted_per_position),
             encoder_cache_size=self.encoder_cache.capacity,
             encoder_cache_used=self.encoder_cache.num_cached_rows,
@@ -505,3 +509,7 @@ class Scheduler:
             encoder_cache_queries=self.encoder_cache.num_hits + self.encoder_cache.num_encoded,
             encoder_cache_hits=self.encoder_cache.num_hits,
         )
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))

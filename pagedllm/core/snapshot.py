@@ -41,6 +41,7 @@ class RequestView:
     max_tokens: int
     preemptions: int
     blocks: list[int]  # its block table (the first group's, for models with several)
+    lora: str | None = None  # the LoRA adapter it runs under
 
 
 @dataclass
@@ -98,4 +99,5 @@ def _view(request: Request, status: str, tables: dict) -> RequestView:
         request.max_tokens,
         request.num_preemptions,
         blocks,
+        request.lora_request.lora_name if request.lora_request is not None else None,
     )

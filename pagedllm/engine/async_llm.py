@@ -78,6 +78,7 @@ class _Stream:
     num_generated: int = 0
     num_samples: int = 1  # n
     finished: bool = False
+    lora_name: str | None = None  # the LoRA adapter it runs under
 
 
 class RequestStream:
@@ -218,7 +219,12 @@ class AsyncLLM:
             samples = params.n
         elif isinstance(params, BeamSearchParams):  # (its beams come in one output, at its end)
             samples = params.beam_width
-        stream = _Stream(num_prompt_tokens=len(processed.prompt_token_ids), num_samples=samples)
+        lora = processed.lora_request
+        stream = _Stream(
+            num_prompt_tokens=len(processed.prompt_token_ids),
+            num_samples=samples,
+            lora_name=lora.lora_name if lora is not None else None,
+        )
         self._streams[request_id] = stream
         with self._adds_lock:
             self._unapplied_adds += 1
