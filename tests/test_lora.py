@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from conftest import hf_greedy, make_model
+from conftest import hf_greedy, make_model, prompts_of_mixed_lengths
 from lora_utils import ALL_TARGETS, load_peft, make_adapter
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.kernels import cpu_ops
@@ -200,3 +200,83 @@ def test_adapter_ranks_and_scalings_as_peft_sets_them(adapters):
     rs = read_adapter(adapters["attn4"]).modules
     assert {m.name.rsplit(".", 1)[1] for m in rs} == {"q_proj", "v_proj"}
     assert all(m.scaling == 16 / 2 for m in rs)  # rsLoRA: alpha / sqrt(rank)
+
+
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64, initializer_range=0.05)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory, tokenizer_dir) -> tuple[str, str]:
+    """A Llama of real models' weight scale (the quantized kernels' rows of 256) and an adapter."""
+    path = make_model("llama", tmp_path_factory.mktemp("wide-llama"), tokenizer_dir, **WIDE)
+    return path, make_adapter(path, tmp_path_factory.mktemp("wide-adapter"), rank=16, seed=8, scale=0.1)
+
+
+def _teacher_forced(llm: LLM, sequences: list[list[int]], lora: LoRARequest | None) -> torch.Tensor:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False, lora_request=lora)
+    return torch.cat(
+        [torch.tensor([e[t].logprob for e, t in zip(o.prompt_logprobs[1:], s[1:])]) for o, s in zip(outputs, sequences)]
+    )
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="quantized weights need the C++ kernels")
+@pytest.mark.parametrize("base, bound", [("int8", 0.05), ("Q8_0", 0.04), ("Q4_K", 0.04)], ids=lambda v: str(v))
+def test_adapter_on_a_quantized_base(wide, tokenizer_dir, tmp_path, base, bound):
+    """The adapter beside quantized weights: teacher-forced logprobs within the base's own rounding of
+    the float model's with the adapter (online schemes: the float checkpoint, test_online_quantization's
+    bounds; GGUF: the same file dequantized, test_gguf_quantized's), far from the quantized model's
+    without it; a mixed batch bit for bit each request alone."""
+    from gguf_writer import write_gguf
+
+    hf_dir, adapter = wide
+    args = dict(dtype="float32", kv_cache_memory="32MiB", enable_lora=True, max_loras=2)
+    if base.startswith("int"):
+        quantized = LLM(hf_dir, quantization=base, **args)
+        plain = LLM(hf_dir, **args)
+    else:
+        path = str(tmp_path / "model.gguf")
+        write_gguf(hf_dir, path, base, None, {"attn_v": "Q6_K", "ffn_down": "Q6_K"} if base == "Q4_K" else None)
+        quantized = LLM(path, tokenizer=tokenizer_dir, **args)
+        plain = LLM(path, tokenizer=tokenizer_dir, quantization="none", **args)  # the same file, dequantized
+    layers = quantized.engine.model_runner.model.model.layers[0]
+    assert layers.mlp.gate_up_proj.formats[0] == base
+    lora = LoRARequest("wide", 1, adapter)
+    sequences = [s for s in prompts_of_mixed_lengths(1000, seed=5) if len(s) > 1]
+    with_adapter = _teacher_forced(quantized, sequences, lora)
+    delta = (with_adapter - _teacher_forced(plain, sequences, lora)).abs()
+    effect = (with_adapter - _teacher_forced(quantized, sequences, None)).abs()
+    print(f"{base}: mean {delta.mean():.4f} max {delta.max():.4f}; the adapter's own effect {effect.mean():.3f}")
+    assert delta.mean() < bound and effect.mean() > 10 * bound
+    loras = [lora, None, LoRARequest("wide2", 2, adapter)]
+    together = _run(quantized, [PROMPTS[0]] * 3, loras)
+    assert together == [_run(quantized, PROMPTS[:1], lora)[0] for lora in loras]
+
+
+def test_two_tensor_parallel_ranks_give_one_ranks_outputs(llm, llama_dir, adapters):
+    """Adapters split like their layers: q/k/v, gate/up B by output rows, o and down A by input columns."""
+    loras = [*_requests(adapters).values(), None]
+    tp = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", enable_lora=True, max_loras=4, tensor_parallel_size=2)
+    try:
+        ours = _run(tp, PROMPTS * len(loras), [lora for lora in loras for _ in PROMPTS])
+    finally:
+        tp.engine.shutdown()
+    want = _run(llm, PROMPTS * len(loras), [lora for lora in loras for _ in PROMPTS])
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in want]
+    for (_, got), (_, expected) in zip(ours, want):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_mixed_batch_equals_alone_and_is_near_fp32(wide):
+    """bf16 (the packed layouts where the CPU has AVX512-BF16: gate/up interleaved, which the
+    adapter's columns follow), a batch of two adapters and the base bit for bit each alone."""
+    hf_dir, adapter = wide
+    args = dict(kv_cache_memory="32MiB", enable_lora=True, max_loras=2)
+    bf16 = LLM(hf_dir, dtype="bfloat16", **args)
+    loras = [LoRARequest("wide", 1, adapter), None, LoRARequest("wide2", 2, adapter)]
+    assert _run(bf16, [PROMPTS[1]] * 3, loras) == [_run(bf16, PROMPTS[1:], lora)[0] for lora in loras]
+    sequences = [s for s in prompts_of_mixed_lengths(1000, seed=6) if len(s) > 1]
+    fp32 = LLM(hf_dir, dtype="float32", **args)
+    delta = (_teacher_forced(bf16, sequences, loras[0]) - _teacher_forced(fp32, sequences, loras[0])).abs()
+    effect = (_teacher_forced(bf16, sequences, None) - _teacher_forced(bf16, sequences, loras[0])).abs()
+    assert delta.mean() < 0.05 and effect.mean() > 10 * delta.mean(), (delta.mean(), effect.mean())
