@@ -29,6 +29,8 @@ ROUTES = [
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",
+    "POST /v1/load_lora_adapter",
+    "POST /v1/unload_lora_adapter",
     "GET /health",
     "GET /version",
     "GET /metrics",
@@ -39,10 +41,16 @@ TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "examples", "tool_chat_
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(llama_dir):
+def fuzz_server(llama_dir, tmp_path_factory):
+    from lora_utils import make_adapter
+
+    adapter = make_adapter(llama_dir, tmp_path_factory.mktemp("fuzz-adapter"), rank=4)
     # A short context keeps what a generated request may ask for (n x max_tokens) small.
     server = Server(
         llama_dir,
+        "--enable-lora",
+        "--lora-modules",
+        f"tiny-lora={adapter}",
         "--max-model-len",
         "64",
         "--kv-cache-memory",
@@ -135,15 +143,17 @@ def _random_phase(route: str, mode, schema, server) -> None:
     operation = schema[path][method]
 
     # The plugin's own parametrize does not run under this pytest; a plain hypothesis test does.
-    # Half the bodies drop their random `model`, which would otherwise stop nearly every request at the
-    # model check before any deeper code runs.
-    @given(case=operation.as_strategy(generation_mode=mode), any_model=st.booleans())
+    # A third of the bodies drop their random `model`, which would otherwise stop nearly every request at
+    # the model check before any deeper code runs, and a third name the LoRA adapter (where served).
+    @given(case=operation.as_strategy(generation_mode=mode), model=st.sampled_from(["keep", "drop", "adapter"]))
     @settings(
         max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
     )
-    def check(case, any_model: bool) -> None:
-        if not any_model and isinstance(case.body, dict):
+    def check(case, model: str) -> None:
+        if model == "drop" and isinstance(case.body, dict):
             case.body.pop("model", None)
+        if model == "adapter" and isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = "tiny-lora"
         _check_response(route, case, server)
 
     check()

@@ -280,3 +280,22 @@ def test_bf16_mixed_batch_equals_alone_and_is_near_fp32(wide):
     delta = (_teacher_forced(bf16, sequences, loras[0]) - _teacher_forced(fp32, sequences, loras[0])).abs()
     effect = (_teacher_forced(bf16, sequences, None) - _teacher_forced(bf16, sequences, loras[0])).abs()
     assert delta.mean() < 0.05 and effect.mean() > 10 * delta.mean(), (delta.mean(), effect.mean())
+
+
+def test_the_cpp_stack_takes_adapter_layers_bit_for_bit(llama_dir, adapters):
+    """With adapters the decoder layers still run as one C++ call (each linear layer a LoRALinear),
+    the op-by-op path's results bit for bit, in a mixed batch and alone."""
+    if cpu_ops() is None:
+        pytest.skip("no C++ kernels")
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", block_size=BS, enable_lora=True, max_loras=4)
+    model = llm.engine.model_runner.model
+    assert model.stack is not None
+    loras = [*_requests(adapters).values(), None]
+    prompts = [p for p in PROMPTS for _ in loras]
+    which = [lora for _ in PROMPTS for lora in loras]
+    stacked = _run(llm, prompts, which)
+    stack, model.stack = model.stack, None  # the documented test hook: op by op
+    try:
+        assert _run(llm, prompts, which) == stacked
+    finally:
+        model.stack = stack

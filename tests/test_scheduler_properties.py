@@ -11,6 +11,7 @@ from pagedllm.core.kv_cache_manager import FREED, KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step import ModelRunnerOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 EOS = 0
@@ -29,6 +30,8 @@ workload_st = st.fixed_dictionaries(
         "window": st.sampled_from([None, None, 2, 9]),  # a sliding window: blocks behind it are freed
         "threshold": st.sampled_from([0, 0, 0.5, 1, 3, 16]),  # long_prefill_token_threshold
         "keys": st.sampled_from([0.0, 5.0, 40.0]),  # attention_keys_per_token
+        "adapters": st.integers(0, 3),  # LoRA adapters the requests take in turn (with the base model)
+        "max_loras": st.sampled_from([1, 2]),
     }
 )
 
@@ -59,6 +62,7 @@ def make_scheduler(w: dict) -> tuple[KVCacheManager, SchedulerConfig, Scheduler]
         MAX_MODEL_LEN,
         long_prefill_token_threshold=w.get("threshold", 0),
         attention_keys_per_token=w.get("keys", 0.0),
+        max_loras=w.get("max_loras", 0),
     )
     return kv, config, Scheduler(config, kv)
 
@@ -104,9 +108,13 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
             i, (prompt_len, max_tokens, _) = pending.pop(0)
             if prompt_len > 0.04 * MAX_MODEL_LEN and any(r.num_output_tokens for r in scheduler.running):
                 held.add(f"r{i}")
-            scheduler.add_request(
-                Request(f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
+            adapter = i % (w["adapters"] + 1)
+            lora = LoRARequest(f"a{adapter}", adapter, "/adapters/a") if adapter else None
+            request = Request(
+                f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS})
             )
+            request.lora_request = lora
+            scheduler.add_request(request)
         if step in aborts:
             scheduler.finish_request(aborts[step], RequestStatus.FINISHED_ABORTED)
         if not pending and not scheduler.has_unfinished_requests():
@@ -117,6 +125,8 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
         assert output.num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
         assert len({s.request_id for s in output.scheduled}) == len(output.scheduled)
+        adapters = {scheduler.requests[s.request_id].lora_id for s in output.scheduled} - {0}
+        assert len(adapters) <= config.max_loras
         _check_blocks(kv, scheduler)
         result = ModelRunnerOutput()
         for s in output.scheduled:

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 
 #include "linear_op.h"
+#include "lora.h"
 
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight,
               double eps);
@@ -86,6 +87,8 @@ class DecoderStack {
                        k_scale, v_scale});
   }
 
+  void set_lora(std::shared_ptr<LoRARows> rows) { lora_ = std::move(rows); }
+
   // x: the step's token embeddings [tokens, hidden], taken over as the residual stream.
   // kv_caches: per layer (K, V). Returns the final norm of the last residual. One call at a time:
   // the intermediates live in buffers the stack keeps.
@@ -155,11 +158,12 @@ class DecoderStack {
   }
 
   // The MLP of normed into out (whose attention output is spent), in chunks of mlp_rows_ rows as
-  // models/decoder.py's GatedMLP.
+  // models/decoder.py's GatedMLP (whole in a step with LoRA adapters: their rows' slots are the step's).
   void mlp(const Layer& layer, const torch::Tensor& normed, const torch::Tensor& out) const {
     const int64_t tokens = normed.size(0);
-    for (int64_t start = 0; start < tokens; start += mlp_rows_) {
-      const int64_t count = std::min(mlp_rows_, tokens - start);
+    const int64_t chunk = lora_ && lora_->active() ? std::max<int64_t>(tokens, 1) : mlp_rows_;
+    for (int64_t start = 0; start < tokens; start += chunk) {
+      const int64_t count = std::min(chunk, tokens - start);
       const torch::Tensor rows = normed.narrow(0, start, count);
       layer.down->forward(layer.gate_up->forward(rows, buffer(kGateUp, rows, count, layer.gate_up->out_features())),
                           out.narrow(0, start, count));
@@ -170,6 +174,7 @@ class DecoderStack {
   double eps_, scale_;
   torch::Tensor final_norm_;
   int64_t mlp_rows_;
+  std::shared_ptr<LoRARows> lora_;  // the step's adapter rows, where layers have LoRA slots
   std::vector<Layer> layers_;
   mutable torch::Tensor buffers_[kNumBuffers];
 };
@@ -185,5 +190,6 @@ void bind_decoder_stack(pybind11::module& m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<int64_t, int64_t, double, double, torch::Tensor, int64_t>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_lora", &DecoderStack::set_lora)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,5 +1,5 @@
 // LoRA adapters in a mixed batch: out[r] += (x[r] A_s^T) B_s^T for every row r whose adapter slot
-// s = row_slot[r] is not -1, the other rows left alone (lora/layers.py holds the slots).
+// s = row_slot[r] is not -1, the other rows left alone (layers/lora.py holds the slots).
 //
 // A layer's slots: a [S, P * R, K], the A matrices of its P parts (q, k and v of a fused qkv layer;
 // gate and up; one part otherwise), part p's rank-r rows at p * R; bt [S, R, N], B transposed and
@@ -7,65 +7,165 @@
 // and are skipped (ranks[s]). runs [Q, 3]: the output's columns as runs (first, end, part) in the
 // order the layer's base method writes them (a packed gate/up layer interleaves its halves).
 //
-// Each row is one thread's: its shrink t = x A^T (each sum in 16 fp32 lanes in k order, folded in
-// a fixed tree), then its expansion (each output one chain of fused multiply-adds over the rank in
-// order), added to the base's output in fp32 and rounded once. A row's bits therefore do not depend
-// on which rows share the call or how many threads run it: outputs stay batch-invariant.
+// Rows of one slot go through in tiles of up to kTileRows, which share each load of A and B. Each
+// row's arithmetic is its own whatever its tile: its shrink t = x A^T (each sum in 16 fp32 lanes in
+// k order, folded in a fixed tree), then its expansion (each output one chain of fused multiply-adds
+// over the rank in order), added to the base's output in fp32 and rounded once. So a row's bits do
+// not depend on which rows share the call or how many threads run it: outputs stay batch-invariant.
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include <torch/extension.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 
+#include "linear_op.h"
+#include "lora.h"
 #include "work_split.h"
+
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);  // fused_ops.cpp
 
 namespace {
 constexpr int kLanes = 16;
+constexpr int kTileRows = 4;
+constexpr int64_t kColumns = 16;  // the expansion's columns a pass (kTileRows x 16 sums in registers)
 // Below this many multiply-adds a call runs on one thread: a parallel region's start costs more.
 constexpr int64_t kParallelWork = 1 << 16;
 
 inline float widen(float v) { return v; }
 inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
-template <typename T>
-float dot(const float* x, const T* a, int64_t k) {
-  float acc[kLanes] = {};
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up 16
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// t[r] = x_r . a over k, for the tile's Rows rows (x widened to fp32 already): lane l of 16 sums the
+// k = l (mod 16) terms of the whole vectors, the tail's terms go to lanes 0.., then a fixed tree.
+template <typename T, int Rows>
+void shrink(const float* const* x, const T* a, int64_t k, float* t, int64_t t_stride) {
+  alignas(32) float acc[Rows][kLanes] = {};
   int64_t p = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 lo[Rows], hi[Rows];
+  for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (; p + kLanes <= k; p += kLanes) {
+    const __m256 a0 = load8(a + p), a1 = load8(a + p + 8);
+    for (int r = 0; r < Rows; ++r) {
+      lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + p), a0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + p + 8), a1, hi[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    _mm256_store_ps(acc[r], lo[r]);
+    _mm256_store_ps(acc[r] + 8, hi[r]);
+  }
+#else
   for (; p + kLanes <= k; p += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(x[p + l], widen(a[p + l]), acc[l]);
-  for (int l = 0; p < k; ++p, ++l) acc[l] = std::fma(x[p], widen(a[p]), acc[l]);
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
-  return acc[0];
+    for (int r = 0; r < Rows; ++r)
+      for (int l = 0; l < kLanes; ++l) acc[r][l] = std::fma(x[r][p + l], widen(a[p + l]), acc[r][l]);
+#endif
+  for (int l = 0; p < k; ++p, ++l) {
+    const float av = widen(a[p]);
+    for (int r = 0; r < Rows; ++r) acc[r][l] = std::fma(x[r][p], av, acc[r][l]);
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l) acc[r][l] += acc[r][l + width];
+    t[r * t_stride] = acc[r][0];
+  }
 }
 
+// y_r[first, end) += t_r[part's] . bt over the rank, for the tile's Rows rows: each output one chain
+// of fused multiply-adds over j in order (16 columns a pass in vectors, the last few one by one).
+template <typename T, typename O, int Rows>
+void expand(O* const* y, const float* t, int64_t t_stride, const T* bt, int64_t n, int64_t rank, int64_t first,
+            int64_t end) {
+  int64_t c0 = first;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; c0 + kColumns <= end; c0 += kColumns) {
+    __m256 lo[Rows], hi[Rows];
+    for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < rank; ++j) {
+      const __m256 b0 = load8(bt + j * n + c0), b1 = load8(bt + j * n + c0 + 8);
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 tj = _mm256_set1_ps(t[r * t_stride + j]);
+        lo[r] = _mm256_fmadd_ps(tj, b0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(tj, b1, hi[r]);
+      }
+    }
+    alignas(32) float sums[kColumns];
+    for (int r = 0; r < Rows; ++r) {
+      _mm256_store_ps(sums, lo[r]);
+      _mm256_store_ps(sums + 8, hi[r]);
+      for (int64_t l = 0; l < kColumns; ++l) y[r][c0 + l] = static_cast<O>(widen(y[r][c0 + l]) + sums[l]);
+    }
+  }
+#endif
+  for (; c0 < end; ++c0) {
+    for (int r = 0; r < Rows; ++r) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < rank; ++j) acc = std::fma(t[r * t_stride + j], widen(bt[j * n + c0]), acc);
+      y[r][c0] = static_cast<O>(widen(y[r][c0]) + acc);
+    }
+  }
+}
+
+struct Shape {
+  int64_t k, n, parts, max_rank, num_runs;
+  const int64_t* runs;
+};
+
+template <typename T, typename O, int Rows>
+void tile(O* out, const T* x, const T* a, const T* bt, int64_t first_row, int64_t slot, int64_t rank, const Shape& s,
+          std::vector<float>& xs, std::vector<float>& t) {
+  const float* x_rows[Rows];
+  O* y_rows[Rows];
+  for (int r = 0; r < Rows; ++r) {
+    float* row = xs.data() + r * s.k;
+    for (int64_t p = 0; p < s.k; ++p) row[p] = widen(x[(first_row + r) * s.k + p]);
+    x_rows[r] = row;
+    y_rows[r] = out + (first_row + r) * s.n;
+  }
+  const int64_t stride = s.parts * s.max_rank;  // t holds a row's shrink for every part
+  const T* a_slot = a + slot * stride * s.k;
+  for (int64_t part = 0; part < s.parts; ++part)
+    for (int64_t j = 0; j < rank; ++j)
+      shrink<T, Rows>(x_rows, a_slot + (part * s.max_rank + j) * s.k, s.k, t.data() + part * s.max_rank + j, stride);
+  const T* b_slot = bt + slot * s.max_rank * s.n;
+  for (int64_t q = 0; q < s.num_runs; ++q) {
+    const int64_t part = s.runs[3 * q + 2];
+    expand<T, O, Rows>(y_rows, t.data() + part * s.max_rank, stride, b_slot, s.n, rank, s.runs[3 * q],
+                       s.runs[3 * q + 1]);
+  }
+}
+
+struct Tile {
+  int64_t first_row, rows, slot;
+};
+
 template <typename T, typename O>
-void lora_rows(O* out, const T* x, const T* a, const T* bt, const std::vector<std::pair<int64_t, int64_t>>& rows,
-               const int64_t* ranks, const int64_t* runs, int64_t num_runs, int64_t k, int64_t n, int64_t parts,
-               int64_t max_rank, int threads) {
-  WorkSplit split(static_cast<int64_t>(rows.size()), threads);
+void lora_tiles(O* out, const T* x, const T* a, const T* bt, const std::vector<Tile>& tiles, const int64_t* ranks,
+                const Shape& s, int threads) {
+  WorkSplit split(static_cast<int64_t>(tiles.size()), threads);
 #pragma omp parallel num_threads(split.threads())
   {
-    std::vector<float> xs(k), t(parts * max_rank), acc(n);
+    std::vector<float> xs(kTileRows * s.k), t(kTileRows * s.parts * s.max_rank);
     for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-      const int64_t row = rows[item].first, slot = rows[item].second, rank = ranks[slot];
-      for (int64_t p = 0; p < k; ++p) xs[p] = widen(x[row * k + p]);
-      const T* a_slot = a + slot * parts * max_rank * k;
-      for (int64_t part = 0; part < parts; ++part)
-        for (int64_t j = 0; j < rank; ++j)
-          t[part * max_rank + j] = dot(xs.data(), a_slot + (part * max_rank + j) * k, k);
-      const T* b_slot = bt + slot * max_rank * n;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t q = 0; q < num_runs; ++q) {
-        const int64_t first = runs[3 * q], end = runs[3 * q + 1], part = runs[3 * q + 2];
-        for (int64_t j = 0; j < rank; ++j) {
-          const float tj = t[part * max_rank + j];
-          const T* b = b_slot + j * n;
-          for (int64_t c = first; c < end; ++c) acc[c] = std::fma(tj, widen(b[c]), acc[c]);
-        }
+      const Tile& w = tiles[item];
+      const int64_t rank = ranks[w.slot];
+      switch (w.rows) {
+        case 1: tile<T, O, 1>(out, x, a, bt, w.first_row, w.slot, rank, s, xs, t); break;
+        case 2: tile<T, O, 2>(out, x, a, bt, w.first_row, w.slot, rank, s, xs, t); break;
+        case 3: tile<T, O, 3>(out, x, a, bt, w.first_row, w.slot, rank, s, xs, t); break;
+        default: tile<T, O, kTileRows>(out, x, a, bt, w.first_row, w.slot, rank, s, xs, t); break;
       }
-      O* y = out + row * n;
-      for (int64_t c = 0; c < n; ++c) y[c] = static_cast<O>(widen(y[c]) + acc[c]);
     }
   }
 }
@@ -91,34 +191,107 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
                   ranks.scalar_type() == torch::kLong && ranks.numel() == slots &&
                   runs.scalar_type() == torch::kLong && runs.dim() == 2 && runs.size(1) == 3 && runs.is_contiguous(),
               "int32 row_slot [M], int64 ranks [S] and runs [Q, 3] expected");
-  const int64_t parts = a.size(1) / max_rank, num_runs = runs.size(0);
+  const Shape shape{k, n, a.size(1) / max_rank, max_rank, runs.size(0), runs.data_ptr<int64_t>()};
   const int64_t* rank_of = ranks.data_ptr<int64_t>();
-  const int64_t* run = runs.data_ptr<int64_t>();
   for (int64_t s = 0; s < slots; ++s) TORCH_CHECK(rank_of[s] >= 0 && rank_of[s] <= max_rank, "rank out of range");
-  for (int64_t q = 0; q < num_runs; ++q)
-    TORCH_CHECK(run[3 * q] >= 0 && run[3 * q] <= run[3 * q + 1] && run[3 * q + 1] <= n && run[3 * q + 2] >= 0 &&
-                    run[3 * q + 2] < parts,
+  for (int64_t q = 0; q < shape.num_runs; ++q)
+    TORCH_CHECK(shape.runs[3 * q] >= 0 && shape.runs[3 * q] <= shape.runs[3 * q + 1] && shape.runs[3 * q + 1] <= n &&
+                    shape.runs[3 * q + 2] >= 0 && shape.runs[3 * q + 2] < shape.parts,
                 "a run out of range");
-  std::vector<std::pair<int64_t, int64_t>> rows;  // (row, slot) of the rows with an adapter
+  // Consecutive rows of one slot, in tiles of up to kTileRows.
+  std::vector<Tile> tiles;
   const int32_t* slot_of = row_slot.data_ptr<int32_t>();
   int64_t work = 0;
   for (int64_t r = 0; r < m; ++r) {
-    if (slot_of[r] < 0) continue;
-    TORCH_CHECK(slot_of[r] < slots, "row ", r, "'s slot ", slot_of[r], " is not one of the ", slots);
-    rows.emplace_back(r, slot_of[r]);
-    work += rank_of[slot_of[r]] * (parts * k + n);
+    const int32_t slot = slot_of[r];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < slots, "row ", r, "'s slot ", slot, " is not one of the ", slots);
+    Tile* last = tiles.empty() ? nullptr : &tiles.back();
+    if (last != nullptr && last->slot == slot && last->first_row + last->rows == r && last->rows < kTileRows)
+      ++last->rows;
+    else
+      tiles.push_back({r, 1, slot});
+    work += rank_of[slot] * (shape.parts * k + n);
   }
-  if (rows.empty()) return;
-  const int threads = rows.size() > 1 && work >= kParallelWork ? omp_get_max_threads() : 1;
+  if (tiles.empty()) return;
+  const int threads = tiles.size() > 1 && work >= kParallelWork ? omp_get_max_threads() : 1;
   if (dtype == torch::kFloat) {
-    lora_rows(out.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), bt.data_ptr<float>(), rows, rank_of,
-              run, num_runs, k, n, parts, max_rank, threads);
+    lora_tiles(out.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), bt.data_ptr<float>(), tiles, rank_of,
+               shape, threads);
     return;
   }
   using bf16 = at::BFloat16;
   const bf16 *xs = x.data_ptr<bf16>(), *as = a.data_ptr<bf16>(), *bs = bt.data_ptr<bf16>();
   if (out.scalar_type() == torch::kFloat)
-    lora_rows(out.data_ptr<float>(), xs, as, bs, rows, rank_of, run, num_runs, k, n, parts, max_rank, threads);
+    lora_tiles(out.data_ptr<float>(), xs, as, bs, tiles, rank_of, shape, threads);
   else
-    lora_rows(out.data_ptr<bf16>(), xs, as, bs, rows, rank_of, run, num_runs, k, n, parts, max_rank, threads);
+    lora_tiles(out.data_ptr<bf16>(), xs, as, bs, tiles, rank_of, shape, threads);
+}
+
+namespace {
+// A linear layer with adapter slots as the C++ decoder stack runs it: the base op, then each row's
+// update by its slot (layers/lora.py's LoRASlots, the same kernels in the same order, so the same
+// bits). A gated MLP's gate/up: rows with an adapter take the base's unfused product (`product`,
+// its columns interleaved 64 at a time where `interleaved`), the update, then SiLU-and-mul; the
+// others the base op's own path.
+class LoRALinear : public LinearOp {
+ public:
+  LoRALinear(std::shared_ptr<LinearOp> base, std::shared_ptr<LinearOp> product, bool interleaved, torch::Tensor a,
+             torch::Tensor bt, torch::Tensor ranks, torch::Tensor runs, std::shared_ptr<LoRARows> rows)
+      : base_(std::move(base)), product_(std::move(product)), interleaved_(interleaved), a_(std::move(a)),
+        bt_(std::move(bt)), ranks_(std::move(ranks)), runs_(std::move(runs)), rows_(std::move(rows)) {}
+
+  int64_t out_features() const override { return base_->out_features(); }
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& given) const override {
+    if (!rows_->active()) return base_->forward(x, given);
+    if (!product_) {
+      torch::Tensor out = base_->forward(x, given);
+      lora_add(out, x, a_, bt_, rows_->row_slot(), ranks_, runs_);
+      return out;
+    }
+    if (!rows_->lora_rows().defined()) {  // every row has an adapter
+      torch::Tensor out = output(x, given);
+      silu_of_product(out, adapted_product(x, rows_->row_slot()));
+      return out;
+    }
+    torch::Tensor out = base_->forward(x, given);
+    const torch::Tensor picked = x.index_select(0, rows_->lora_rows());
+    torch::Tensor adapted = torch::empty({picked.size(0), out.size(1)}, out.options());
+    silu_of_product(adapted, adapted_product(picked, rows_->lora_row_slot()));
+    out.index_copy_(0, rows_->lora_rows(), adapted);
+    return out;
+  }
+
+ private:
+  torch::Tensor adapted_product(const torch::Tensor& x, const torch::Tensor& row_slot) const {
+    torch::Tensor product = product_->forward(x, torch::Tensor());
+    lora_add(product, x, a_, bt_, row_slot, ranks_, runs_);
+    return product;
+  }
+
+  // As layers/linear.py's silu_of_product: halves interleaved 64 columns at a time put back in order.
+  void silu_of_product(torch::Tensor& out, const torch::Tensor& product) const {
+    if (!interleaved_) {
+      silu_and_mul(out, product);
+      return;
+    }
+    const int64_t rows = product.size(0), n = product.size(1);
+    silu_and_mul(out, product.view({rows, n / 128, 2, 64}).transpose(1, 2).reshape({rows, n}));
+  }
+
+  std::shared_ptr<LinearOp> base_, product_;
+  bool interleaved_;
+  torch::Tensor a_, bt_, ranks_, runs_;
+  std::shared_ptr<LoRARows> rows_;
+};
+}  // namespace
+
+void bind_lora(pybind11::module& m) {
+  pybind11::class_<LoRARows, std::shared_ptr<LoRARows>>(m, "LoRARows")
+      .def(pybind11::init<>())
+      .def("set", &LoRARows::set);
+  pybind11::class_<LoRALinear, LinearOp, std::shared_ptr<LoRALinear>>(m, "LoRALinear")
+      .def(pybind11::init<std::shared_ptr<LinearOp>, std::shared_ptr<LinearOp>, bool, torch::Tensor, torch::Tensor,
+                          torch::Tensor, torch::Tensor, std::shared_ptr<LoRARows>>());
 }

@@ -705,6 +705,7 @@ void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor bt, torch::Tensor row_slot,
               torch::Tensor ranks, torch::Tensor runs);  // lora.cpp
 void bind_quant_linear(pybind11::module& m);   // quant_linear.cpp
+void bind_lora(pybind11::module& m);           // lora.cpp
 void bind_blocked_linear(pybind11::module& m);  // packed_linear.cpp
 void bind_shm_collectives(pybind11::module& m);  // shm_collectives.cpp
 
@@ -729,6 +730,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, "out[r] += x[r] A^T B^T by each row's adapter slot (LoRA), in place", release());
   bind_decoder_stack(m);  // first: it binds LinearOp, which quant_linear's class derives from
   bind_quant_linear(m);
+  bind_lora(m);
   bind_blocked_linear(m);
   bind_shm_collectives(m);
   m.def("work_split_trace", &work_split_trace, "for tests: (item, thread) in the order taken, thread 0 late",

@@ -143,6 +143,10 @@ class LinearMethodBase(ABC):
         """SiLU-and-mul of an `apply_product` result: what apply_silu_and_mul returns, bit for bit."""
         return silu_and_mul(product)
 
+    def product_kernel_spec(self, layer: Linear) -> KernelSpec | None:
+        """`apply_product` as a C++ op for the stack; None where there is none."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain [out, in] weights in the model's dtype, applied by F.linear (other devices, fp16);
@@ -246,6 +250,13 @@ class PackedBF16LinearMethod(UnquantizedLinearMethod):
             return None
         return cpu_ops().PackedLinear(*rows, layer.out_features, layer._parameters["bias"], silu_mul, ROWS_KERNEL_MAX)
 
+    def product_kernel_spec(self, layer: Linear) -> KernelSpec | None:
+        if self.kernel_spec(layer) is None:
+            return None
+        return cpu_ops().PackedLinear(
+            *layer._rows, layer.out_features, layer._parameters["bias"], False, ROWS_KERNEL_MAX
+        )
+
 
 class BlockedLinearMethod(UnquantizedLinearMethod):
     """fp32 weights on the CPU, and bf16 ones where our AVX512-BF16 rows kernel is not built, packed
@@ -274,6 +285,9 @@ class BlockedLinearMethod(UnquantizedLinearMethod):
         """The same kernel; on a SiluAndMulLinear, followed by silu_and_mul, as apply_silu_and_mul."""
         silu_mul = isinstance(layer, SiluAndMulLinear)
         return cpu_ops().BlockedLinear(layer.weight, layer.out_features, layer._parameters["bias"], silu_mul)
+
+    def product_kernel_spec(self, layer: Linear) -> KernelSpec | None:
+        return cpu_ops().BlockedLinear(layer.weight, layer.out_features, layer._parameters["bias"], False)
 
 
 def _blocked_kernel_takes(weight: torch.Tensor) -> bool:
@@ -374,7 +388,8 @@ class Linear(nn.Module):
         self.method.process_weights_after_loading(self)
 
     def kernel_spec(self) -> KernelSpec | None:
-        return self.method.kernel_spec(self)
+        spec = self.method.kernel_spec(self)
+        return spec if spec is None or self.lora is None else self.lora.kernel_spec(spec)
 
 
 class QKVLinear(Linear):

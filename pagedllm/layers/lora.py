@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.linear import Linear, SiluAndMulLinear
+from pagedllm.layers.linear import KernelSpec, Linear, SiluAndMulLinear
 
 # A module's update as loaded: A [rank, in], B [out, rank] (scaled), whole (before any
 # tensor-parallel split), for a shard of the layer (None: the whole layer).
@@ -34,6 +34,9 @@ class LoRAContext:
         self.row_slot: torch.Tensor | None = None
         self.lora_rows: torch.Tensor | None = None
         self.lora_row_slot: torch.Tensor | None = None
+        ops = cpu_ops()
+        # The same rows for the C++ decoder stack's adapter layers (kernels/lora.h).
+        self.native = ops.LoRARows() if ops is not None else None
 
     @property
     def active(self) -> bool:
@@ -41,12 +44,13 @@ class LoRAContext:
 
     def set_rows(self, row_slot: torch.Tensor | None) -> None:
         self.row_slot, self.lora_rows, self.lora_row_slot = row_slot, None, None
-        if row_slot is None:
-            return
-        has = row_slot >= 0
-        if not bool(has.all()):
-            self.lora_rows = has.nonzero().squeeze(1)
-            self.lora_row_slot = row_slot[self.lora_rows]
+        if row_slot is not None:
+            has = row_slot >= 0
+            if not bool(has.all()):
+                self.lora_rows = has.nonzero().squeeze(1)
+                self.lora_row_slot = row_slot[self.lora_rows]
+        if self.native is not None:
+            self.native.set(row_slot, self.lora_rows, self.lora_row_slot)
 
 
 @dataclass
@@ -121,6 +125,18 @@ class LoRASlots:
             ops.lora_add(out, x, self.a, self.bt, row_slot, self.ranks, self.runs)
         else:
             lora_add_reference(out, x, self.a, self.bt, row_slot, self.ranks, self.runs)
+
+    def kernel_spec(self, base: KernelSpec) -> KernelSpec | None:
+        """The layer as the C++ stack runs it: its method's op, then the update (kernels/lora.cpp's
+        LoRALinear); None where its method has no unfused gate/up product for the stack."""
+        product = None
+        if isinstance(self.layer, SiluAndMulLinear):
+            product = self.layer.method.product_kernel_spec(self.layer)
+            if product is None:
+                return None
+        interleaved = self.order is not None
+        args = (self.a, self.bt, self.ranks, self.runs, self.ctx.native)
+        return cpu_ops().LoRALinear(base, product, interleaved, *args)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """A SiluAndMulLinear's output with the adapters' updates added to its gate/up product. Rows

@@ -396,6 +396,9 @@ class DecoderForCausalLM(CausalLM):
         )
         for layer in self.model.layers:
             stack.add_layer(*layer.kernel_spec())
+        lora = next((m.lora for m in self.model.layers.modules() if isinstance(m, Linear) and m.lora), None)
+        if lora is not None:
+            stack.set_lora(lora.ctx.native)
         self.stack = stack
 
     def _stack_blocker(self, ops: ModuleType | None) -> str | None:
@@ -406,8 +409,6 @@ class DecoderForCausalLM(CausalLM):
             return "tensor parallelism sums each layer's outputs over the ranks, between the stack's kernels"
         if len(self.kv_groups.windows) > 1:
             return "the C++ decoder stack reads one block table a step; the layers keep K/V in several groups"
-        if any(isinstance(m, Linear) and m.lora is not None for m in self.model.layers.modules()):
-            return "LoRA adapters are added between the linear layers' kernels"
         if self.model.norm.weight.dtype not in (torch.bfloat16, torch.float32):
             return f"the C++ decoder stack computes in bf16 or fp32, the weights are {self.model.norm.weight.dtype}"
         for layer in self.model.layers:  # each layer says whether its parts plug in, and if not why

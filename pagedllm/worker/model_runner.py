@@ -118,8 +118,8 @@ class ModelRunner:
         return result
 
     def _lora_manager(self, model_config: ModelConfig) -> LoRAManager | None:
-        """Adapter slots in the model's layers, where LoRA is enabled (its layers then leave the
-        C++ stack: the updates go between their kernels)."""
+        """Adapter slots in the model's layers, where LoRA is enabled (the C++ stack is built again
+        with them)."""
         if model_config.lora is None:
             return None
         manager = LoRAManager(self.model, model_config.lora, getattr(torch, model_config.dtype), self.device)

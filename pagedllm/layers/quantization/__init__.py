@@ -73,5 +73,8 @@ class PackedQuantMethod(LinearMethodBase):
     def apply_product(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return layer._product_op(x) if layer._product_op is not None else self.apply(layer, x)
 
+    def product_kernel_spec(self, layer: Linear) -> KernelSpec | None:
+        return layer._product_op
+
     def kernel_spec(self, layer: Linear) -> KernelSpec | None:
         return layer._op
