@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import hf_greedy, make_model, prompts_of_mixed_lengths
 from lora_utils import ALL_TARGETS, load_peft, make_adapter
@@ -17,6 +18,8 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.lora import lora_add_reference
 from pagedllm.lora.adapter import read_adapter
+from pagedllm.models.gguf import unpermute_qk
+from pagedllm.worker.lora_manager import _gguf_tensors
 
 BS = 16
 PROMPTS = [[5, 17, 300, 42, 99, 7, 11, 8, 1000, 20], [3, 900, 4, 4, 250, 61, 12000, 33, 5, 6, 71, 2000, 9]]
@@ -299,3 +302,49 @@ def test_the_cpp_stack_takes_adapter_layers_bit_for_bit(llama_dir, adapters):
         assert _run(llm, prompts, which) == stacked
     finally:
         model.stack = stack
+
+
+def test_an_adapter_in_use_is_never_dropped(llama_dir, adapters, tmp_path):
+    """The worker keeps loaded every adapter a request it holds runs under, past --max-cpu-loras: a
+    dropped one would be read again (and here fail: its files are gone); the others go least
+    recently used first."""
+    import shutil
+
+    small = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    manager = small.engine.model_runner.lora
+    copies = [shutil.copytree(adapters[name], tmp_path / name) for name in ("all8", "mlp16", "attn4")]
+    a, b, c = (LoRARequest(f"x{i}", 100 + i, str(path)) for i, path in enumerate(copies))
+    manager.prepare_step([a], [3], live={100})
+    manager.prepare_step([b], [3], live={100, 101})  # a's request still runs
+    assert list(manager.loaded) == [100, 101]
+    shutil.rmtree(copies[0])
+    manager.prepare_step([a], [3], live={100, 101})  # in memory still: not read again
+    manager.prepare_step([c], [3], live={102})  # a's and b's requests are gone
+    assert list(manager.loaded) == [102]
+    with pytest.raises(ValueError, match="does not exist"):
+        manager.prepare_step([a], [3], live={100})
+
+
+GGUF_ADAPTER = os.path.join(os.path.dirname(__file__), "data", "llama-tiny-lora-f32.gguf")
+GGUF_RANK, GGUF_SEED = 8, 47  # tests/data/make_gguf_lora.py's
+
+
+def test_llama_cpp_gguf_adapter_equals_its_peft_source(llm, llama_dir, tmp_path):
+    """llama.cpp's converter's GGUF adapter (tests/data/make_gguf_lora.py) of a PEFT adapter made
+    again here: the file still holds that adapter's weights (B's q/k rows un-permuted), and it
+    serves the same tokens and logprobs, bit for bit, as its source, which equals transformers + peft."""
+    source = make_adapter(llama_dir, tmp_path / "source", rank=GGUF_RANK, seed=GGUF_SEED)
+    info = read_adapter(GGUF_ADAPTER)
+    assert info.gguf_arch == "llama" and {m.scaling for m in info.modules} == {2.0}  # alpha 16 / rank 8
+    tensors, peft = _gguf_tensors(GGUF_ADAPTER), read_adapter(source)
+    theirs = load_file(peft.weights_file)
+    for ours_module, peft_module in zip(info.modules, peft.modules, strict=True):
+        assert ours_module.name == peft_module.name
+        a, b = (tensors[n] for n in ours_module.tensors)
+        if ours_module.name.endswith(("q_proj", "k_proj")):
+            b = unpermute_qk(b, 4 if ours_module.name.endswith("q_proj") else 2)
+        assert torch.equal(a, theirs[peft_module.tensors[0]]) and torch.equal(b, theirs[peft_module.tensors[1]])
+    from_gguf = _run(llm, PROMPTS, LoRARequest("gguf", 20, GGUF_ADAPTER))
+    assert from_gguf == _run(llm, PROMPTS, LoRARequest("peft", 21, source))
+    want = hf_greedy(load_peft(llama_dir, source), PROMPTS[0], GREEDY.max_tokens)[0]
+    assert from_gguf[0][0] == want

@@ -1,7 +1,9 @@
 """A LoRA adapter's files, read and checked without loading its weights: a PEFT folder's
-`adapter_config.json` and its safetensors header (names, shapes). Plain data, no torch: the
-frontend checks an adapter against the model before any request runs it; the worker loads the
-tensors the returned AdapterInfo names (lora/layers.py)."""
+`adapter_config.json` and its safetensors header (names, shapes), or llama.cpp's GGUF adapter
+(`convert_lora_to_gguf.py`: general.type "adapter", adapter.lora.alpha, `<tensor>.lora_a` and
+`.lora_b`). Plain data, no torch: the frontend checks an adapter against the model before any
+request runs it; the worker loads the tensors the returned AdapterInfo names
+(worker/lora_manager.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,20 @@ _UNSUPPORTED = {
 }
 
 
+# llama.cpp's names of the modules an adapter may target (after "blk.N."), as Hugging Face's.
+_GGUF_MODULES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
+
+
 @dataclass(frozen=True)
 class AdapterModule:
     """One module's low-rank update: W x + scaling * B (A x), A [rank, in], B [out, rank]."""
@@ -45,30 +61,33 @@ class AdapterModule:
     scaling: float
     in_features: int
     out_features: int
+    tensors: tuple[str, str] = ("", "")  # the file's names of its A and B
 
 
 @dataclass(frozen=True)
 class AdapterInfo:
-    """A checked adapter: where its tensors are and what they update."""
+    """A checked adapter: where its tensors are and what they update. `gguf_arch`: llama.cpp's
+    architecture name of a GGUF adapter (None: a PEFT folder)."""
 
     path: str
     weights_file: str
     modules: tuple[AdapterModule, ...]
+    gguf_arch: str | None = None
 
     @property
     def max_rank(self) -> int:
         return max(m.rank for m in self.modules)
 
-    def tensor_names(self, module: AdapterModule) -> tuple[str, str]:
-        """The safetensors names of a module's A and B."""
-        return f"{_PREFIX}{module.name}.lora_A.weight", f"{_PREFIX}{module.name}.lora_B.weight"
-
 
 def read_adapter(path: str) -> AdapterInfo:
-    """A PEFT LoRA folder's modules, ranks and scalings (a ValueError naming the adapter says what is
-    wrong with it)."""
+    """A PEFT LoRA folder's (or llama.cpp's GGUF adapter's) modules, ranks and scalings (a
+    ValueError naming the adapter says what is wrong with it)."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return _read_gguf(path)
     if not os.path.isdir(path):
-        raise ValueError(f"LoRA adapter {path!r} does not exist (a PEFT folder with {CONFIG_FILE} expected)")
+        raise ValueError(
+            f"LoRA adapter {path!r} does not exist (a PEFT folder with {CONFIG_FILE}, or a GGUF adapter, expected)"
+        )
     config_path = os.path.join(path, CONFIG_FILE)
     weights = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(config_path):
@@ -143,7 +162,45 @@ def _module(path: str, name: str, pair: dict[str, list[int]], config: dict) -> A
     rank = a[0]
     alpha = _pattern_value(config.get("alpha_pattern") or {}, name, config.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return AdapterModule(name, rank, float(scaling), a[1], b[0])
+    tensors = (f"{_PREFIX}{name}.lora_A.weight", f"{_PREFIX}{name}.lora_B.weight")
+    return AdapterModule(name, rank, float(scaling), a[1], b[0], tensors)
+
+
+def _read_gguf(path: str) -> AdapterInfo:
+    """llama.cpp's LoRA adapter: its scaling alpha / rank as llama.cpp applies it (at scale 1)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"LoRA adapter {path!r} is not a readable GGUF file ({exc})") from None
+
+    def field(key: str):
+        entry = reader.fields.get(key)
+        return entry.contents() if entry is not None else None
+
+    if field("general.type") != "adapter" or field("adapter.type") != "lora":
+        raise ValueError(f"{path!r} is a GGUF file but not a LoRA adapter (general.type {field('general.type')!r})")
+    alpha = float(field("adapter.lora.alpha") or 0.0)
+    pairs: dict[str, dict[str, tuple[str, list[int]]]] = {}
+    for tensor in reader.tensors:
+        match = _GGUF_TENSOR.fullmatch(tensor.name)
+        if match is None or match.group(2) not in _GGUF_MODULES:
+            raise ValueError(f"LoRA adapter {path!r}: tensor {tensor.name!r} is not a LoRA A or B weight we apply")
+        name = f"model.layers.{match.group(1)}.{_GGUF_MODULES[match.group(2)]}"
+        shape = [int(d) for d in reversed(tensor.shape)]  # ggml's order, innermost first
+        pairs.setdefault(name, {})[match.group(3)] = (tensor.name, shape)
+    modules = []
+    for name, pair in sorted(pairs.items()):
+        if set(pair) != {"a", "b"}:
+            raise ValueError(f"LoRA adapter {path!r}: {name} needs both lora_a and lora_b")
+        (a_name, a), (b_name, b) = pair["a"], pair["b"]
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1] or a[0] < 1:
+            raise ValueError(f"LoRA adapter {path!r}: {name} has lora_a {a} and lora_b {b}")
+        modules.append(AdapterModule(name, a[0], alpha / a[0] if alpha else 1.0, a[1], b[0], (a_name, b_name)))
+    if not modules:
+        raise ValueError(f"LoRA adapter {path!r} holds no LoRA weights")
+    return AdapterInfo(path, path, tuple(modules), str(field("general.architecture")))
 
 
 def _pattern_value(patterns: dict, name: str, default: float) -> float:

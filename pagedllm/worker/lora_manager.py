@@ -13,11 +13,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from pagedllm.config import LoRAConfig
+from pagedllm.config import LoRAConfig, text_config
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.lora import LoRAContext, LoRASlots, ShardUpdate
 from pagedllm.lora.adapter import read_adapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.models.gguf import unpermute_qk
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,13 @@ class LoRAManager:
                 self.layers[name] = module.lora
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no layers that take LoRA adapters")
+        fmt = getattr(type(model), "gguf", None)
+        self.permuted_qk = fmt is not None and fmt.permuted_qk  # GGUF adapters of such families
+        text = text_config(getattr(model, "config", None))
+        self.heads = {
+            "q_proj": getattr(text, "num_attention_heads", 0),
+            "k_proj": getattr(text, "num_key_value_heads", 0),
+        }
         self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # by id, least recently used first
         self.slots: list[LoadedAdapter | None] = [None] * config.max_loras  # the adapter in each slot
         logger.info(
@@ -127,7 +135,7 @@ class LoRAManager:
     def _read(self, request: LoRARequest) -> LoadedAdapter:
         """An adapter's tensors, scaled, by our layer's name."""
         info = read_adapter(request.lora_path)
-        tensors = load_file(info.weights_file)
+        tensors = load_file(info.weights_file) if info.gguf_arch is None else _gguf_tensors(info.weights_file)
         updates: dict[str, list[ShardUpdate]] = {}
         nbytes = 0
         for module in info.modules:
@@ -136,9 +144,25 @@ class LoRAManager:
             name = f"{parent}.{ours}"
             if name not in self.layers:
                 raise ValueError(f"LoRA adapter {request.lora_name!r}: {module.name} takes no adapter in this model")
-            a_name, b_name = info.tensor_names(module)
+            a_name, b_name = module.tensors
             a = tensors[a_name].to(self.dtype)
-            b = (tensors[b_name].float() * module.scaling).to(self.dtype)
+            b = tensors[b_name].float()
+            if info.gguf_arch is not None and leaf in ("q_proj", "k_proj") and self.permuted_qk:
+                # llama.cpp's converter interleaved B's rows as it does the base's q/k rows.
+                b = unpermute_qk(b, self.heads[leaf])
+            b = (b * module.scaling).to(self.dtype)
             updates.setdefault(name, []).append((shard, a, b))
             nbytes += a.nbytes + b.nbytes
         return LoadedAdapter(request, updates, nbytes)
+
+
+def _gguf_tensors(path: str) -> dict[str, torch.Tensor]:
+    """A GGUF adapter's tensors by name, in fp32 (quantized ones by the gguf package's dequantization)."""
+    import gguf
+
+    tensors = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        shape = [int(d) for d in reversed(tensor.shape)]
+        data = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        tensors[tensor.name] = torch.from_numpy(data.reshape(shape).copy())
+    return tensors
