@@ -7,23 +7,12 @@ import torch
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_adapter(
-    base_dir: str,
-    path,
-    rank: int = 8,
-    seed: int = 0,
-    targets: tuple[str, ...] = ALL_TARGETS,
-    alpha: float = 16,
-    use_rslora: bool = False,
-    scale: float = 0.2,
-    **config,
-) -> str:
-    """A PEFT adapter of `base_dir`'s model with random A and B (PEFT starts B at zero, which would
-    change nothing), saved to `path`."""
+def make_adapter(base_dir: str, path, **options) -> str:
+    """A PEFT adapter of `base_dir`'s model (adapter_of's options), saved to `path`."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    return adapter_of(base, path, rank, seed, targets, alpha, use_rslora, scale, **config)
+    return adapter_of(base, path, **options)
 
 
 def adapter_of(
@@ -37,7 +26,8 @@ def adapter_of(
     scale: float = 0.2,
     **config,
 ) -> str:
-    """make_adapter's adapter of a transformers model (which peft wraps in place)."""
+    """A PEFT adapter of a transformers model (which peft wraps in place) with random A and B of
+    their own seed (PEFT starts B at zero, which would change nothing), saved to `path`."""
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, **config)

@@ -24,6 +24,7 @@
 
 #include "linear_op.h"
 #include "lora.h"
+#include "widen.h"
 #include "work_split.h"
 
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);  // fused_ops.cpp
@@ -34,17 +35,6 @@ constexpr int kTileRows = 4;
 constexpr int64_t kColumns = 16;  // the expansion's columns a pass (kTileRows x 16 sums in registers)
 // Below this many multiply-adds a call runs on one thread: a parallel region's start costs more.
 constexpr int64_t kParallelWork = 1 << 16;
-
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up 16
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-#endif
 
 // t[r] = x_r . a over k, for the tile's Rows rows (x widened to fp32 already): lane l of 16 sums the
 // k = l (mod 16) terms of the whole vectors, the tail's terms go to lanes 0.., then a fixed tree.

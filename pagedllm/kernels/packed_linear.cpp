@@ -25,6 +25,7 @@
 #include <omp.h>
 
 #include "linear_op.h"
+#include "widen.h"
 #include "work_split.h"
 
 namespace {
@@ -214,17 +215,6 @@ void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, 
 namespace {
 constexpr int64_t kColBlock = 16;
 constexpr int kPassRows = 6;  // 12 accumulators of AVX2's 16 registers (block_fma_rows' names)
-
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up 16
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-#endif
 
 template <typename T, int R>
 void block_fma_rows(const T* const* xr, const T* block, int64_t k, float* sums) {

@@ -41,6 +41,7 @@
 #include <omp.h>
 
 #include "linear_op.h"
+#include "widen.h"
 #include "work_split.h"
 
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);  // fused_ops.cpp
@@ -170,12 +171,6 @@ void quantize_row_avx512(const T* x, int64_t k, int64_t block, int8_t* q, float*
   }
 }
 #elif defined(__AVX2__)
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const at::BFloat16* x) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 inline float max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));

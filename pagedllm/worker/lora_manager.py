@@ -119,6 +119,13 @@ class LoRAManager:
         adapter = self._read(request)
         self.loaded[request.lora_int_id] = adapter
         self._evict(live | {request.lora_int_id})
+        logger.info(
+            "LoRA adapter %r loaded: %.1f MiB; %d loaded, %.1f MiB",
+            request.lora_name,
+            adapter.nbytes / 2**20,
+            len(self.loaded),
+            self.loaded_bytes / 2**20,
+        )
         return adapter
 
     def _evict(self, keep: set[int]) -> None:
