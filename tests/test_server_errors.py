@@ -46,7 +46,7 @@ BAD = [
         400,
         "max_tokens",
     ),
-    ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-9"}, 400, "model"),
+    ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-9"}, 404, "model"),
     ("missing messages", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
     ("empty messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     (

@@ -60,7 +60,8 @@ class ServingModels:
             return None
         adapter = self.adapters.get(name)
         if adapter is None:
-            raise APIError(f"The model `{name}` does not exist.", 404, "not_found_error", "model", "model_not_found")
+            # OpenAI's answer: 404, an invalid request, code model_not_found.
+            raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
         return adapter
 
     async def load(self, name: str, path: str) -> None:
