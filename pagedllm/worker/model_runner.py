@@ -92,8 +92,14 @@ class ModelRunner:
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
         if self.lora is not None:
-            live = {s.lora_request.lora_int_id for s in self.input_batch.requests.values() if s.lora_request}
-            self.lora.prepare_step([s.lora_request for s in states], meta.query_lens_list, live)
+            loras = [s.lora_request for s in states]
+            # The adapters every held request runs under, which no eviction may drop: only in steps with one.
+            live = (
+                {s.lora_request.lora_int_id for s in self.input_batch.requests.values() if s.lora_request}
+                if any(loras)
+                else set()
+            )
+            self.lora.prepare_step(loras, meta.query_lens_list, live)
         mm = self._images(output, states, meta)
         positions = self._rope_positions(states, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, **({"mm": mm} if mm is not None else {}))
