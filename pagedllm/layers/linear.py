@@ -304,6 +304,8 @@ class Linear(nn.Module):
     shards: dict[str | int | None, ShardRows] = {}
     # Its LoRA adapters' slots (layers/lora.py's LoRASlots), where the worker serves adapters.
     lora: Any = None
+    # PackedBF16LinearMethod: gate and up interleaved in the packed weight (a SiluAndMulLinear's only).
+    _interleaved = False
 
     def __init__(
         self,
@@ -430,8 +432,6 @@ class GateUpLinear(Linear):
 
 class SiluAndMulLinear(GateUpLinear):
     """GateUpLinear with SiLU-and-mul applied: [.., in] -> silu(x Wg^T) * (x Wu^T), [.., out_features / 2]."""
-
-    _interleaved = False  # PackedBF16LinearMethod: gate and up interleaved in the packed weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None and self.lora.ctx.row_slot is not None:

@@ -7,9 +7,10 @@ tested against, and runs where the kernels do not.
 A layer's slots: `a` [S, P * R, K], the A of each of its P parts (q, k and v; gate and up; one
 part otherwise), part p's rows at p * R; `bt` [S, R, N], B transposed, each output column taking
 its own part's B, in the column order the base method writes (a packed gate/up layer interleaves
-its halves). A slot's rank is its adapter's largest in this layer; the rows past a part's own rank
-are zeros. Scaling is folded into B. The weights are in the model's dtype, also beside a
-quantized base."""
+its halves); in bf16, [S, R / 2, N, 2], rank rows 2i and 2i + 1 side by side (`pair_rank_rows`), the
+pairs the bf16 dot-product instructions take. R is even. A slot's rank is its adapter's largest in
+this layer; the rows past a part's own rank are zeros. Scaling is folded into B. The weights are in
+the model's dtype, also beside a quantized base; bf16 rounds x A^T to bf16 before B, as PEFT does."""
 
 from __future__ import annotations
 
@@ -65,11 +66,13 @@ class LoRASlots:
     def __init__(
         self, layer: Linear, ctx: LoRAContext, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        self.layer, self.ctx, self.max_rank = layer, ctx, max_rank
+        self.layer, self.ctx = layer, ctx
+        self.max_rank = max_rank + max_rank % 2  # whole pairs of rank rows
         self.parts = {shard: i for i, shard in enumerate(layer.shards)}
         k, n = layer.in_features, layer.out_features
-        self.a = torch.zeros(max_loras, len(self.parts) * max_rank, k, dtype=dtype, device=device)
-        self.bt = torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device)
+        self.a = torch.zeros(max_loras, len(self.parts) * self.max_rank, k, dtype=dtype, device=device)
+        bt_shape = (self.max_rank // 2, n, 2) if dtype == torch.bfloat16 else (self.max_rank, n)
+        self.bt = torch.zeros(max_loras, *bt_shape, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.order = layer.method.product_order(layer)
         self.runs = self._runs()
@@ -114,7 +117,8 @@ class LoRASlots:
                 for local, source, count in layer.rows_of(part):
                     bt[:rank, local : local + count] = rows[source : source + count].T
             self.ranks[slot] = max(int(self.ranks[slot]), rank)
-        self.bt[slot] = (bt if self.order is None else bt[:, self.order]).to(self.bt.dtype)
+        bt = (bt if self.order is None else bt[:, self.order]).to(self.bt.dtype)
+        self.bt[slot] = pair_rank_rows(bt) if self.bt.dim() == 4 else bt
 
     def add(self, out: torch.Tensor, x: torch.Tensor, row_slot: torch.Tensor | None = None) -> None:
         """out[r] += x[r] A^T B^T of row r's slot, in place (rows of slot -1 unchanged)."""
@@ -164,14 +168,25 @@ def lora_add_reference(
     ranks: torch.Tensor,
     runs: torch.Tensor,
 ) -> None:
-    """kernels/lora.cpp's lora_add in torch: per slot, its rows' x A^T, then B^T by runs, in fp32."""
+    """kernels/lora.cpp's lora_add in torch: per slot, its rows' x A^T (rounded to bf16 in bf16), then
+    B^T by runs, in fp32."""
+    if bt.dim() == 4:
+        bt = bt.transpose(2, 3).flatten(1, 2)
     max_rank = bt.shape[1]
     parts = a.shape[1] // max_rank
     for slot in sorted(set(row_slot.tolist()) - {-1}):
         rows = (row_slot == slot).nonzero().squeeze(1).to(out.device)
         rank = int(ranks[slot])
         t = (x[rows].float() @ a[slot].float().T).view(-1, parts, max_rank)[:, :, :rank]
+        if x.dtype == torch.bfloat16:
+            t = t.to(torch.bfloat16).float()
         delta = torch.zeros(len(rows), out.shape[1], dtype=torch.float32, device=out.device)
         for first, end, part in runs.tolist():
             delta[:, first:end] = t[:, part] @ bt[slot, :rank, first:end].float()
         out[rows] = (out[rows].float() + delta).to(out.dtype)
+
+
+def pair_rank_rows(bt: torch.Tensor) -> torch.Tensor:
+    """B^T [..., R, N] (R even) as [..., R / 2, N, 2]: rank rows 2i and 2i + 1 side by side, bf16's layout."""
+    *lead, rank, n = bt.shape
+    return bt.reshape(*lead, rank // 2, 2, n).transpose(-1, -2).contiguous()
