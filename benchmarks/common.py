@@ -202,3 +202,45 @@ class Busy:
         for process in self.processes:
             process.kill()
             process.wait()
+
+
+LORA_TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def model_hf_config(model: str):
+    """transformers' config of a Hugging Face folder or a GGUF file."""
+    from transformers import AutoConfig
+
+    if model.endswith(".gguf"):
+        return AutoConfig.from_pretrained(os.path.dirname(model) or ".", gguf_file=os.path.basename(model))
+    return AutoConfig.from_pretrained(model)
+
+
+def write_lora_adapter(config, path: str, rank: int, seed: int, scale: float = 0.02) -> str:
+    """A PEFT LoRA folder for a model of this transformers config: every target of every layer,
+    random A and B of their own seed (alpha 2 x rank)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hidden = config.hidden_size
+    head = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q)}
+    inter = config.intermediate_size
+    shapes |= {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for block, names in LORA_TARGETS.items():
+            for name in names:
+                out, inp = shapes[name]
+                prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * scale
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * scale
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    targets = [n for names in LORA_TARGETS.values() for n in names]
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}, f)
+    return path

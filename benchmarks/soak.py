@@ -7,7 +7,7 @@ budget to preempt:
 
     .venv/bin/python benchmarks/make_model.py --out /tmp/tiny --hidden-size 64 --num-layers 2 \
         --num-heads 4 --num-kv-heads 2 --intermediate-size 128 --vocab-size 49152 --dtype float32
-    .venv/bin/python benchmarks/soak.py --model /tmp/tiny --requests 100 --kv-cache-memory 1MiB \
+    .venv/bin/python benchmarks/soak.py --model /tmp/tiny --requests 100 --kv-cache-memory 256KiB \
         --rss-interval 0.1
 
 It starts `pagedllm serve` (stdout and stderr to --log), sends --requests requests, --concurrency
@@ -23,20 +23,23 @@ drawn from --seed, so a rerun sends the same requests:
 
 --mixed adds every feature a request can reach (the run issue 42 asks for): the generation server
 runs two data-parallel replicas (-dp 2) with n-gram speculation and the hermes tool template; of
-the requests, --json-fraction ask for JSON under a schema (response_format on chat, vLLM's
-structured_outputs on completions) and --tools-fraction are chat requests whose tool_choice is
-"required" or a named function (streamed or not); and --embeddings-fraction go to a second server
-beside it (--embeddings-model, default: the default model with --runner pooling), as embeddings of
-one to four texts. --images-fraction (with a vision-language --model, and a chat template that
-writes its image placeholder: benchmarks/data/qwen2_vl_chat_template.jinja for a tiny Qwen2-VL)
-sends chat requests with an image part (a base64 PNG, one of four pictures of different sizes, so
-that the encoder cache and the prefix cache see repeats) and text, greedy or sampled, streamed or
-not, n = 1 or 2; the greedy ones are replayed alone like text requests. Their checks: a JSON
-answer parses and holds to its schema; every tool call
-names a tool and its arguments hold to that tool's parameters (a choice that max_tokens cut
-short, its finish reason "length", is not judged: the grammars allow any whitespace, which a
-sampled request can draw until it runs out); each embedding has the same
-dimensions and unit length; the embeddings server ends idle, exits 0, and logs no error.
+the requests, --lora-fraction name one of --lora-adapters random PEFT adapters (written for the
+model at start; all but one served with --lora-modules, the last loaded at runtime through
+/v1/load_lora_adapter; two a step and two in memory, so that the scheduler's limit and the LRU both
+work), their greedy ones replayed alone under the same adapter; --json-fraction ask for JSON under
+a schema (response_format on chat, vLLM's structured_outputs on completions) and --tools-fraction
+are chat requests whose tool_choice is "required" or a named function (streamed or not); and
+--embeddings-fraction go to a second server beside it (--embeddings-model, default: the default
+model with --runner pooling), as embeddings of one to four texts. --images-fraction (with a
+vision-language --model, and a chat template that writes its image placeholder:
+benchmarks/data/qwen2_vl_chat_template.jinja for a tiny Qwen2-VL) sends chat requests with an image
+part (a base64 PNG, one of four pictures of different sizes, so that the encoder cache and the
+prefix cache see repeats) and text, greedy or sampled, streamed or not, n = 1 or 2; the greedy ones
+are replayed alone like text requests. Their checks: a JSON answer parses and holds to its schema;
+every tool call names a tool and its arguments hold to that tool's parameters (a choice that
+max_tokens cut short, its finish reason "length", is not judged: the grammars allow any whitespace,
+which a sampled request can draw until it runs out); each embedding has the same dimensions and
+unit length; the embeddings server ends idle, exits 0, and logs no error.
 
 The KV budget (--kv-cache-memory) is far below what --concurrency requests hold, so the
 scheduler must preempt; the preemption counter has to grow, or the run proves nothing.
@@ -204,6 +207,7 @@ class Spec:
     kind: str = "text"  # "text", "json" (a schema), "tools" (tool_choice required or named), "embed", "beams", "image"
     tool_choice: str | dict | None = None
     picture: int = 0  # an "image" request's: which of PICTURES
+    adapter: str | None = None  # the LoRA adapter it names as its model (--lora-fraction)
 
     @property
     def ends_itself(self) -> bool:
@@ -227,6 +231,8 @@ class Spec:
             body["stream_options"] = {"include_usage": True}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+        if self.adapter is not None:
+            body["model"] = self.adapter
         if self.kind == "embed":
             return {"input": self.prompt.split(" | ")}
         if self.kind == "image":
@@ -283,6 +289,15 @@ def make_prompt(rng: random.Random, long: bool, long_words: tuple[int, int], pre
 
 
 def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble: list[str]) -> Spec:
+    """A request of the mix; --lora-fraction of the text and constrained ones under an adapter (no
+    draw without it, so that a seed's workload stays what it was)."""
+    spec = draw_spec(index, rng, args, preamble)
+    if args.lora_fraction > 0 and spec.kind in ("text", "json", "tools") and rng.random() < args.lora_fraction:
+        spec.adapter = rng.choice(lora_names(args))
+    return spec
+
+
+def draw_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble: list[str]) -> Spec:
     draw = rng.random()
     if draw < args.images_fraction:
         return image_spec(index, rng, args)
@@ -744,6 +759,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lora_names(args: argparse.Namespace) -> list[str]:
+    return [f"soak-lora-{i}" for i in range(args.lora_adapters)]
+
+
+def write_adapters(args: argparse.Namespace) -> None:
+    """--lora-adapters random PEFT adapters of the model, rank --lora-rank, into args.lora_paths."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import model_hf_config, write_lora_adapter
+    from pagedllm.models.loader import default_model_path
+
+    config = model_hf_config(args.model or default_model_path())
+    root = tempfile.mkdtemp(prefix="pagedllm-soak-lora-")
+    args.lora_paths = [
+        write_lora_adapter(config, os.path.join(root, name), args.lora_rank, seed, scale=0.05)
+        for seed, name in enumerate(lora_names(args))
+    ]
+
+
+def lora_server_args(args: argparse.Namespace) -> list[str]:
+    """Every adapter but the last at start (the last is loaded at runtime); fewer in a step and in
+    memory than there are, so that the scheduler's limit and the eviction both work."""
+    if args.lora_fraction <= 0:
+        return []
+    modules = [f"{name}={path}" for name, path in zip(lora_names(args)[:-1], args.lora_paths)]
+    return [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "2",
+        "--max-lora-rank",
+        str(args.lora_rank),
+        "--lora-modules",
+        *modules,
+    ]
+
+
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
     command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"]
     if args.model:
@@ -758,7 +810,7 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
         "--kv-cache-memory",
         args.kv_cache_memory,
     ]
-    return command + shlex.split(args.extra_server_args)
+    return command + lora_server_args(args) + shlex.split(args.extra_server_args)
 
 
 def embeddings_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -818,6 +870,13 @@ def parse_metrics(text: str) -> dict[str, float]:
         if match:
             values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
     return values
+
+
+async def load_adapter(client: httpx.AsyncClient, name: str, path: str) -> None:
+    """An adapter loaded at runtime (vLLM's route), as a client would before naming it."""
+    response = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+    if response.status_code != 200:
+        raise RuntimeError(f"loading the LoRA adapter {name!r} at runtime: {response.status_code} {response.text}")
 
 
 async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
@@ -923,6 +982,7 @@ def mix(specs: list[Spec]) -> str:
         "tools": lambda s: s.kind == "tools",
         "embeddings": lambda s: s.kind == "embed",
         "images": lambda s: s.kind == "image",
+        "lora": lambda s: s.adapter is not None,
     }
     counts = ", ".join(f"{name} {sum(map(test, specs))}" for name, test in kinds.items())
     return f"{len(specs)} requests: {counts}"
@@ -987,6 +1047,19 @@ def checks(
             f"{rss['growth'] * 100:+.2f}% ({rss['samples']} samples)",
         ),
     ]
+
+
+def lora_check(results: list[Result], picked: list[Result], delta: dict[str, float]) -> tuple[str, bool, str]:
+    """Every adapter request that completed is counted under its adapter in /metrics, and some of
+    the greedy replays (the invariance check) ran under adapters."""
+    done = sum(r.spec.adapter is not None and r.status == 200 and r.done and not r.dropped for r in results)
+    counted = delta.get("pagedllm:lora_requests_total", 0.0)
+    replayed = sum(r.spec.adapter is not None for r in picked)
+    return (
+        "LoRA requests counted per adapter, some replayed",
+        counted >= done > 0 and replayed > 0,
+        f"{done} completed, {counted:.0f} counted, {replayed} replayed alone",
+    )
 
 
 def report(t: dict, wall: float, delta: dict[str, float], rss: dict, results: list[Result]) -> None:
@@ -1093,6 +1166,14 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="chat requests with an image (a vision-language --model and a chat template that writes its placeholder)",
     )
+    p.add_argument(
+        "--lora-fraction",
+        type=float,
+        default=None,
+        help="text and constrained requests under a LoRA adapter (--mixed: 0.2, else 0)",
+    )
+    p.add_argument("--lora-adapters", type=int, default=3, help="random PEFT adapters the server serves (>= 2)")
+    p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="0: a free one")
     p.add_argument("--timeout", type=float, default=120.0, help="s a request may take before it counts as a hang")
@@ -1125,11 +1206,14 @@ def parse_args() -> argparse.Namespace:
         ("tools_fraction", 0.15),
         ("embeddings_fraction", 0.1),
         ("beams_fraction", 0.05),
+        ("lora_fraction", 0.2),
     ):
         if getattr(args, name) is None:
             setattr(args, name, mixed if args.mixed else 0.0)
     if args.mixed:
         args.extra_server_args = f"{MIXED_SERVER_ARGS} {args.extra_server_args}"
+    if args.lora_fraction > 0 and args.lora_adapters < 2:
+        p.error("--lora-adapters must be at least 2 (one is loaded at runtime)")
     return args
 
 
@@ -1144,6 +1228,8 @@ async def run(
         httpx.AsyncClient(base_url=embed_url or url, timeout=args.timeout, limits=limits) as embed_client,
     ):
         clients = Clients(client, embed_client)
+        if args.lora_fraction > 0:
+            await load_adapter(client, lora_names(args)[-1], args.lora_paths[-1])
         before = await metrics(client)
         start = time.monotonic()
         with RssSampler(pid, args.rss_interval) as sampler:
@@ -1167,6 +1253,8 @@ async def run(
         greedy_check(greedy, args.tie_margin, not args.allow_rounding_flips),
         rss,
     )
+    if args.lora_fraction > 0:
+        table.append(lora_check(results, picked, delta))
     if embed_url:
         table.append(
             (
@@ -1187,6 +1275,8 @@ async def run(
 
 def main() -> int:
     args = parse_args()
+    if args.lora_fraction > 0:
+        write_adapters(args)
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     command = server_command(args, port)

@@ -93,3 +93,26 @@ def test_the_mixed_runs_checks_of_json_tool_calls_and_embeddings():
     assert bad_vectors([[0.6, 0.8], [1.0, 0.0]], 2) is None
     assert bad_vectors([[0.6, 0.8]], 2) is not None and bad_vectors([[0.6, 0.9], [1.0, 0.0]], 2) is not None
     assert bad_vectors([[0.6, 0.8], [1.0, 0.0, 0.0]], 2) is not None
+
+
+def test_lora_requests_name_their_adapter_and_are_counted(monkeypatch):
+    """--lora-fraction: only text and constrained requests take an adapter, which the body names
+    as its model; the check fails where /metrics counted fewer than completed, or none replayed."""
+    from soak import Result, lora_check, lora_server_args, make_workload, parse_args
+
+    monkeypatch.setattr(sys, "argv", ["soak", "--requests", "300", "--lora-fraction", "0.5", "--beams-fraction", "0.1"])
+    args = parse_args()
+    args.lora_paths = ["/a0", "/a1"]
+    specs = make_workload(args)
+    adapted = [s for s in specs if s.adapter is not None]
+    assert 100 < len(adapted) < 200 and all(s.kind in ("text", "json", "tools") for s in adapted)
+    assert all(s.body()["model"] == s.adapter for s in adapted)
+    assert not any("model" in s.body() for s in specs if s.adapter is None)
+    assert {s.adapter for s in adapted} == {"soak-lora-0", "soak-lora-1", "soak-lora-2"}
+    assert any(s.kind == "beams" for s in specs) and not any(s.kind == "beams" and s.adapter for s in specs)
+    served = lora_server_args(args)
+    assert served[-2:] == ["soak-lora-0=/a0", "soak-lora-1=/a1"]  # the last adapter: loaded at runtime
+    results = [Result(s, status=200, done=True) for s in adapted[:5]]
+    assert lora_check(results, results[:2], {"pagedllm:lora_requests_total": 5.0})[1]
+    assert not lora_check(results, results[:2], {"pagedllm:lora_requests_total": 4.0})[1]
+    assert not lora_check(results, [], {"pagedllm:lora_requests_total": 5.0})[1]
