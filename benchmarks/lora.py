@@ -14,6 +14,9 @@ Prints each round and the medians (range) of the ratios to `base`, and to the `l
 base requests (the same code as `base`'s, run right beside them): the issue's targets are >= 0.8
 for the 8-adapter throughput and >= 0.9 for batch-1 decode with one adapter. `--busy 0,1` runs each
 round quiet, then beside one busy process (`while True: pass`), and prints what each figure keeps.
+`--engine vllm` measures vLLM's CPU build the same way (its LoRA engine: enable_lora, max_loras 8),
+run with the Python of its venv (pagedllm installed there too, `pip install --no-deps -e .`), the
+preloads and core binding of ../shared/peers/README.md, and a `__main__` guard (its engine spawns).
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ from common import Busy, model_hf_config, write_lora_adapter  # benchmarks/, the
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.benchmarks.datasets import fixed_workload
 
+# The engine's sampling parameters: ours, or vLLM's with --engine vllm.
+SAMPLING = SamplingParams
+
 
 def throughput(llm: LLM, requests, loras) -> float:
-    params = SamplingParams(temperature=0, max_tokens=requests[0][1], ignore_eos=True)
+    params = SAMPLING(temperature=0, max_tokens=requests[0][1], ignore_eos=True)
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False, lora_request=loras)
     return sum(n for _, n in requests) / (time.perf_counter() - start)
@@ -38,7 +44,7 @@ def decode_rate(llm: LLM, prompt: list[int], lora) -> float:
     """Decode tokens/s of one request: 128 more tokens over the time a 1-token run takes."""
     seconds = []
     for n in (1, 129):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        params = SAMPLING(temperature=0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False, lora_request=lora)
         seconds.append(time.perf_counter() - start)
@@ -80,6 +86,19 @@ def spread_of(values: list[float], digits: int) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
+def engines(args: argparse.Namespace):
+    """The base engine and the LoRA engine, ours or vLLM's (its KV space from VLLM_CPU_KVCACHE_SPACE)."""
+    lora = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    if args.engine == "vllm":
+        import vllm
+
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        common = dict(model=args.model, dtype=dtype, enable_prefix_caching=False)
+        return vllm.LLM(**common), vllm.LLM(**common, **lora)
+    common = dict(dtype=args.dtype, kv_cache_memory="2GiB", enable_prefix_caching=False)
+    return LLM(args.model, **common), LLM(args.model, **common, **lora)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -89,18 +108,23 @@ def main() -> None:
     parser.add_argument("--adapter-dir", default="/tmp/pagedllm-lora-bench")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--busy", default="0", help="levels of contention each round: busy processes beside both")
+    parser.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     args = parser.parse_args()
 
     config = model_hf_config(args.model)
+    request_class = LoRARequest
+    if args.engine == "vllm":
+        global SAMPLING
+        import vllm
+        from vllm.lora.request import LoRARequest as request_class
+
+        SAMPLING = vllm.SamplingParams
     loras = [
-        LoRARequest(f"a{i}", i + 1, write_lora_adapter(config, f"{args.adapter_dir}/a{i}", args.rank, i))
+        request_class(f"a{i}", i + 1, write_lora_adapter(config, f"{args.adapter_dir}/a{i}", args.rank, i))
         for i in range(args.adapters)
     ]
-    common = dict(dtype=args.dtype, kv_cache_memory="2GiB", enable_prefix_caching=False)
-    base = LLM(args.model, **common)
-    lora = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common)
-    vocab = base.engine.model_config.vocab_size
-    requests = fixed_workload(vocab)
+    base, lora = engines(args)
+    requests = fixed_workload(config.vocab_size)
     spread = [loras[i % len(loras)] for i in range(len(requests))]
     for llm in (base, lora):  # warm-up
         throughput(llm, requests[:4], None)
@@ -114,7 +138,7 @@ def main() -> None:
             rows[level].append(row)
             print(f"round {r}, {level} busy: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     for level, level_rows in rows.items():
-        print(f"\n{level} busy: medians of {args.rounds} rounds (range), dtype {base.engine.model_config.dtype}:")
+        print(f"\n{level} busy: medians of {args.rounds} rounds (range), {args.engine}, dtype {args.dtype}:")
         for key in level_rows[0]:
             print(f"  {key}: {spread_of([row[key] for row in level_rows], 1)}")
         for key, values in ratios(level_rows, len(loras)).items():

@@ -10,6 +10,8 @@ of one adapter and 64 rows spread over the 8, it times, in one process, interlea
     per adapter per layer part (what the kernel replaces);
   - `base`: the layers' own bf16 products (F.linear), what the update is added to.
 Prints each case's medians (range) in microseconds and the kernel's cost as a share of the base's.
+Then a batch-1 decode step's 64 linear layers (16 of each, distinct weights, as the model runs them,
+so that the adapters' weights come from memory, not the caches) with and without the updates.
 """
 
 from __future__ import annotations
@@ -59,6 +61,29 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
+def decode_step(ops, dtype: torch.dtype, args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    """A batch-1 decode step's linear layers as the model runs them: 16 layers of distinct weights,
+    each base product followed by its update, so that the adapters' weights come from memory (the
+    base weights' stream evicts them from the caches), against the base products alone."""
+    g = torch.Generator().manual_seed(1)
+    stack = [make_layer(k, n, parts, args.slots, args.rank, dtype, g) for _ in range(16) for _, k, n, parts in LAYERS]
+    row_slot = torch.zeros(1, dtype=torch.int32)
+    xs = {k: torch.randn(1, k, generator=g).to(dtype) for _, k, _, _ in LAYERS}
+
+    def base():
+        for layer in stack:
+            F.linear(xs[layer[0].shape[2]], layer[-1])
+
+    def adapted():
+        for a, _, bt, ranks, runs, weight in stack:
+            x = xs[a.shape[2]]
+            ops.lora_add(F.linear(x, weight), x, a, bt, row_slot, ranks, runs)
+
+    for _ in range(args.rounds):
+        for name, fn in (("base", base), ("base + update", adapted)):
+            times.setdefault(f"decode step, 16 layers: {name}", []).append(timed(fn, max(3, args.repeats // 10)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -97,9 +122,14 @@ def main() -> None:
 
             for name, fn in (("kernel", kernel), ("per adapter", matmuls), ("base", base)):
                 times.setdefault(f"{case}: {name}", []).append(timed(fn, args.repeats))
+    decode_step(ops, dtype, args, times)
     print(f"medians of {args.rounds} rounds (range), microseconds for one layer's 4 adapter layers, {args.dtype}:")
     for key, values in times.items():
         print(f"  {key}: {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})")
+    step = [
+        a / b for a, b in zip(times["decode step, 16 layers: base"], times["decode step, 16 layers: base + update"])
+    ]
+    print(f"  decode step: base / (base + update) {statistics.median(step):.3f} ({min(step):.3f}-{max(step):.3f})")
     for case in cases:
         share = [k / b for k, b in zip(times[f"{case}: kernel"], times[f"{case}: base"])]
         speedup = [p / k for k, p in zip(times[f"{case}: kernel"], times[f"{case}: per adapter"])]

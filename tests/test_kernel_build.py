@@ -77,3 +77,32 @@ def test_build_path_is_unchanged_without_a_ninja_beside_the_interpreter(tmp_path
     bin_dir = _bin_dir(tmp_path, with_ninja=False)
     path = os.pathsep.join(["/usr/local/bin", "/usr/bin"])
     assert build_search_path(path, os.path.join(bin_dir, "python")) == path
+
+
+def test_a_build_killed_mid_way_blocks_no_later_build(tmp_path):
+    """A builder killed while it holds the folder's lock frees it with its death, and the `lock`
+    file torch's load() leaves behind is removed by the next builder, not waited on forever."""
+    import fcntl
+    import signal
+    import subprocess
+    import sys
+
+    from pagedllm.kernels import _build_lock
+
+    holder = (
+        "import time; from pagedllm.kernels import _build_lock\n"
+        f"with _build_lock({str(tmp_path)!r}):\n"
+        f"    open({str(tmp_path / 'lock')!r}, 'w').close(); print('held', flush=True); time.sleep(600)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "held"
+        with open(tmp_path / "build.flock") as handle, pytest.raises(BlockingIOError):  # a second builder waits
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        assert (tmp_path / "lock").exists()  # what a killed torch build leaves
+        with _build_lock(str(tmp_path)):
+            assert not (tmp_path / "lock").exists()
+    finally:
+        process.kill()

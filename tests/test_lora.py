@@ -59,19 +59,21 @@ def _run(llm: LLM, prompts, lora) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_fp32", [False, True])
-def test_kernel_matches_reference_and_is_row_invariant(dtype, out_fp32):
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_kernel_matches_reference_and_is_row_invariant(dtype, out_fp32, size):
     """Ranks odd and even, K and N not whole vectors, tiles of 1 to 4 rows of a slot; bf16's B^T in
-    pairs of rank rows (the dot-product path where the CPU has AVX512-BF16)."""
+    pairs of rank rows (the dot-product path where the CPU has AVX512-BF16). Large: the batch's
+    tiles on both threads, each row alone on one."""
     if cpu_ops() is None:
         pytest.skip("no C++ kernels")
     g = torch.Generator().manual_seed(0)
-    slots, parts, rank, k, n = 3, 3, 8, 70, 150
+    slots, parts, rank, k, n = (3, 3, 8, 70, 150) if size == "small" else (3, 3, 16, 1030, 1550)
     a = torch.randn(slots, parts * rank, k, generator=g).to(dtype)
     bt = torch.randn(slots, rank, n, generator=g).to(dtype)
     if dtype == torch.bfloat16:
         bt = pair_rank_rows(bt)
-    ranks = torch.tensor([8, 3, 0])
-    runs = torch.tensor([[0, 20, 0], [20, 30, 1], [30, 44, 2], [44, 150, 0]])
+    ranks = torch.tensor([rank, 3 if size == "small" else 13, 0])
+    runs = torch.tensor([[0, 20, 0], [20, 30, 1], [30, 44, 2], [44, n, 0]])
     row_slot = torch.tensor([0, 0, -1, 1, 2, 1, -1, 0, 1, 0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.int32)
     rows = len(row_slot)
     x = torch.randn(rows, k, generator=g).to(dtype)
@@ -79,9 +81,10 @@ def test_kernel_matches_reference_and_is_row_invariant(dtype, out_fp32):
     ours, ref = base.clone(), base.clone()
     cpu_ops().lora_add(ours, x, a, bt, row_slot, ranks, runs)
     lora_add_reference(ref, x, a, bt, row_slot, ranks, runs)
-    # fp32: sums in another order than the reference's; bf16: x A^T may round to a neighbouring bf16.
+    # fp32: sums in another order than the reference's (their error grows with K); bf16: x A^T may
+    # round to a neighbouring bf16. The updates themselves are of order 10-100.
     tol = 1e-5 if dtype == torch.float32 else 8e-3
-    torch.testing.assert_close(ours.float(), ref.float(), atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol * k / 7, rtol=tol)
     assert torch.equal(ours[row_slot < 0], base[row_slot < 0])  # the base model's rows untouched
     assert torch.equal(ours[4], base[4])  # a slot of rank 0 adds nothing
     assert not torch.equal(ours[0], base[0])
@@ -244,12 +247,17 @@ def _teacher_forced(llm: LLM, sequences: list[list[int]], lora: LoRARequest | No
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason="quantized weights need the C++ kernels")
-@pytest.mark.parametrize("base, bound", [("int8", 0.05), ("Q8_0", 0.04), ("Q4_K", 0.04)], ids=lambda v: str(v))
-def test_adapter_on_a_quantized_base(wide, tokenizer_dir, tmp_path, base, bound):
+@pytest.mark.parametrize(
+    "base, bound, margin",
+    [("int8", 0.05, 10), ("int4", 0.4, 2), ("Q8_0", 0.04, 10), ("Q4_K", 0.04, 10)],
+    ids=lambda v: str(v),
+)
+def test_adapter_on_a_quantized_base(wide, tokenizer_dir, tmp_path, base, bound, margin):
     """The adapter beside quantized weights: teacher-forced logprobs within the base's own rounding of
     the float model's with the adapter (online schemes: the float checkpoint, test_online_quantization's
     bounds; GGUF: the same file dequantized, test_gguf_quantized's), far from the quantized model's
-    without it; a mixed batch bit for bit each request alone."""
+    without it (int4's rounding, 0.18 nats mean there, leaves the adapter's effect 4-5 times it);
+    a mixed batch bit for bit each request alone."""
     from gguf_writer import write_gguf
 
     hf_dir, adapter = wide
@@ -270,10 +278,34 @@ def test_adapter_on_a_quantized_base(wide, tokenizer_dir, tmp_path, base, bound)
     delta = (with_adapter - _teacher_forced(plain, sequences, lora)).abs()
     effect = (with_adapter - _teacher_forced(quantized, sequences, None)).abs()
     print(f"{base}: mean {delta.mean():.4f} max {delta.max():.4f}; the adapter's own effect {effect.mean():.3f}")
-    assert delta.mean() < bound and effect.mean() > 10 * bound
+    assert delta.mean() < bound and effect.mean() > margin * bound
     loras = [lora, None, LoRARequest("wide2", 2, adapter)]
     together = _run(quantized, [PROMPTS[0]] * 3, loras)
     assert together == [_run(quantized, PROMPTS[:1], lora)[0] for lora in loras]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_under_adapters_keeps_greedy_outputs(llm, llama_dir, adapters, method):
+    """Drafts (n-gram, or the base model as the draft, without the adapter) verified under each
+    request's adapter, in one mixed batch: the tokens and logprobs of the engine without speculation."""
+    from test_spec_decode import SPEC, fixed_drafts, repetitive_prompts
+
+    spec = SPEC if method == "ngram" else {"model": llama_dir, "num_speculative_tokens": 3}
+    args = dict(dtype="float32", kv_cache_memory="32MiB", block_size=BS, enable_lora=True, max_loras=4)
+    speculative = fixed_drafts(LLM(llama_dir, speculative_config=spec, **args))
+    loras = [*_requests(adapters).values(), None]
+    repetitive = repetitive_prompts(llm.engine.model_config.vocab_size)
+    prompts = [repetitive[i % len(repetitive)] for i in range(len(loras))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outputs = [
+        engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+        for engine in (speculative, llm)
+    ]
+    for ours, plain in zip(*outputs):
+        assert ours.outputs[0].token_ids == plain.outputs[0].token_ids
+        got, want = ([next(iter(e.values())).logprob for e in o.outputs[0].logprobs] for o in (ours, plain))
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
+    assert speculative.engine.stats().spec_num_draft_tokens > 0
 
 
 def test_two_tensor_parallel_ranks_give_one_ranks_outputs(llm, llama_dir, adapters):

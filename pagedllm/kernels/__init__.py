@@ -137,8 +137,7 @@ def _load() -> ModuleType:
         logger.info("Building the C++ kernels into %s (about 1-2 minutes, once per source/toolchain)", directory)
     logger.debug("C++ kernels: compiler %r, ninja %s", cxx, shutil.which("ninja", path=path))
     start = time.perf_counter()
-    with _build_environment(path, cxx):
-        # load() takes a file lock in the folder, so a second process starting at once waits for this build.
+    with _build_lock(directory), _build_environment(path, cxx):
         module = load(
             name=_NAME,
             sources=[os.path.join(_DIR, f) for f in _SOURCES],
@@ -150,6 +149,28 @@ def _load() -> ModuleType:
     if not cached:
         logger.info("C++ kernels built in %.1f s", time.perf_counter() - start)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(directory: str) -> Iterator[None]:
+    """The folder's build to this process alone, a second process starting at once waiting for it.
+
+    torch's load() takes a lock of its own, a `lock` file that a build killed mid-way leaves behind,
+    and every later load of the folder then waits on it forever. This lock is the kernel's (flock):
+    it goes with its process. Whoever holds it is the only builder, so a `lock` file found then is
+    such a leftover, and is removed."""
+    import fcntl
+
+    with open(os.path.join(directory, "build.flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(directory, "lock")
+            if os.path.exists(stale):
+                logger.warning("Removing %s, left by a kernel build that did not finish", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build_directory(path: str, cxx: str) -> str:

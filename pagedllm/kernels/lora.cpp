@@ -240,11 +240,19 @@ struct Shape {
   const int64_t* runs;
 };
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kWidenBf16 = false;  // the shrink takes bf16 rows as they are
+#else
+constexpr bool kWidenBf16 = true;
+#endif
+
 // A thread's scratch: the tile's rows widened to fp32 (where they are widened), t, t in bf16 pairs.
+// Sized once a call: at one row a layer, allocating them cost as much as the arithmetic.
 struct Scratch {
   std::vector<float> xs, t;
   std::vector<uint32_t> tp;
-  Scratch(const Shape& s) : xs(kTileRows * s.k), t(kTileRows * s.parts * s.max_rank), tp(t.size() / 2) {}
+  Scratch(const Shape& s, bool widened)
+      : xs(widened ? kTileRows * s.k : 0), t(kTileRows * s.parts * s.max_rank), tp(t.size() / 2) {}
 };
 
 // The tile's rows' t = x A^T for every part, t[r * stride + part * R + j] (x widened to fp32).
@@ -319,22 +327,31 @@ struct Tile {
 };
 
 template <typename T, typename O>
+void run_tile(O* out, const T* x, const T* a, const T* bt, const Tile& w, int64_t rank, const Shape& s,
+              Scratch& scratch) {
+  switch (w.rows) {
+    case 1: tile<O, 1>(out, x, a, bt, w.first_row, w.slot, rank, s, scratch); break;
+    case 2: tile<O, 2>(out, x, a, bt, w.first_row, w.slot, rank, s, scratch); break;
+    case 3: tile<O, 3>(out, x, a, bt, w.first_row, w.slot, rank, s, scratch); break;
+    default: tile<O, kTileRows>(out, x, a, bt, w.first_row, w.slot, rank, s, scratch); break;
+  }
+}
+
+template <typename T, typename O>
 void lora_tiles(O* out, const T* x, const T* a, const T* bt, const std::vector<Tile>& tiles, const int64_t* ranks,
                 const Shape& s, int threads) {
+  const bool widened = std::is_same_v<T, float> || kWidenBf16;
+  if (threads == 1) {  // no parallel region to start
+    Scratch scratch(s, widened);
+    for (const Tile& w : tiles) run_tile(out, x, a, bt, w, ranks[w.slot], s, scratch);
+    return;
+  }
   WorkSplit split(static_cast<int64_t>(tiles.size()), threads);
 #pragma omp parallel num_threads(split.threads())
   {
-    Scratch scratch(s);
-    for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-      const Tile& w = tiles[item];
-      const int64_t rank = ranks[w.slot];
-      switch (w.rows) {
-        case 1: tile<O, 1>(out, x, a, bt, w.first_row, w.slot, rank, s, scratch); break;
-        case 2: tile<O, 2>(out, x, a, bt, w.first_row, w.slot, rank, s, scratch); break;
-        case 3: tile<O, 3>(out, x, a, bt, w.first_row, w.slot, rank, s, scratch); break;
-        default: tile<O, kTileRows>(out, x, a, bt, w.first_row, w.slot, rank, s, scratch); break;
-      }
-    }
+    Scratch scratch(s, widened);
+    for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num()))
+      run_tile(out, x, a, bt, tiles[item], ranks[tiles[item].slot], s, scratch);
   }
 }
 }  // namespace
