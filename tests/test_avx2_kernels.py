@@ -22,6 +22,7 @@ KERNEL_TESTS = [
     "test_decoder_stack.py",
     "test_kv_cache_fp8.py",
     "test_gguf_quantized.py",
+    "test_lora.py",
 ]
 
 
