@@ -67,32 +67,42 @@ def test_greedy_equals_transformers_on_the_same_file(gguf_path, dequantized):
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
 
 
-def _teacher_forced_top1(llm, ids: list[int]) -> list[int]:
+def _teacher_forced_top2(llm, ids: list[int]) -> list[tuple[int, float]]:
+    """Each position's top token and its lead in nats over the runner-up."""
     from pagedllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
     entries = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].prompt_logprobs[1:]
-    return [max(entry.items(), key=lambda item: item[1].logprob)[0] for entry in entries]
+    tops = [sorted(((lp.logprob, token) for token, lp in entry.items()), reverse=True) for entry in entries]
+    return [(top[0][1], top[0][0] - top[1][0]) for top in tops]
 
 
 def test_the_quantized_path_agrees_with_the_dequantized_one_teacher_forced(gguf_path, dequantized):
+    """Top-1 agreement over 999 teacher-forced positions: wherever the dequantized run's top two are
+    0.5 nats apart or more, every one (689 positions in bf16 here); at near-ties the two paths'
+    roundings may pick either (bf16: every disagreement within 0.375 nats, 16 of them exact ties),
+    so all positions only >= 0.94 (bf16 0.95 here, exact ties going to the larger token id)."""
     from pagedllm import LLM
     from pagedllm.models.loader import cpu_has_bf16
 
     with open(ESSAY) as f:
         ids = dequantized.get_tokenizer().encode(f.read())[:1000]
-    # The dtype `auto` picks: bf16 where the CPU computes it (AVX512-BF16), else fp32 (bf16 emulated
-    # by F.linear on AVX2 agreed on 0.944 here).
+    # The dtype `auto` picks: bf16 where the CPU computes it (AVX512-BF16), else fp32.
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     dense = LLM(gguf_path, dtype=dtype, quantization="none", kv_cache_memory="256MiB", max_model_len=1024)
-    expected = _teacher_forced_top1(dense, ids)
+    expected = _teacher_forced_top2(dense, ids)
     del dense
     quantized = LLM(gguf_path, dtype=dtype, quantization="gguf", kv_cache_memory="256MiB", max_model_len=1024)
-    got = _teacher_forced_top1(quantized, ids)
+    got = [token for token, _ in _teacher_forced_top2(quantized, ids)]
     assert len(got) == len(expected) == 999
-    agreement = sum(a == b for a, b in zip(got, expected)) / len(expected)
-    print(f"\nteacher-forced top-1 agreement, quantized vs dequantized: {agreement:.3f} over {len(expected)}")
-    assert agreement >= 0.95
+    agreement = sum(a == b for a, (b, _) in zip(got, expected)) / len(expected)
+    clear = [(a, b) for a, (b, lead) in zip(got, expected) if lead >= 0.5]
+    print(
+        f"\nteacher-forced top-1 agreement, quantized vs dequantized: {agreement:.3f} over {len(expected)}; "
+        f"where the dequantized lead is >= 0.5 nats: {sum(a == b for a, b in clear)} of {len(clear)}"
+    )
+    assert len(clear) > 500 and all(a == b for a, b in clear)
+    assert agreement >= 0.94
 
 
 def test_quantized_weights_and_the_chat_template_through_the_server(gguf_path):
