@@ -162,7 +162,11 @@ def _build_lock(directory: str) -> Iterator[None]:
     import fcntl
 
     with open(os.path.join(directory, "build.flock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("Waiting for another process's build of the C++ kernels in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             stale = os.path.join(directory, "lock")
             if os.path.exists(stale):

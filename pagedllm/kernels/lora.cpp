@@ -129,7 +129,7 @@ inline float bits_to_float(uint32_t bits) {
 inline float pair_low(uint32_t pair) { return bits_to_float(pair << 16); }
 inline float pair_high(uint32_t pair) { return bits_to_float(pair & 0xFFFF0000u); }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // y[0, 16) += sums where the mask is set, in fp32, rounded once to y's dtype.
 inline void add_sums(float* y, __m512 sums, __mmask16 m) {
   _mm512_mask_storeu_ps(y, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y), sums));
@@ -175,7 +175,7 @@ template <typename O, int Rows>
 void expand_pairs(O* const* y, const uint32_t* tp, int64_t tp_stride, const uint32_t* bt_pairs, int64_t n,
                   int64_t pairs, int64_t first, int64_t end) {
   int64_t c0 = first;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   constexpr int64_t kVectors = 4;  // 64 columns a pass: Rows x 4 sums in registers
   for (; c0 < end; c0 += kVectors * 16) {
     __mmask16 mask[kVectors];
@@ -240,7 +240,7 @@ struct Shape {
   const int64_t* runs;
 };
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kWidenBf16 = false;  // the shrink takes bf16 rows as they are
 #else
 constexpr bool kWidenBf16 = true;
@@ -297,7 +297,7 @@ void tile(O* out, const bf16* x, const bf16* a, const bf16* bt, int64_t first_ro
   for (int r = 0; r < Rows; ++r) y_rows[r] = out + (first_row + r) * s.n;
   const int64_t stride = s.parts * s.max_rank, pairs = (rank + 1) / 2;
   const bf16* a_slot = a + slot * stride * s.k;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const bf16* x_rows[Rows];
   for (int r = 0; r < Rows; ++r) x_rows[r] = x + (first_row + r) * s.k;
   for (int64_t part = 0; part < s.parts; ++part)
@@ -393,6 +393,7 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
     const int32_t slot = slot_of[r];
     if (slot < 0) continue;
     TORCH_CHECK(slot < slots, "row ", r, "'s slot ", slot, " is not one of the ", slots);
+    if (rank_of[slot] == 0) continue;  // adds nothing: the row is left as it is, bit for bit
     Tile* last = tiles.empty() ? nullptr : &tiles.back();
     if (last != nullptr && last->slot == slot && last->first_row + last->rows == r && last->rows < kTileRows)
       ++last->rows;

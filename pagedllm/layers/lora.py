@@ -189,4 +189,5 @@ def lora_add_reference(
 def pair_rank_rows(bt: torch.Tensor) -> torch.Tensor:
     """B^T [..., R, N] (R even) as [..., R / 2, N, 2]: rank rows 2i and 2i + 1 side by side, bf16's layout."""
     *lead, rank, n = bt.shape
+    assert rank % 2 == 0, f"pairs of rank rows need an even rank, not {rank}"
     return bt.reshape(*lead, rank // 2, 2, n).transpose(-1, -2).contiguous()
