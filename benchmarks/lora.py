@@ -138,7 +138,8 @@ def main() -> None:
             rows[level].append(row)
             print(f"round {r}, {level} busy: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     for level, level_rows in rows.items():
-        print(f"\n{level} busy: medians of {args.rounds} rounds (range), {args.engine}, dtype {args.dtype}:")
+        dtype = base.engine.model_config.dtype if args.engine == "pagedllm" else args.dtype
+        print(f"\n{level} busy: medians of {args.rounds} rounds (range), {args.engine}, dtype {dtype}:")
         for key in level_rows[0]:
             print(f"  {key}: {spread_of([row[key] for row in level_rows], 1)}")
         for key, values in ratios(level_rows, len(loras)).items():
