@@ -175,8 +175,10 @@ def lora_add_reference(
     max_rank = bt.shape[1]
     parts = a.shape[1] // max_rank
     for slot in sorted(set(row_slot.tolist()) - {-1}):
-        rows = (row_slot == slot).nonzero().squeeze(1).to(out.device)
         rank = int(ranks[slot])
+        if rank == 0:  # adds nothing: its rows left as they are, as the kernel leaves them
+            continue
+        rows = (row_slot == slot).nonzero().squeeze(1).to(out.device)
         t = (x[rows].float() @ a[slot].float().T).view(-1, parts, max_rank)[:, :, :rank]
         if x.dtype == torch.bfloat16:
             t = t.to(torch.bfloat16).float()
