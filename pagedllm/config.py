@@ -54,8 +54,15 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's: "fcfs" (arrival order) or "priority" (requests' `priority`, lower first, then arrival;
+    # a waiting request preempts running ones of a strictly lower priority).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy {self.scheduling_policy!r}: expected one of {', '.join(SCHEDULING_POLICIES)}"
+            )
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -184,6 +191,9 @@ def _no_more(config: dict) -> None:
         raise ValueError(f"speculative_config: unknown keys {sorted(config)}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int
@@ -210,6 +220,7 @@ class SchedulerConfig:
     whole_images: bool = False
     # LoRA adapters: the most distinct ones a step runs (the worker's slots); 0: no limit.
     max_loras: int = 0
+    policy: str = "fcfs"  # one of SCHEDULING_POLICIES
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -257,8 +268,15 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's: "fcfs" (arrival order) or "priority" (requests' `priority`, lower first, then arrival;
+    # a waiting request preempts running ones of a strictly lower priority).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy {self.scheduling_policy!r}: expected one of {', '.join(SCHEDULING_POLICIES)}"
+            )
         parse_speculative_config(self.speculative_config)  # a bad config stops the start before anything loads
         self.lora_config()  # (checks the LoRA limits)
         if self.tensor_parallel_size < 1:
@@ -288,6 +306,12 @@ class EngineArgs:
             )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("the uni executor runs one rank: tensor_parallel_size > 1 needs mp or ray")
+
+    def crosses_processes(self) -> bool:
+        """Whether a request's parameters reach another process (pickled): the engine core's, a
+        replica's, a tensor-parallel rank's."""
+        backend = self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
+        return self.engine_core_process or self.data_parallel_size > 1 or backend != "uni"
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import json as _json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
@@ -109,6 +111,15 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Words never to generate (vLLM's): the frontend turns them into token ids (below), and a word's
+    # last token is barred wherever the output so far ends with the rest of it.
+    bad_words: list[str] | None = None
+    # V0 vLLM's per-request processors: each takes (output_ids, logits) or (prompt_ids, output_ids,
+    # logits), a row of [vocab] float logits, and returns the row to sample from. Offline only.
+    logits_processors: list[Callable] | None = None
+    # bad_words as the frontend tokenized them (LLMEngine.process_inputs); an init field so that
+    # dataclasses.replace (seeded samples) keeps it.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -163,6 +174,19 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids")
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
+        if self.bad_words is not None:
+            _check(
+                isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                f"bad_words must be a list of non-blank strings, got {self.bad_words!r}",
+            )
+        if self.logits_processors is not None:
+            _check(isinstance(self.logits_processors, list), "logits_processors must be a list of callables")
+            for processor in self.logits_processors:
+                _check(
+                    processor_arity(processor) in (2, 3),
+                    f"logits_processors: {processor!r} must be a callable taking (output_ids, logits) "
+                    "or (prompt_ids, output_ids, logits)",
+                )
         _check(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs must be a StructuredOutputsParams",
@@ -176,10 +200,26 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the user gave must exist in the model's vocabulary."""
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
-            bad = [t for t in getattr(self, name) or () if not 0 <= t < vocab_size]
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids", "bad_words_token_ids"):
+            values = getattr(self, name) or ()
+            if name == "bad_words_token_ids":
+                values = [t for word in values for t in word]
+            bad = [t for t in values if not 0 <= t < vocab_size]
             if bad:
-                raise InvalidParamError(f"{name}: token ids out of vocabulary (size {vocab_size}): {bad[:5]}", name)
+                param = name.removesuffix("_token_ids") if name == "bad_words_token_ids" else name
+                raise InvalidParamError(f"{param}: token ids out of vocabulary (size {vocab_size}): {bad[:5]}", param)
+
+
+def processor_arity(processor: Callable) -> int | None:
+    """How many positional arguments a logits processor takes (2 or 3 are valid); None: not a callable."""
+    if not callable(processor):
+        return None
+    try:
+        parameters = inspect.signature(processor).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -252,3 +252,18 @@ def test_token_mask_kernel_equals_the_torch_path(monkeypatch):
     barred = torch.isinf(portable)
     assert not barred[[0, 3]].any() and not barred[5].any() and barred[1, 5 * 32 :].all()
     assert barred[2].sum() == vocab - 1 and not barred[2, 3 * 32 + 31]
+
+
+def test_bad_words_bar_a_words_end_after_its_start_in_the_output_only():
+    from pagedllm.worker.sampler import apply_logit_controls
+
+    params = SamplingParams(temperature=0, bad_words_token_ids=[[3, 4], [6]])
+
+    def barred(prompt, output) -> set[int]:
+        logits = apply_logit_controls(torch.zeros(1, VOCAB), [_req(params, prompt, output)])
+        return {t for t in range(VOCAB) if logits[0, t] == float("-inf")}
+
+    assert barred((1,), ()) == {6}  # a one-token word always
+    assert barred((1, 3), ()) == {6}  # the prompt's 3 does not start the word
+    assert barred((1,), (3,)) == {4, 6}
+    assert barred((1,), (3, 5)) == {6}

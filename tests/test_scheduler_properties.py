@@ -32,6 +32,8 @@ workload_st = st.fixed_dictionaries(
         "keys": st.sampled_from([0.0, 5.0, 40.0]),  # attention_keys_per_token
         "adapters": st.integers(0, 3),  # LoRA adapters the requests take in turn (with the base model)
         "max_loras": st.sampled_from([1, 2]),
+        "policy": st.sampled_from(["fcfs", "priority"]),
+        "priorities": st.lists(st.integers(-2, 2), min_size=12, max_size=12),  # under the priority policy
     }
 )
 
@@ -63,6 +65,7 @@ def make_scheduler(w: dict) -> tuple[KVCacheManager, SchedulerConfig, Scheduler]
         long_prefill_token_threshold=w.get("threshold", 0),
         attention_keys_per_token=w.get("keys", 0.0),
         max_loras=w.get("max_loras", 0),
+        policy=w.get("policy", "fcfs"),
     )
     return kv, config, Scheduler(config, kv)
 
@@ -114,14 +117,20 @@ def test_scheduler_respects_budgets_and_never_leaks(w):
                 f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS})
             )
             request.lora_request = lora
+            if w["policy"] == "priority":
+                request.priority = w["priorities"][i]
             scheduler.add_request(request)
         if step in aborts:
             scheduler.finish_request(aborts[step], RequestStatus.FINISHED_ABORTED)
         if not pending and not scheduler.has_unfinished_requests():
             break
+        if w["policy"] == "priority":  # (its preemptions first: the room is the decoders' that remain)
+            scheduler._preempt_for_priority(config.max_num_batched_tokens)
         room = _room(scheduler)
         output = scheduler.schedule()
         _check_prefill_held(scheduler, output, room, held)
+        keys = [(r.priority, r.arrival_seq) for r in scheduler.running]
+        assert keys == sorted(keys) if w["policy"] == "priority" else [k[1] for k in keys] == sorted(k[1] for k in keys)
         assert output.num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
         assert len({s.request_id for s in output.scheduled}) == len(output.scheduled)

@@ -202,6 +202,46 @@ BAD = [
         400,
         "guided_choice",
     ),
+    # Fields this server does not implement: a 400 naming each (not ignored, as vLLM does).
+    ("unknown field", "/v1/completions", {**GOOD, "foo": 1}, 400, "foo"),
+    ("unknown chat field", "/v1/chat/completions", {**CHAT, "guided_decoding_backend": "outlines"}, 400, "guided"),
+    (
+        "unknown nested field",
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "foo": 1}}},
+        400,
+        "response_format.json_schema.foo",
+    ),
+    (
+        "unknown stream option",
+        "/v1/completions",
+        {**GOOD, "stream_options": {"continuous": True}},
+        400,
+        "stream_options",
+    ),
+    ("store true", "/v1/chat/completions", {**CHAT, "store": True}, 400, "store"),
+    ("audio output", "/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ("reasoning_effort", "/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, 400, "reasoning_effort"),
+    ("service tier", "/v1/chat/completions", {**CHAT, "service_tier": "flex"}, 400, "service_tier"),
+    ("priority under fcfs", "/v1/completions", {**GOOD, "priority": 1}, 400, "priority"),
+    ("priority past 64 bits", "/v1/completions", {**GOOD, "priority": 2**64}, 400, "priority"),
+    ("blank bad word", "/v1/completions", {**GOOD, "bad_words": ["ok", " "]}, 400, "bad_words"),
+    ("empty bad word", "/v1/completions", {**GOOD, "bad_words": [""]}, 400, "bad_words"),
+    ("empty allowed_token_ids", "/v1/completions", {**GOOD, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (
+        "allowed token out of vocabulary",
+        "/v1/chat/completions",
+        {**CHAT, "allowed_token_ids": [5, 99999999]},
+        400,
+        "allowed_token_ids",
+    ),
+    (
+        "bad_words with beam search",
+        "/v1/completions",
+        {**GOOD, "use_beam_search": True, "bad_words": ["x"]},
+        400,
+        "bad_words",
+    ),
     (
         "two kinds in structured_outputs",
         "/v1/completions",
@@ -219,6 +259,30 @@ def test_malformed_json_names_no_param(http):
 
 def test_no_op_values_of_constraint_and_tool_fields_pass(http):
     body = {**CHAT, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
+    assert _post(http, "/v1/chat/completions", body).status_code == 200
+
+
+def test_unknown_fields_are_named_and_no_op_values_pass(http):
+    error = _assert_error_shape(_post(http, "/v1/completions", {**GOOD, "foo": 1}), 400)
+    assert error["code"] == "unsupported_parameter" and "foo is not supported" in error["message"]
+    error = _assert_error_shape(_post(http, "/v1/chat/completions", {**CHAT, "store": True}), 400)
+    assert error["code"] == "unsupported_parameter" and "store" in error["message"]
+    no_ops = {
+        "store": False,
+        "metadata": {},
+        "service_tier": "auto",
+        "modalities": ["text"],
+        "functions": [],
+        "safety_identifier": "u1",
+        "prompt_cache_key": "k",
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }
+    response = _post(http, "/v1/chat/completions", {**CHAT, **no_ops})
+    assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+    # Messages are what clients send back: the fields their own types add are let through.
+    echoed = {"role": "assistant", "content": "Hi", "refusal": None, "annotations": [], "parsed": {"a": 1}}
+    body = {**CHAT, "messages": [*CHAT["messages"], echoed, {"role": "user", "content": "Again"}]}
     assert _post(http, "/v1/chat/completions", body).status_code == 200
 
 

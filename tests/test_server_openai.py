@@ -253,3 +253,41 @@ def test_beam_search_on_the_server_equals_the_offline_llm(client, llama_dir):
             client.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={**beams, **extra})
     with pytest.raises(BadRequestError, match="length_penalty"):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={"length_penalty": 0.5})
+
+
+def test_bad_words_allowed_tokens_and_logit_bias_equal_the_offline_llm(client, llama_dir):
+    """vLLM's sampling extras through the client's extra_body, on both endpoints: the offline
+    engine's greedy tokens under the same parameters (and different ones without them)."""
+    from openai import BadRequestError
+
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    tokenizer = llm.get_tokenizer()
+    prompt, messages = "The quick brown fox", [{"role": "user", "content": "Hi"}]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    first = plain[0].outputs[0].token_ids
+    extras = [
+        {"bad_words": [tokenizer.decode(first[:1])]},
+        {"allowed_token_ids": sorted(set(first[2:]) | {17, 42})},
+        {"logit_bias": {str(first[1]): -100.0, "314": 100.0}},
+    ]
+    for extra in extras:
+        bias = {int(k): v for k, v in extra.get("logit_bias", {}).items()}
+        fields = {"bad_words": extra.get("bad_words"), "allowed_token_ids": extra.get("allowed_token_ids")}
+        offline = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias=bias or None, **fields)
+        want = llm.generate([prompt], offline, use_tqdm=False)[0].outputs[0]
+        assert want.token_ids != first, extra
+        body = {"ignore_eos": True}
+        got = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={**body, **extra}
+        )
+        assert got.choices[0].text == want.text, extra
+        chat = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body={**body, **extra}
+        )
+        chat_want = llm.chat(messages, offline, use_tqdm=False)[0].outputs[0].text
+        assert chat.choices[0].message.content == chat_want, extra
+    with pytest.raises(BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"foo": 1})
+    assert info.value.body["param"] == "foo" and info.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(BadRequestError, match="scheduling-policy priority"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"priority": 1})

@@ -332,3 +332,30 @@ def test_the_default_model_fills_a_pydantic_model_for_every_prompt(default_clien
         message = result.choices[0].message
         assert isinstance(message.parsed, Person), message.content
         jsonschema.validate(json.loads(message.content), schema)
+    # The parsed message, dumped whole (`parsed` and the client's other fields in it), goes back as a turn.
+    turn = [{"role": "user", "content": "Invent a baker."}, results[0].choices[0].message.model_dump()]
+    again = default_client.chat.completions.create(
+        model=default_client.models.list().data[0].id,
+        messages=[*turn, {"role": "user", "content": "Thanks."}],
+        max_tokens=2,
+    )
+    assert again.choices[0].message.content is not None
+
+
+def test_a_streamed_tool_call_message_goes_back_whole(client):
+    """The stream helper's final message, dumped whole (with the client's own additions: each
+    call's `index` and `parsed_arguments`, `refusal`, ...), is a valid next turn."""
+    with client.chat.completions.stream(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0
+    ) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    assert streamed.tool_calls
+    dumped = streamed.model_dump()
+    assert "index" in dumped["tool_calls"][0] and "parsed_arguments" in dumped["tool_calls"][0]["function"]
+    messages = [
+        *MESSAGES,
+        dumped,
+        *({"role": "tool", "tool_call_id": call.id, "content": "sunny"} for call in streamed.tool_calls),
+    ]
+    final = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=4, temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")

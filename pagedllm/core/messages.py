@@ -37,6 +37,7 @@ class EngineCoreRequest:
     pooling_params: PoolingParams | None = None
     mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images (placeholders expanded)
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    priority: int = 0  # under the priority policy: lower runs first
 
 
 @dataclass

@@ -72,6 +72,7 @@ class Request:
     pooling_params: PoolingParams | None = None  # an embedding request (prompt only, pooled)
     mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images, by offset
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    priority: int = 0  # under the priority policy: lower runs first, then by arrival
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

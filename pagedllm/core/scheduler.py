@@ -7,6 +7,13 @@ computing it again (many requests sharing a system prompt arrive together). When
 dry, the most recently arrived running request is preempted: its blocks are freed and it is
 recomputed later.
 
+Under the priority policy (`SchedulerConfig.policy`), both queues are ordered by (priority,
+arrival), lower values first: the running requests get the step's budget in that order, the
+victim of a dry pool is the lowest-priority newest one, and before anything is scheduled, running
+requests of a strictly lower priority than the waiting head are preempted while the head would
+not fit (no sequence slot, or too few free blocks for its first chunk). Equal priorities never
+preempt each other: within one level it is arrival order.
+
 A long prompt (longer than LONG_PROMPT_SHARE of max_model_len, vLLM's notion of long) that arrives
 while others are generating does not stall them: while some decode, its tokens a step are held to
 a share of what the decodes' own step costs (`long_prefill_token_threshold` times their tokens and
@@ -25,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
@@ -34,6 +40,7 @@ from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import fcfs_key, make_waiting_queue, priority_key
 from pagedllm.core.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 LONG_PROMPT_SHARE = 0.04
@@ -43,8 +50,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # kept sorted by arrival, so the newest is last
+        self.waiting = make_waiting_queue(config.policy)
+        # Kept sorted by arrival (priority: by priority, then arrival), so the first victim is last.
+        self.running: list[Request] = []
+        self._key = priority_key if config.policy == "priority" else fcfs_key
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # finished, keeping their blocks for forks
         self._finished_ids: set[str] = set()
@@ -97,7 +106,7 @@ class Scheduler:
         child.num_computed_tokens = computed
         child.status = RequestStatus.RUNNING
         child.first_scheduled_time = time.monotonic()
-        bisect.insort(self.running, child, key=lambda r: r.arrival_seq)
+        bisect.insort(self.running, child, key=self._key)
         return True
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
@@ -122,6 +131,8 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        if self.config.policy == "priority":
+            self._preempt_for_priority(budget)
         chosen: list[tuple[Request, int]] = []
         preempted = False
         room, chosen_prefill = self._prefill_room(), False
@@ -214,7 +225,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-            bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
+            bisect.insort(self.running, request, key=self._key)
             chosen.append((request, num_new))
             budget -= num_new
             adapters.add(request.lora_id)
@@ -223,6 +234,24 @@ class Scheduler:
             self._drop_encoder_refs(self.waiting[0])  # it stopped the loop, perhaps with images booked
         self.waiting.extendleft(reversed(deferred))
         return self._build_output(chosen)
+
+    def _preempt_for_priority(self, budget: int) -> None:
+        """Preempt running requests of a strictly lower priority (the last first) while the waiting
+        head could not be admitted: every sequence slot taken, or fewer free blocks than its first
+        chunk and the running decodes' next tokens need."""
+        while self.waiting and self.running and self.running[-1].priority > self.waiting[0].priority:
+            if self._head_fits(self.waiting[0], budget):
+                return
+            self._preempt(self.running.pop())
+
+    def _head_fits(self, head: Request, budget: int) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        size = self.kv.block_size
+        chunk = min(head.num_tokens - head.num_computed_tokens, budget)
+        # (Cache hits are not counted: that lookup is the admission's own, and counts in the stats.)
+        needed = -(-chunk // size) + sum(1 for r in self.running if r.num_computed_tokens % size == 0)
+        return self.kv.num_free_blocks >= needed
 
     def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
         """Whether the request may join a step whose chosen requests run `adapters` (0: the base

@@ -178,6 +178,10 @@ class AsyncLLM:
         """What the parameters cannot check alone (LLMEngine.check_params)."""
         self.engine.check_params(params)
 
+    def check_priority(self, priority: int) -> None:
+        """That the scheduling policy takes this priority (LLMEngine.check_priority; ValueError)."""
+        self.engine.check_priority(priority)
+
     def default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults, as vLLM applies them."""
         return self.engine.default_sampling_params()

@@ -62,6 +62,7 @@ class BeamSearchDriver:
     max_tokens: int  # as the context leaves room for
     eos_token_ids: frozenset[int]
     cache_salt: str | None = None
+    priority: int = 0  # each beam's, under the priority policy
     live: list[_Beam] = field(default_factory=list)
     done: list[Hypothesis] = field(default_factory=list)
     error: str | None = None
@@ -158,6 +159,7 @@ class BeamSearchDriver:
             self.cache_salt,
             hold=True,
             fork_of=parent,
+            priority=self.priority,
         )
 
     def _candidates(self):

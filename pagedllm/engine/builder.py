@@ -169,6 +169,7 @@ def make_engine_core(
             if model_config.is_causal
             else 0.0,
             max_loras=model_config.lora.max_loras if model_config.lora is not None else 0,
+            policy=args.scheduling_policy,
             **encoder,
         ),
         kv,

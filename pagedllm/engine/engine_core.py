@@ -74,6 +74,7 @@ class EngineCore:
             pooling_params=message.pooling_params,
             mm_features=message.mm_features,
             lora_request=message.lora_request,
+            priority=message.priority,
         )
         constraint = message.sampling_params.structured_outputs
         if constraint is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,7 +38,7 @@ from pagedllm.multimodal import MultiModalFeature
 from pagedllm.multimodal.processing import ImageProcessor, ImagePrompt, tokens_per_image
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, InvalidParamError, SamplingParams
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 from pagedllm.tokenizer import PerThreadTokenizer, load_tokenizer
 
@@ -62,6 +63,7 @@ class ProcessedRequest:
     cache_salt: str | None = None
     mm_features: tuple[MultiModalFeature, ...] = ()
     lora_request: LoRARequest | None = None
+    priority: int = 0  # under --scheduling-policy priority: lower runs first
 
 
 class LLMEngine:
@@ -141,6 +143,8 @@ class LLMEngine:
                 raise ValueError("embedding requests take no images")
             return self._process_pooling(prompt, params)
         params = params or self.default_sampling_params()
+        if isinstance(params, SamplingParams) and params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         self.check_params(params)
         text: str | None
         features: tuple[MultiModalFeature, ...] = ()
@@ -189,8 +193,55 @@ class LLMEngine:
         if isinstance(params, BeamSearchParams):
             return
         params.check_vocab(self.model_config.vocab_size)
+        self._check_logits_processors(params)
         if params.structured_outputs is not None:
             XgrammarBackend.check(params.structured_outputs)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's reading of bad_words: each word's tokens, and those of the word after a space where
+        they differ in their first token and not in length (a word inside a sentence; SentencePiece
+        tokenizers give the same ids, or a stray space token first)."""
+        encode = self.tokenizer.encode
+        ids: list[list[int]] = []
+        for word in words:
+            plain = encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise InvalidParamError(f"bad_words: {word!r} encodes to no tokens", "bad_words")
+            ids.append(plain)
+            spaced = encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                ids.append(spaced)
+        return ids
+
+    def _check_logits_processors(self, params: SamplingParams) -> None:
+        """Processors reach a core in another process pickled: they must be importable there."""
+        if not params.logits_processors or not self.args.crosses_processes():
+            return
+        for processor in params.logits_processors:
+            module = getattr(processor, "__module__", None)
+            try:
+                pickle.dumps(processor)
+                ok = module != "__main__"
+            except Exception:  # noqa: BLE001 - whatever pickling raises, the answer is the same
+                ok = False
+            if not ok:
+                raise InvalidParamError(
+                    f"logits_processors: {processor!r} cannot reach the engine core's process (it is "
+                    "pickled there): define it at the top level of an importable module, or run the "
+                    "core in this process",
+                    "logits_processors",
+                )
+
+    def check_priority(self, priority: int) -> None:
+        """A priority other than 0 needs the priority policy (vLLM's rule)."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise InvalidParamError(f"priority must be a 64-bit integer, got {priority!r}", "priority")
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise InvalidParamError(
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(start the engine with --scheduling-policy priority)",
+                "priority",
+            )
 
     def _check_dimensions(self, dimensions: int | None) -> None:
         if dimensions is None:
@@ -208,6 +259,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.in_use(request_id) or request_id in self._beams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_priority(processed.priority)
         params = processed.params
         if isinstance(params, BeamSearchParams):
             self._start_beam_search(request_id, processed, params)
@@ -222,6 +274,7 @@ class LLMEngine:
                     0,
                     cache_salt=processed.cache_salt,
                     pooling_params=params,
+                    priority=processed.priority,
                 )
             )
             return request_id
@@ -272,6 +325,7 @@ class LLMEngine:
             fork_of,
             mm_features=processed.mm_features,
             lora_request=processed.lora_request,
+            priority=processed.priority,
         )
 
     def check_lora(self, lora_request: LoRARequest) -> None:
@@ -303,6 +357,7 @@ class LLMEngine:
             processed.max_tokens,
             self.model_config.eos_token_ids,
             processed.cache_salt,
+            processed.priority,
         )
         self._beams[request_id] = driver
         self._add_beams(request_id, driver.start())

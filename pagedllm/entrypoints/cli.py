@@ -12,6 +12,7 @@ from pagedllm.config import (
     MAX_BODY_BYTES,
     QUANTIZATION_CHOICES,
     RUNNER_CHOICES,
+    SCHEDULING_POLICIES,
     EngineArgs,
     positive,
 )
@@ -160,16 +161,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="adapters kept loaded in memory, the least recently used dropped past it (default: --max-loras)",
     )
-
-
-def _json_object(value: str) -> dict:
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("a JSON object is needed")
-    return parsed
+    parser.add_argument(
+        "--scheduling-policy",
+        default=defaults.scheduling_policy,
+        choices=list(SCHEDULING_POLICIES),
+        help="fcfs: arrival order; priority: requests' `priority` field, lower first, then arrival "
+        "(a waiting request preempts running ones of a lower priority)",
+    )
 
 
 def _lora_module(value: str):

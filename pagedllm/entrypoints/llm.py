@@ -40,20 +40,34 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts.
-        `lora_request`: the adapter every prompt runs under, or one per prompt (enable_lora=True)."""
+        `lora_request`: the adapter every prompt runs under, or one per prompt (enable_lora=True).
+        `priority`: one per prompt, lower first (scheduling_policy="priority")."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         normalized = [_prompt_input(p) for p in prompts]
         loras = _as_lora_list(lora_request, len(prompts))
+        priorities = self._priorities(priority, len(prompts))
         for p in params:  # validate everything before anything is queued
             self.engine.check_params(p)
         for lora in set(loras) - {None}:
             self.engine.check_lora(lora)
         # One output per request, at its end: no per-step copies of growing outputs.
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
-        return self._run(normalized, params, use_tqdm, loras)
+        return self._run(normalized, params, use_tqdm, loras, priorities)
+
+    def _priorities(self, priority: Sequence[int] | None, count: int) -> list[int]:
+        """One priority per prompt (vLLM's `priority` list), each checked against the policy."""
+        if priority is None:
+            return [0] * count
+        priorities = list(priority)
+        if len(priorities) != count:
+            raise ValueError(f"{len(priorities)} priorities for {count} prompts")
+        for value in priorities:
+            self.engine.check_priority(value)
+        return priorities
 
     def embed(
         self,
@@ -62,6 +76,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (`output.outputs.embedding`), in the order of the prompts. The
         model's pooling (sentence-transformers' modules, else its family's default) applies;
@@ -74,9 +89,10 @@ class LLM:
             raise ValueError(f"{len(params)} pooling params for {len(prompts)} prompts")
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        priorities = self._priorities(priority, len(prompts))
         for p in params:
             self.engine.check_params(p)
-        outputs = self._run(prompts, params, use_tqdm)
+        outputs = self._run(prompts, params, use_tqdm, priorities=priorities)
         failed = [o for o in outputs if o.error is not None]
         if failed:
             raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
@@ -92,6 +108,7 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Conversations through the chat template (with `tools`, OpenAI's tool definitions, where
         the template takes them), then generate. The output is the model's text: reading tool calls
@@ -111,7 +128,7 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The beam_width best continuations of each prompt, best first (see engine/beam_search.py)."""
@@ -130,13 +147,17 @@ class LLM:
         params: Sequence[EngineParams],
         use_tqdm: bool,
         loras: Sequence[LoRARequest | None] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> list:
         """Every prompt through the engine's loop (LLMEngine.run) until all are done."""
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
-                ids.append(engine.add_request(None, prompt, p, lora))
+            for prompt, p, lora, priority in zip(
+                prompts, params, loras or [None] * len(prompts), priorities or [0] * len(prompts)
+            ):
+                processed = dataclasses.replace(engine.process_inputs(prompt, p, lora), priority=priority)
+                ids.append(engine.add_processed(None, processed))
             done: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
 

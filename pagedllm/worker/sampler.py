@@ -1,7 +1,8 @@
 """Sampler: logits of a batch -> next tokens (+ logprobs), all requests at once on tensors.
 
 Order, as vLLM applies it: logprobs are taken from the raw logits; then the token mask (structured
-output), allowed tokens and logit bias, min_tokens, penalties; greedy rows take the argmax; the
+output), allowed tokens and logit bias, bad words, min_tokens, the request's own logits processors,
+penalties; greedy rows take the argmax; the
 rest are scaled by temperature, cut by top-k, top-p and min-p, and drawn by inverting their
 cumulative distribution at a uniform number, which seeded rows derive from their seed and the
 token's index.
@@ -18,7 +19,7 @@ import torch
 from pagedllm.core.messages import TokenLogprobs
 from pagedllm.core.step import TokenBitmask
 from pagedllm.kernels import cpu_ops
-from pagedllm.sampling_params import SamplingType
+from pagedllm.sampling_params import SamplingType, processor_arity
 from pagedllm.worker.input_batch import RequestState
 
 
@@ -112,7 +113,9 @@ def apply_token_bitmask(
 
 
 def apply_logit_controls(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
-    """allowed_token_ids, logit_bias and min_tokens (stop tokens barred until enough are out)."""
+    """allowed_token_ids, logit_bias, bad words, min_tokens (stop tokens barred until enough are
+    out) and the request's logits processors. At a draft position (speculation) the drafts before
+    it count as output: that state's own all_token_ids holds them."""
     for i, r in enumerate(requests):
         params = r.sampling_params
         if params.allowed_token_ids is not None:
@@ -122,11 +125,45 @@ def apply_logit_controls(logits: torch.Tensor, requests: list[RequestState]) -> 
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), device=logits.device)
             logits[i, ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
+        if params.bad_words_token_ids:
+            barred_words = bad_word_tokens(params.bad_words_token_ids, r.all_token_ids[r.num_prompt_tokens :])
+            if barred_words:
+                logits[i, barred_words] = float("-inf")
         if r.num_output_tokens < params.min_tokens:
             barred = set(params.stop_token_ids) | (set() if params.ignore_eos else set(r.eos_token_ids))
             if barred:
                 logits[i, list(barred)] = float("-inf")
+        if params.logits_processors:
+            _run_processors(logits, i, r)
     return logits
+
+
+def bad_word_tokens(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens barred next: each word's last token where the output ends with the rest of it
+    (a one-token word always). Only the output counts, as in vLLM: a prompt that ends with a word's
+    start does not bar its end."""
+    barred = []
+    for word in words:
+        prefix = len(word) - 1
+        if prefix == 0 or (prefix <= len(output) and output[len(output) - prefix :] == word[:-1]):
+            barred.append(word[-1])
+    return barred
+
+
+def _run_processors(logits: torch.Tensor, i: int, r: RequestState) -> None:
+    """Row i through the request's logits processors in turn (V0 vLLM's callables)."""
+    prompt, output = r.all_token_ids[: r.num_prompt_tokens], r.all_token_ids[r.num_prompt_tokens :]
+    row = logits[i]
+    for processor in r.sampling_params.logits_processors or ():
+        args = (output, row) if processor_arity(processor) == 2 else (prompt, output, row)
+        result = processor(*args)
+        if not isinstance(result, torch.Tensor) or result.shape != row.shape:
+            raise ValueError(
+                f"logits processor {processor!r} returned {type(result).__name__} "
+                f"{tuple(getattr(result, 'shape', ()))}, not a tensor of shape {tuple(row.shape)}"
+            )
+        row = result.to(device=logits.device, dtype=logits.dtype)
+    logits[i] = row
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:

@@ -188,6 +188,10 @@ def _validation_error(errors: list[dict]) -> APIError:
         return APIError(
             f"the body is not valid JSON (at byte {position}: {first.get('ctx', {}).get('error')})", code="invalid_json"
         )
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:  # a field this server does not implement, named (see protocol._Request)
+        where = ".".join(str(part) for part in unknown[0].get("loc", ())[1:])
+        return APIError(f"{where} is not supported by this server", param=where, code="unsupported_parameter")
     where = ".".join(str(part) for part in first.get("loc", ())[1:])
     message = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errors[:3]

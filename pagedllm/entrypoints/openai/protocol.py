@@ -42,10 +42,10 @@ Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as vLLM does, so clients that send more still work; types are
-    # strict, so "5" is not taken for 5; NaN and infinities (which Python's JSON reader accepts)
-    # are refused.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # A field this server does not implement is a 400 naming it (vLLM ignores them with a warning:
+    # a client would never learn that its setting did nothing); types are strict, so "5" is not
+    # taken for 5; NaN and infinities (which Python's JSON reader accepts) are refused.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -73,8 +73,17 @@ def _check_unicode(value: Any, name: str) -> None:
             _check_unicode(item, name)
 
 
+class _Echoed(_Request):
+    """A part of a conversation, which clients send back as the server gave it, with fields of
+    their own added (OpenAI's client: `refusal`, `annotations`, `parsed`, a streamed call's
+    `index`...): what it does not know it ignores."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # (no obfuscation padding is sent either way)
 
 
 class JsonSchemaFormat(_Request):
@@ -147,6 +156,9 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    allowed_token_ids: Annotated[list[Int64], Field(min_length=1)] | None = None
+    priority: Int64 = 0  # --scheduling-policy priority: lower first
     use_beam_search: bool = False  # the n best beams (n: the beam width), deterministic
     length_penalty: float = 1.0  # beam search's: a beam scores cum_logprob / length ** length_penalty
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
@@ -216,12 +228,14 @@ class SamplingFields(_Request):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=bias or None,
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=structured_outputs,
             )
         except ValueError as exc:
-            raise APIError(str(exc)) from exc
+            raise APIError(str(exc), param=_param_in(str(exc))) from exc
 
     def beam_search_params(self, max_tokens: int | None, max_model_len: int) -> BeamSearchParams:
         """vLLM's use_beam_search: n beams, temperature 0; a field beam search does not use is
@@ -245,13 +259,18 @@ class SamplingFields(_Request):
             raise APIError(str(exc), param="temperature" if "temperature" in str(exc) else None) from exc
 
     def refuse_unsupported(self) -> None:
-        """400 naming the first field that asks for something not implemented (a no-op value passes)."""
-        for name in _NOT_IMPLEMENTED:
-            value = getattr(self, name, None)
-            if value is None or value == [] or value == "none":
+        """400 naming the first OpenAI field that asks for something not implemented; the values
+        that ask for nothing (what clients send by default) pass."""
+        for name, no_ops in _NO_OP.items():
+            if name not in type(self).model_fields:
                 continue
+            value = getattr(self, name)
+            if any(value == v and type(value) is type(v) for v in no_ops):
+                continue
+            hint = " (use tools and tool_choice)" if name in ("functions", "function_call") else ""
+            allowed = ", ".join("null" if v is None else json.dumps(v) for v in no_ops)
             raise APIError(
-                f"{name} is not supported by this server (use tools and tool_choice)",
+                f"{name}={json.dumps(value)[:80]} is not supported by this server{hint}; it takes {allowed}",
                 param=name,
                 code="unsupported_parameter",
             )
@@ -269,7 +288,28 @@ _CONSTRAINT_FIELDS = (
     "guided_choice",
     "guided_grammar",
 )
-_NOT_IMPLEMENTED = ("functions", "function_call")  # OpenAI's deprecated forms of tools
+# OpenAI's fields this server does not implement, and the values of each that ask for nothing.
+_NO_OP: dict[str, tuple[Any, ...]] = {
+    "functions": (None, []),  # OpenAI's deprecated forms of tools
+    "function_call": (None, "none"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+}
+
+
+def _param_in(message: str) -> str | None:
+    """The field a SamplingParams error names first ("bad_words must be ..."), if it is one."""
+    name = message.split(" ", 1)[0].rstrip(":")
+    return name if name in SamplingFields.model_fields or name == "max_tokens" else None
+
+
 # What beam search does not use: sampling's knobs, stops the engine finds in text, logprobs, tools.
 _NOT_WITH_BEAM_SEARCH = (
     "top_p",
@@ -279,6 +319,8 @@ _NOT_WITH_BEAM_SEARCH = (
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
     "min_tokens",
     "stop",
     "stop_token_ids",
@@ -299,34 +341,34 @@ class CompletionRequest(SamplingFields):
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
 
 
-class TextPart(_Request):
+class TextPart(_Echoed):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Request):
+class ImageURL(_Echoed):
     url: str  # data:image/...;base64,..., file: (under --allowed-local-media-path) or http(s)
     # Accepted as OpenAI's clients send it; every image is encoded at the model's own resolution.
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImageURLPart(_Request):
+class ImageURLPart(_Echoed):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class FunctionCall(_Request):
+class FunctionCall(_Echoed):
     name: str
     arguments: str  # JSON text, as OpenAI sends it back
 
 
-class MessageToolCall(_Request):
+class MessageToolCall(_Echoed):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(_Echoed):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
     name: str | None = None
@@ -402,8 +444,22 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
+    # Hints that change no output, taken as `user` is.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # OpenAI's, refused by refuse_unsupported unless they ask for nothing (_NO_OP).
+    functions: Any = None
+    function_call: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
 
 class EmbeddingRequest(_Request):
@@ -416,6 +472,7 @@ class EmbeddingRequest(_Request):
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     normalize: bool | None = None
+    priority: Int64 = 0
 
 
 class TokenizeRequest(_Request):

@@ -101,6 +101,13 @@ class OpenAIServing:
         """The LoRA adapter `model` names, None for the served model (an unknown name: 404)."""
         return self.models.lookup(name)
 
+    def check_priority(self, priority: int) -> None:
+        """400 naming `priority` where the scheduling policy does not take it."""
+        try:
+            self.engine.check_priority(priority)
+        except ValueError as exc:
+            raise APIError(str(exc), param="priority") from exc
+
     def check_task(self, task: str) -> None:
         """400 if the model does not serve `task` (embeddings from a generation-only engine, or the reverse)."""
         try:
@@ -116,16 +123,18 @@ class OpenAIServing:
         cache_salt: str | None = None,
         constraint_field: str | None = None,
         lora: LoRARequest | None = None,
+        priority: int = 0,
     ) -> list[ProcessedRequest]:
         """Tokenize (off the event loop) and validate every prompt before any is queued.
         `constraint_field`: the request field a structured output constraint came from (named by
         the error if it does not compile)."""
+        self.check_priority(priority)
         limit = self.engine.max_model_len
         processed = []
         for prompt in prompts:
             try:
                 item = await off_loop(self.engine.process_inputs, prompt, params, lora)
-                item.cache_salt = cache_salt
+                item.cache_salt, item.priority = cache_salt, priority
             except InvalidConstraintError as exc:
                 raise APIError(str(exc), param=constraint_field) from exc
             except ValueError as exc:  # the prompt's, unless it names a parameter

@@ -122,7 +122,9 @@ class OpenAIServingChat(OpenAIServing):
             tools, params, field = self._sampling(request, max_tokens, top)
         prompt = await self.prompt_ids(request)
         try:
-            processed = await self.admit([prompt], params, max_tokens, request.cache_salt, field, lora)
+            processed = await self.admit(
+                [prompt], params, max_tokens, request.cache_salt, field, lora, request.priority
+            )
         except APIError as exc:
             if isinstance(prompt, ImagePrompt) and exc.param == "prompt":
                 exc.param = "messages"  # (the images' processing: a chat request has no prompt field)

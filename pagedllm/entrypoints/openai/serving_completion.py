@@ -25,7 +25,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.use_beam_search
             else request.sampling_params(self.defaults, request.max_tokens, request.logprobs, echo_logprobs, constraint)
         )
-        processed = await self.admit(prompts, params, request.max_tokens, request.cache_salt, field, lora)
+        processed = await self.admit(
+            prompts, params, request.max_tokens, request.cache_salt, field, lora, request.priority
+        )
         request_id = new_id("cmpl")
         streams = self.start(request_id, processed)
         prompt_texts = [

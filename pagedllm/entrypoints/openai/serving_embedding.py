@@ -20,6 +20,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         if self.check_model(request.model) is not None:
             raise APIError("LoRA adapters serve text generation, not embeddings", param="model")
         self.check_task("embed")
+        self.check_priority(request.priority)
         inputs = _input_list(request.input)
         params = PoolingParams(
             dimensions=request.dimensions,
@@ -34,6 +35,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         for item in inputs:
             try:
                 processed.append(await off_loop(self.engine.process_inputs, item, params))
+                processed[-1].priority = request.priority
             except ValueError as exc:
                 raise APIError(str(exc), param="input") from exc
         request_id = new_id("embd")
