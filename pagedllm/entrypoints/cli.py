@@ -1,4 +1,4 @@
-"""The `pagedllm` command: `serve`, `generate PROMPT...` and `bench serve|throughput|latency`."""
+"""The `pagedllm` command: `serve`, `run-batch -i IN -o OUT`, `generate`, `bench serve|throughput|latency`."""
 
 from __future__ import annotations
 
@@ -193,6 +193,35 @@ def _origins(value: str) -> list[str]:
     return [origin.strip() for origin in value.split(",") if origin.strip()]
 
 
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    """How the chat endpoint renders and reads conversations, and the adapters served (serve, run-batch)."""
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"; needs --tool-call-parser)',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, Hermes; llama3_json: Llama 3.1/3.2)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking (<think>...</think>) into reasoning_content",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        help='LoRA adapters served under their names: name=path, or JSON {"name", "path", "base_model_name"}',
+    )
+
+
 def add_server_limits(parser: argparse.ArgumentParser) -> None:
     """What one client may ask of the server, and how it stops."""
     parser.add_argument(
@@ -266,15 +295,12 @@ def _generate(ns: argparse.Namespace) -> int:
 
 def _serve(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import ServerLimits, run_server
-    from pagedllm.entrypoints.openai.serving_chat import ChatOptions
 
     args = engine_args(ns)
     args["model"] = ns.model_path or ns.model
+    chat = _chat_options(ns)
     limits = ServerLimits(
         max_body_bytes=ns.max_request_body_bytes, request_timeout=ns.request_timeout, allowed_origins=ns.allowed_origins
-    )
-    chat = ChatOptions(
-        _read_template(ns.chat_template), ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser
     )
     return run_server(
         EngineArgs(**args),
@@ -286,6 +312,30 @@ def _serve(ns: argparse.Namespace) -> int:
         ns.max_waiting_requests,
         ns.shutdown_timeout,
         ns.lora_modules,
+    )
+
+
+def _chat_options(ns: argparse.Namespace):
+    from pagedllm.entrypoints.openai.serving_chat import ChatOptions
+
+    return ChatOptions(
+        _read_template(ns.chat_template), ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser
+    )
+
+
+def _run_batch(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.run_batch import run_batch
+
+    args = engine_args(ns)
+    args["model"] = ns.model_path or ns.model
+    return run_batch(
+        EngineArgs(**args),
+        ns.input_file,
+        ns.output_file,
+        _chat_options(ns),
+        ns.lora_modules,
+        ns.max_concurrency,
+        not ns.disable_progress_bar,
     )
 
 
@@ -344,32 +394,25 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGEDLLM_API_KEY)")
-    serve.add_argument("--chat-template", default=None, help="a Jinja chat template file")
-    serve.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='let the model decide when to call tools (tool_choice "auto"; needs --tool-call-parser)',
-    )
-    serve.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=sorted(TOOL_PARSERS),
-        help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, Hermes; llama3_json: Llama 3.1/3.2)",
-    )
-    serve.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=sorted(REASONING_PARSERS),
-        help="split the model's thinking (<think>...</think>) into reasoning_content",
-    )
-    serve.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=_lora_module,
-        default=[],
-        help='LoRA adapters served under their names: name=path, or JSON {"name", "path", "base_model_name"}',
-    )
+    add_chat_args(serve)
     add_server_limits(serve)
+    batch = commands.add_parser(
+        "run-batch", help="an OpenAI batch file (JSONL: completions, chat, embeddings) in, its answers out in order"
+    )
+    batch.add_argument(
+        "model_path", nargs="?", default=None, help="HF folder or .gguf file (default model if left out)"
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="the batch file: one request a line")
+    batch.add_argument("-o", "--output-file", required=True, help="where the answers go, a line each, in input order")
+    batch.add_argument(
+        "--max-concurrency",
+        type=positive(int),
+        default=None,
+        help="requests in flight at once (default: 2 x --max-num-seqs)",
+    )
+    batch.add_argument("--disable-progress-bar", action="store_true")
+    add_engine_args(batch)
+    add_chat_args(batch)
     gen = commands.add_parser("generate", help="complete prompts offline and print the text")
     gen.add_argument("prompts", nargs="+")
     add_engine_args(gen)
@@ -385,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"serve": _serve, "generate": _generate, "bench": _bench}[ns.command](ns)
+        return {"serve": _serve, "run-batch": _run_batch, "generate": _generate, "bench": _bench}[ns.command](ns)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
