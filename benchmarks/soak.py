@@ -208,6 +208,8 @@ class Spec:
     tool_choice: str | dict | None = None
     picture: int = 0  # an "image" request's: which of PICTURES
     adapter: str | None = None  # the LoRA adapter it names as its model (--lora-fraction)
+    bad_words: list[str] | None = None  # words it must not generate (--bad-words-fraction)
+    priority: int = 0  # under --scheduling-policy priority (--priority-fraction)
 
     @property
     def ends_itself(self) -> bool:
@@ -233,6 +235,10 @@ class Spec:
             body["cache_salt"] = cache_salt
         if self.adapter is not None:
             body["model"] = self.adapter
+        if self.bad_words is not None:
+            body["bad_words"] = self.bad_words
+        if self.priority:
+            body["priority"] = self.priority
         if self.kind == "embed":
             return {"input": self.prompt.split(" | ")}
         if self.kind == "image":
@@ -294,6 +300,14 @@ def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble
     spec = draw_spec(index, rng, args, preamble)
     if args.lora_fraction > 0 and spec.kind in ("text", "json", "tools") and rng.random() < args.lora_fraction:
         spec.adapter = rng.choice(lora_names(args))
+    if (
+        args.bad_words_fraction > 0
+        and spec.kind in ("text", "json", "tools")
+        and rng.random() < args.bad_words_fraction
+    ):
+        spec.bad_words = rng.sample(WORDS, 3)
+    if args.priority_fraction > 0 and spec.kind != "embed" and rng.random() < args.priority_fraction:
+        spec.priority = rng.randint(-2, 2)
     return spec
 
 
@@ -810,7 +824,8 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
         "--kv-cache-memory",
         args.kv_cache_memory,
     ]
-    return command + lora_server_args(args) + shlex.split(args.extra_server_args)
+    policy = ["--scheduling-policy", "priority"] if args.priority_fraction > 0 else []
+    return command + lora_server_args(args) + policy + shlex.split(args.extra_server_args)
 
 
 def embeddings_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -983,6 +998,8 @@ def mix(specs: list[Spec]) -> str:
         "embeddings": lambda s: s.kind == "embed",
         "images": lambda s: s.kind == "image",
         "lora": lambda s: s.adapter is not None,
+        "bad_words": lambda s: s.bad_words is not None,
+        "priority": lambda s: s.priority != 0,
     }
     counts = ", ".join(f"{name} {sum(map(test, specs))}" for name, test in kinds.items())
     return f"{len(specs)} requests: {counts}"
@@ -1172,6 +1189,18 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="text and constrained requests under a LoRA adapter (--mixed: 0.2, else 0)",
     )
+    p.add_argument(
+        "--bad-words-fraction",
+        type=float,
+        default=None,
+        help="text requests with bad_words (--mixed: 0.1, else 0)",
+    )
+    p.add_argument(
+        "--priority-fraction",
+        type=float,
+        default=None,
+        help="requests with a priority in -2..2, the server under --scheduling-policy priority (--mixed: 0.2, else 0)",
+    )
     p.add_argument("--lora-adapters", type=int, default=3, help="random PEFT adapters the server serves (>= 2)")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -1207,6 +1236,8 @@ def parse_args() -> argparse.Namespace:
         ("embeddings_fraction", 0.1),
         ("beams_fraction", 0.05),
         ("lora_fraction", 0.2),
+        ("bad_words_fraction", 0.1),
+        ("priority_fraction", 0.2),
     ):
         if getattr(args, name) is None:
             setattr(args, name, mixed if args.mixed else 0.0)
