@@ -1,5 +1,6 @@
 """Fuzzing every route of the real server from its own OpenAPI schema (schemathesis): whatever the
-body, valid by the schema or not, no 5xx, and every 4xx in OpenAI's error shape. The server runs
+body, valid by the schema or not, no 5xx, and every 4xx in its API's error shape (OpenAI's; Anthropic's on
+/v1/messages). The server runs
 with every feature a request can reach: tool calls (auto, with the hermes parser and template),
 reasoning, n-gram speculation, structured output (always on), embeddings (a decoder serves them)
 and the dashboard. Two phases: schemathesis' coverage phase (deterministic boundary and
@@ -26,6 +27,8 @@ ROUTES = [
     "POST /v1/completions",
     "POST /v1/chat/completions",
     "POST /v1/embeddings",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",
@@ -97,8 +100,13 @@ def _check_response(route: str, case, fuzz_server) -> None:
     STATUSES[route, response.status_code] += 1
     assert response.status_code < 500, (case.as_curl_command(), response.text[:500])
     if response.status_code >= 400:
-        error = response.json().get("error")
-        assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, response.text
+        body = response.json()
+        error = body.get("error")
+        fields = {"message", "type", "param", "code"}
+        if route.startswith("POST /v1/messages"):  # Anthropic's shape there
+            assert body.get("type") == "error", response.text
+            fields = {"message", "type"}
+        assert isinstance(error, dict) and set(error) == fields, response.text
         assert isinstance(error["message"], str) and error["message"]
 
 
@@ -162,7 +170,7 @@ def _random_phase(route: str, mode, schema, server) -> None:
 
 # A vision-language server (the tiny LLaVA, its image template, at most 2 images a prompt): the
 # routes whose bodies carry image parts, both phases.
-IMAGE_ROUTES = ["POST /v1/chat/completions", "POST /tokenize"]
+IMAGE_ROUTES = ["POST /v1/chat/completions", "POST /v1/messages", "POST /tokenize"]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.config import MAX_BODY_BYTES, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_error_response
+from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -77,6 +79,7 @@ def build_app(
     completions = OpenAIServingCompletion(engine, models, limits.request_timeout)
     chat = OpenAIServingChat(engine, models, chat_options, limits.request_timeout)
     embeddings = OpenAIServingEmbedding(engine, models, limits.request_timeout)
+    messages = AnthropicServingMessages(chat)
     _install_guards(app, api_key, limits)
     history = install_dashboard(app, engine, model_name)
 
@@ -87,6 +90,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         return await _until_disconnect(raw, chat.create(body))
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, raw: Request):
+        return await _until_disconnect(raw, messages.create(body))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest):
+        return await messages.count_tokens(body)
 
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request):
@@ -162,22 +173,29 @@ def _install_guards(app: FastAPI, api_key: str | None, limits: ServerLimits) -> 
         )
 
     @app.exception_handler(APIError)
-    async def api_error_(_: Request, exc: APIError):
-        return error_response(exc)
+    async def api_error_(request: Request, exc: APIError):
+        return shaped_error(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError):
-        return error_response(_validation_error(exc.errors()))
+    async def invalid(request: Request, exc: RequestValidationError):
+        return shaped_error(request.url.path, _validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(str(exc.detail), exc.status_code, kind))
+        return shaped_error(request.url.path, APIError(str(exc.detail), exc.status_code, kind))
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception):  # a bug: still an answer in OpenAI's shape
+    async def internal(request: Request, exc: Exception):  # a bug: still an answer in the API's shape
         logger.exception("unhandled error in a request")
-        return error_response(api_error(exc))
+        return shaped_error(request.url.path, api_error(exc))
+
+
+def shaped_error(path: str, error: APIError) -> Response:
+    """The error in the shape of the API the route belongs to: Anthropic's for /v1/messages, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_response(error)
+    return error_response(error)
 
 
 def _validation_error(errors: list[dict]) -> APIError:
@@ -221,14 +239,19 @@ class _Guard:
                 messages, refusal = await self._read_body(receive)
                 receive = _replay(messages, receive)
             if refusal is not None:
-                await error_response(refusal)(scope, receive, send)
+                await shaped_error(scope["path"], refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
     def _refusal(self, request: Request) -> APIError | None:
         if self.api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key: either will do.
+            bearer = request.headers.get("authorization", "").encode()
+            key = request.headers.get("x-api-key", "").encode()
+            if not (
+                hmac.compare_digest(bearer, f"Bearer {self.api_key}".encode())
+                or hmac.compare_digest(key, self.api_key.encode())
+            ):
                 return APIError("Invalid API key", 401, "authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):

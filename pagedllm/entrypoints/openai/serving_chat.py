@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, RequestStream
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -37,6 +37,17 @@ from pagedllm.multimodal.processing import ImagePrompt
 from pagedllm.outputs import Logprob
 from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+
+
+@dataclass
+class ChatStart:
+    """A chat request admitted and started: its id, its streams (one), its prompt's size and the
+    parser that reads its output."""
+
+    request_id: str
+    streams: list[RequestStream]
+    num_prompt_tokens: int
+    parser: OutputParser
 
 
 @dataclass
@@ -107,6 +118,13 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from exc
 
     async def create(self, request: ChatCompletionRequest):
+        started = await self.begin(request, "chatcmpl")
+        run = _Run(self, request, started.request_id, started.num_prompt_tokens, started.parser)
+        return await self.respond(request.stream, run, started.streams)
+
+    async def begin(self, request: ChatCompletionRequest, id_prefix: str) -> ChatStart:
+        """Validate, render, admit and start a chat request: what every API built on chat (this
+        one, Anthropic's Messages, OpenAI's Responses) turns into its own answer."""
         lora = self.check_model(request.model)
         self.check_task("generate")
         max_tokens = request.max_completion_tokens or request.max_tokens
@@ -129,11 +147,10 @@ class OpenAIServingChat(OpenAIServing):
             if isinstance(prompt, ImagePrompt) and exc.param == "prompt":
                 exc.param = "messages"  # (the images' processing: a chat request has no prompt field)
             raise
-        request_id = new_id("chatcmpl")
+        request_id = new_id(id_prefix)
         streams = self.start(request_id, processed)
-        num_prompt_tokens = len(processed[0].prompt_token_ids)
-        run = _Run(self, request, request_id, num_prompt_tokens, _OutputParser(self.reasoning_parser, tools))
-        return await self.respond(request.stream, run, streams)
+        parser = OutputParser(self.reasoning_parser, tools)
+        return ChatStart(request_id, streams, len(processed[0].prompt_token_ids), parser)
 
     def _sampling(
         self, request: ChatCompletionRequest, max_tokens: int | None, top: int | None
@@ -193,7 +210,7 @@ def _choice_name(choice) -> str:
     return "named function" if isinstance(choice, NamedToolChoice) else str(choice)
 
 
-class _OutputParser:
+class OutputParser:
     """A choice's text into the assistant message's parts: reasoning split off first (the
     --reasoning-parser), then tool calls read from what is left (the tool parser of the request)."""
 
@@ -216,13 +233,13 @@ class _OutputParser:
             ]
         return message, bool(calls)
 
-    def stream(self) -> _ChoiceStream:
-        return _ChoiceStream(
+    def stream(self) -> ChoiceStream:
+        return ChoiceStream(
             self.reasoning.stream() if self.reasoning else None, self.tools.stream() if self.tools else None
         )
 
 
-class _ChoiceStream:
+class ChoiceStream:
     """One choice's streaming parse: text deltas in, OpenAI's delta dicts out."""
 
     def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None) -> None:
@@ -281,7 +298,7 @@ class _Run(Run):
         request: ChatCompletionRequest,
         request_id: str,
         num_prompt_tokens: int,
-        parser: _OutputParser,
+        parser: OutputParser,
     ) -> None:
         super().__init__(serving, request, request_id, num_prompt_tokens)
         self.parser = parser
@@ -314,7 +331,7 @@ class _Run(Run):
         }
 
     async def events(self, outputs: AsyncIterator) -> AsyncIterator[dict]:
-        parsers: dict[int, _ChoiceStream] = {}
+        parsers: dict[int, ChoiceStream] = {}
         for index in range(self.request.n):  # the role first, for every choice
             parsers[index] = self.parser.stream()
             yield self.chunk(
