@@ -29,6 +29,9 @@ ROUTES = [
     "POST /v1/embeddings",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}",
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",
@@ -170,7 +173,7 @@ def _random_phase(route: str, mode, schema, server) -> None:
 
 # A vision-language server (the tiny LLaVA, its image template, at most 2 images a prompt): the
 # routes whose bodies carry image parts, both phases.
-IMAGE_ROUTES = ["POST /v1/chat/completions", "POST /v1/messages", "POST /tokenize"]
+IMAGE_ROUTES = ["POST /v1/chat/completions", "POST /v1/messages", "POST /v1/responses", "POST /tokenize"]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
     StructuredOutputsFields,
     _Echoed,
     _Request,
+    validated_chat,
 )
 
 # Anthropic's error types by HTTP status (docs.anthropic.com, "Errors").
@@ -275,7 +276,7 @@ class MessagesRequest(_Conversation):
         if self.output_config is not None and self.output_config.format is not None:
             schema = self.output_config.format.schema_
             fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
-        return _validated_chat(fields)
+        return validated_chat(fields)
 
     @property
     def thinking_omitted(self) -> bool:
@@ -286,13 +287,4 @@ class CountTokensRequest(_Conversation):
     """POST /v1/messages/count_tokens."""
 
     def chat_request(self) -> ChatCompletionRequest:
-        return _validated_chat(self.chat_fields())
-
-
-def _validated_chat(fields: dict) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(f"{where}: {first.get('msg')}", param=where.split(".")[0] or None) from exc
+        return validated_chat(self.chat_fields())

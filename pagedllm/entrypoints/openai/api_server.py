@@ -35,11 +35,13 @@ from pagedllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     error_response,
 )
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving import api_error, off_loop
 from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("pagedllm")
 
@@ -80,6 +82,7 @@ def build_app(
     chat = OpenAIServingChat(engine, models, chat_options, limits.request_timeout)
     embeddings = OpenAIServingEmbedding(engine, models, limits.request_timeout)
     messages = AnthropicServingMessages(chat)
+    responses = OpenAIServingResponses(chat)
     _install_guards(app, api_key, limits)
     history = install_dashboard(app, engine, model_name)
 
@@ -90,6 +93,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         return await _until_disconnect(raw, chat.create(body))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request):
+        return await _until_disconnect(raw, responses.create(body))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
 
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, raw: Request):

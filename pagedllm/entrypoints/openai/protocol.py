@@ -6,7 +6,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -460,6 +460,18 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+
+
+def validated_chat(fields: dict, messages_param: str = "messages") -> ChatCompletionRequest:
+    """A chat request built from another API's request (Anthropic's Messages, Responses): its
+    errors as a 400 naming the field, the messages by `messages_param` (that API's name for them)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        param = messages_param if where.startswith("messages") else where.split(".")[0] or None
+        raise APIError(f"{where}: {first.get('msg')}", param=param) from exc
 
 
 class EmbeddingRequest(_Request):
