@@ -192,6 +192,15 @@ def test_bench_serve_against_the_server_counts_what_the_server_counted(server, t
     assert main([*common, "--backend", "openai-chat", "--random-input-len", "8", "--model", "tiny"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"Successful requests\s+5\n", out) and re.search(r"Failed requests\s+0\n", out)
+    # The Responses and Messages routes, read from their own streams' events and usage.
+    for backend in ("openai-responses", "anthropic-messages"):
+        before = generated()
+        path = tmp_path / f"{backend}.json"
+        argv = [*common, "--backend", backend, "--random-input-len", "8", "--model", "tiny", "--ignore-eos"]
+        assert main([*argv, "--result-filename", str(path)]) == 0
+        result = json.loads(path.read_text())
+        assert (result["requests"], result["failed"], result["output_tokens"]) == (5, 0, 30), backend
+        assert result["input_tokens"] > 0 and generated() - before == 30
 
 
 def test_grafana_dashboard_queries_only_series_the_server_exports(server, client):

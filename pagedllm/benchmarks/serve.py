@@ -42,7 +42,7 @@ _WORDS = (
 class ServeConfig:
     base_url: str
     model: str | None = None  # None: the first the server lists
-    chat: bool = False  # /v1/chat/completions, else /v1/completions
+    backend: str = "openai"  # one of BACKENDS: the route and the shape of its stream
     endpoint: str | None = None  # None: the backend's
     request_rate: float = float("inf")  # requests a second (Poisson), inf: all at once
     max_concurrency: int | None = None
@@ -50,6 +50,21 @@ class ServeConfig:
     api_key: str | None = None
     seed: int = 0
     progress: bool = True
+
+    @property
+    def chat(self) -> bool:
+        """Prompts as messages (every backend but completions')."""
+        return self.backend not in ("openai", "vllm")
+
+
+# Each backend's route: completions (token-id prompts), chat, OpenAI's Responses, Anthropic's Messages.
+BACKENDS = {
+    "openai": "/v1/completions",
+    "vllm": "/v1/completions",
+    "openai-chat": "/v1/chat/completions",
+    "openai-responses": "/v1/responses",
+    "anthropic-messages": "/v1/messages",
+}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +74,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--backend",
-        choices=("openai", "openai-chat", "vllm"),
+        choices=list(BACKENDS),
         default="openai",
-        help="openai/vllm: /v1/completions with token-id prompts; openai-chat: /v1/chat/completions",
+        help="openai/vllm: /v1/completions with token-id prompts; openai-chat: /v1/chat/completions; "
+        "openai-responses: /v1/responses; anthropic-messages: /v1/messages",
     )
     parser.add_argument("--endpoint", default=None, help="the path requests go to (default: the backend's)")
     parser.add_argument("--model", default=None, help="the served model's name (default: the first /v1/models lists)")
@@ -124,7 +140,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         ns.base_url or f"http://{ns.host}:{ns.port}",
         ns.model,
-        ns.backend == "openai-chat",
+        ns.backend,
         ns.endpoint,
         ns.request_rate,
         ns.max_concurrency,
@@ -156,44 +172,91 @@ def random_requests(ns: argparse.Namespace, chat: bool) -> list[tuple[Prompt, in
     return requests
 
 
-async def one_request(client, config: ServeConfig, model: str, prompt: Prompt, output_len: int) -> dict:
-    """A streamed greedy request; its timings, or its error (a stream that ends without [DONE]
-    included)."""
-    import aiohttp
-
-    body = {
-        "model": model,
-        "max_tokens": output_len,
-        "stream": True,
-        "temperature": 0,
-        "stream_options": {"include_usage": True},
-    }
-    body.update({"messages": prompt} if config.chat else {"prompt": prompt})
+def request_body(config: ServeConfig, model: str, prompt: Prompt, output_len: int) -> dict:
+    """A streamed greedy request of the backend's shape."""
+    body: dict = {"model": model, "stream": True, "temperature": 0}
+    if config.backend == "openai-responses":
+        body.update(input=prompt, max_output_tokens=output_len)
+    elif config.backend == "anthropic-messages":
+        body.update(messages=prompt, max_tokens=output_len)
+    else:
+        body.update({"messages": prompt} if config.chat else {"prompt": prompt})
+        body.update(max_tokens=output_len, stream_options={"include_usage": True})
     if config.ignore_eos:
         body["ignore_eos"] = True
-    path = config.endpoint or ("/v1/chat/completions" if config.chat else "/v1/completions")
+    return body
+
+
+@dataclass
+class _Progress:
+    """What a stream told so far: token arrivals, usage (prompt_tokens, completion_tokens), its end."""
+
+    arrivals: list[float]
+    usage: dict
+    done: bool = False
+    error: str | None = None
+
+
+def read_event(config: ServeConfig, data: bytes, progress: _Progress) -> None:
+    """One SSE data line of the backend's stream."""
+    if config.backend in ("openai", "vllm", "openai-chat"):
+        if data.startswith(b"[DONE]"):
+            progress.done = True
+            return
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            progress.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+            return
+        progress.usage = chunk.get("usage") or progress.usage
+        choice = chunk["choices"][0] if chunk.get("choices") else {}
+        if choice.get("delta", {}).get("content") if config.chat else choice.get("text"):
+            progress.arrivals.append(time.perf_counter())
+        return
+    event = json.loads(data)
+    kind = event.get("type", "")
+    if kind in ("error", "response.failed"):
+        error = event.get("error") or event.get("response", {}).get("error") or event
+        progress.error = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
+    elif kind in ("response.output_text.delta", "response.reasoning_text.delta") or (
+        kind == "content_block_delta" and (event["delta"].get("text") or event["delta"].get("thinking"))
+    ):
+        progress.arrivals.append(time.perf_counter())
+    elif kind in ("response.completed", "response.incomplete"):
+        usage = event["response"]["usage"]
+        progress.usage = {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"]}
+        progress.done = True
+    elif kind == "message_start":
+        progress.usage = {"prompt_tokens": event["message"]["usage"]["input_tokens"]}
+    elif kind == "message_delta":
+        progress.usage["completion_tokens"] = event["usage"]["output_tokens"]
+    elif kind == "message_stop":
+        progress.done = True
+
+
+async def one_request(client, config: ServeConfig, model: str, prompt: Prompt, output_len: int) -> dict:
+    """A streamed greedy request; its timings, or its error (a stream that ends without its end
+    event, [DONE] or the API's own, included)."""
+    import aiohttp
+
+    body = request_body(config, model, prompt, output_len)
+    path = config.endpoint or BACKENDS[config.backend]
+    headers = {"x-api-key": config.api_key or "", "anthropic-version": "2023-06-01"}
     start = time.perf_counter()
-    arrivals, usage, done = [], {}, False
+    progress = _Progress([], {})
     try:
-        async with client.post(path, json=body) as response:
+        async with client.post(path, json=body, headers=headers) as response:
             if response.status != 200:
                 return {"error": f"HTTP {response.status}: {(await response.text())[:200]}"}
             async for raw in response.content:  # one SSE line at a time
-                if raw.startswith(b"data: [DONE]"):
-                    done = True
-                if not raw.startswith(b"data: ") or done:
-                    continue
-                chunk = json.loads(raw[6:])
-                if chunk.get("error"):
-                    return {"error": str(chunk["error"].get("message", chunk["error"]))[:200]}
-                usage = chunk.get("usage") or usage
-                choice = chunk["choices"][0] if chunk.get("choices") else {}
-                if choice.get("delta", {}).get("content") if config.chat else choice.get("text"):
-                    arrivals.append(time.perf_counter())
+                if raw.startswith(b"data: ") and not progress.done:
+                    read_event(config, raw[6:], progress)
+                if progress.error is not None:
+                    return {"error": progress.error}
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, AttributeError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}  # the server went away, or sent what is not a stream
-    if not done:
-        return {"error": "the stream ended without [DONE]"}
+    if not progress.done:
+        return {"error": "the stream ended without its end event"}
+    arrivals, usage = progress.arrivals, progress.usage
     latency = time.perf_counter() - start
     ttft = arrivals[0] - start if arrivals else latency
     tokens = usage.get("completion_tokens") or len(arrivals)  # a server that sends no usage: a chunk a token
