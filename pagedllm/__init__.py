@@ -16,11 +16,15 @@ from pagedllm.config import EngineArgs  # noqa: E402
 from pagedllm.lora.request import LoRARequest  # noqa: E402
 from pagedllm.outputs import (  # noqa: E402
     BeamSearchOutput,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pagedllm.pooling_params import PoolingParams  # noqa: E402
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
@@ -50,5 +54,9 @@ __all__ = [
     "BeamSearchOutput",
     "EmbeddingRequestOutput",
     "EmbeddingOutput",
+    "ScoringRequestOutput",
+    "ScoringOutput",
+    "ClassificationRequestOutput",
+    "ClassificationOutput",
 ]
 __version__ = "0.1.0"

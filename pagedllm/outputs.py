@@ -77,3 +77,38 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     error: str | None = None
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """A pair's score (LLM.score, /score, /rerank): a cross-encoder's relevance, or the cosine of
+    the two texts' embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """A prompt's label probabilities (LLM.classify, /classify)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

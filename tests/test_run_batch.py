@@ -83,6 +83,7 @@ def test_embeddings_lines_equal_the_offline_vectors(tmp_path):
     lines = [_line(f"e{i}", "/v1/embeddings", {"input": t}) for i, t in enumerate(texts)]
     lines.append(_line("both", "/v1/embeddings", {"input": texts[:2], "encoding_format": "float"}))
     lines.append(_line("completion", "/v1/completions", {"prompt": "a cat"}))
+    lines.append(_line("score", "/v1/score", {"text_1": texts[0], "text_2": texts[1:]}))
     code, out = _run(path, tmp_path, lines, "--max-concurrency", "2", engine=["--dtype", "float32"])
     assert code == 0
     error = out[4]["response"]["body"]["error"]
@@ -93,6 +94,8 @@ def test_embeddings_lines_equal_the_offline_vectors(tmp_path):
         np.testing.assert_allclose(o["response"]["body"]["data"][0]["embedding"], vector, rtol=1e-5, atol=1e-6)
     both = [d["embedding"] for d in out[3]["response"]["body"]["data"]]
     np.testing.assert_allclose(both, want[:2], rtol=1e-5, atol=1e-6)
+    cosines = [float(np.dot(want[0], v) / np.linalg.norm(want[0]) / np.linalg.norm(v)) for v in want[1:]]
+    np.testing.assert_allclose([d["score"] for d in out[5]["response"]["body"]["data"]], cosines, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["missing", "same file"])

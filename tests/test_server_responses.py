@@ -135,7 +135,9 @@ def test_text_format_json_schema(client):
 
 @pytest.mark.parametrize("kind", ["text", "reasoning", "call"])
 def test_the_stream_is_the_responses_events_and_builds_the_same_response(client, kind):
-    extra = {"text": {"structured_outputs": {"regex": r"[A-Z][a-z]{1,5} [a-z]{2,6}\."}}, "reasoning": {"structured_outputs": {"regex": THINKING}},
+    sentence = r"[A-Z][a-z]{1,5} [a-z]{2,6}\."
+    extra = {"text": {"structured_outputs": {"regex": sentence}},
+             "reasoning": {"structured_outputs": {"regex": THINKING}},
              "call": {"structured_outputs": {"regex": FORCED_CALL}}}[kind]  # fmt: skip
     request = dict(model="tiny", input=ASK, tools=[WEATHER], max_output_tokens=120, temperature=0, extra_body=extra)
     whole = client.responses.create(**request)

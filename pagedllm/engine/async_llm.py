@@ -166,6 +166,10 @@ class AsyncLLM:
         """Tokenize and validate (raises ValueError); any thread may call it."""
         return self.engine.process_inputs(prompt, params, lora_request)
 
+    def process_pair(self, text_1: str, text_2: str, params: PoolingParams) -> ProcessedRequest:
+        """A pair of texts for a cross-encoder, tokenized together (LLMEngine.process_pair); any thread."""
+        return self.engine.process_pair(text_1, text_2, params)
+
     def check_lora(self, lora_request: LoRARequest) -> None:
         """That LoRA is enabled and the adapter fits the model (LLMEngine.check_lora; ValueError)."""
         self.engine.check_lora(lora_request)

@@ -51,7 +51,12 @@ if TYPE_CHECKING:  # annotations, not imports the frontend makes
 logger = logging.getLogger("pagedllm")
 # What the core and worker hold as an embedding request's sampling parameters: nothing is sampled.
 _POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=0, detokenize=False)
-_TASK_NAMES = {"generate": "text generation (completions, chat)", "embed": "embeddings"}
+_TASK_NAMES = {
+    "generate": "text generation (completions, chat)",
+    "embed": "embeddings",
+    "classify": "classification",
+    "score": "scores of text pairs (a cross-encoder)",
+}
 
 
 @dataclass
@@ -169,6 +174,24 @@ class LLMEngine:
         self._tokenize(token_ids)  # the checks a prompt's ids get
         return token_ids, features
 
+    def process_pair(self, text_1: str, text_2: str, params: PoolingParams) -> ProcessedRequest:
+        """A pair of texts for a cross-encoder ("score"): tokenized together as its tokenizer joins
+        a pair ([CLS] a [SEP] b [SEP] for BERT), the second text's tokens of type 1. A pair longer
+        than the model takes is an error unless truncate_prompt_tokens cuts the second text."""
+        if params.task != "score":
+            raise ValueError("a pair of texts is scored (task 'score')")
+        self.check_params(params)
+        limit = params.truncate_prompt_tokens
+        limit = self.max_model_len if limit == -1 else limit
+        if limit is not None and limit > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens {limit} exceeds max_model_len ({self.max_model_len})")
+        cut = {"truncation": "only_second", "max_length": limit} if limit is not None else {}
+        encoded = self.tokenizer(text_1, text_2, **cut)
+        types = encoded.get("token_type_ids")
+        start = next((i for i, t in enumerate(types) if t == 1), None) if types is not None else None
+        params = dataclasses.replace(params, truncate_prompt_tokens=None, token_type_start=start)
+        return self._process_pooling(list(encoded["input_ids"]), params)
+
     def _process_pooling(self, prompt: str | list[int], params: PoolingParams) -> ProcessedRequest:
         self.check_params(params)
         text, token_ids = self._tokenize(prompt, params)
@@ -178,7 +201,7 @@ class LLMEngine:
         """Raises ValueError if this engine does not serve `task` ("generate" or "embed")."""
         if task not in self.model_config.supported_tasks:
             served = " and ".join(_TASK_NAMES[t] for t in self.model_config.supported_tasks)
-            hint = {"embed": " (start it with --runner pooling, or serve an embedding model)", "generate": ""}[task]
+            hint = " (start it with --runner pooling, or serve an embedding model)" if task == "embed" else ""
             raise ValueError(f"this model does not serve {_TASK_NAMES[task]}: it serves {served}{hint}")
 
     def check_params(self, params: SamplingParams | PoolingParams | BeamSearchParams) -> None:
@@ -186,7 +209,7 @@ class LLMEngine:
         against the vocabulary, that a structured output's constraint compiles, that `dimensions`
         is a size the model may be cut to (raises ValueError saying why)."""
         if isinstance(params, PoolingParams):
-            self.check_task("embed")
+            self.check_task(params.task)
             self._check_dimensions(params.dimensions)
             return
         self.check_task("generate")

@@ -9,11 +9,21 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.beam_search import Hypothesis, beam_score
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine, ProcessedRequest
 from pagedllm.entrypoints.chat_utils import Message, apply_chat_template
+from pagedllm.entrypoints.score_utils import cosine, score_pairs
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.processing import ImagePrompt, image_prompt
-from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
+from pagedllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -93,9 +103,7 @@ class LLM:
         for p in params:
             self.engine.check_params(p)
         outputs = self._run(prompts, params, use_tqdm, priorities=priorities)
-        failed = [o for o in outputs if o.error is not None]
-        if failed:
-            raise RuntimeError(f"embedding request {failed[0].request_id} failed: {failed[0].error}")
+        _raise_failed(outputs, "embedding")
         return outputs
 
     def chat(
@@ -141,6 +149,55 @@ class LLM:
         eos = self.engine.model_config.eos_token_ids
         return [_beam_search_output(o, params, eos) for o in outputs]
 
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Each pair's score (vLLM's pairing: one text against each of the others, or N with N): a
+        cross-encoder's relevance (BertForSequenceClassification), else the cosine of the two
+        texts' embeddings (an embedding model)."""
+        pairs = score_pairs(data_1, data_2)
+        engine = self.engine
+        if "score" in engine.model_config.supported_tasks:
+            params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+            processed = [engine.process_pair(a, b, params) for a, b in pairs]
+            outputs = self._run_processed(processed, use_tqdm)
+            _raise_failed(outputs, "scoring")
+            return [
+                ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.embedding[0]), o.prompt_token_ids)
+                for o in outputs
+            ]
+        engine.check_task("embed")
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        vectors = dict(zip(texts, self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)))
+        return [
+            ScoringRequestOutput(
+                str(i),
+                ScoringOutput(cosine(vectors[a].outputs.embedding, vectors[b].outputs.embedding)),
+                vectors[a].prompt_token_ids + vectors[b].prompt_token_ids,
+            )
+            for i, (a, b) in enumerate(pairs)
+        ]
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (a sequence-classification model; its labels are
+        `config.id2label`)."""
+        inputs = [_prompt_input(p) for p in _as_prompt_list(prompts)]
+        params = PoolingParams(task="classify")
+        self.engine.check_params(params)
+        outputs = self._run(inputs, [params] * len(inputs), use_tqdm)
+        _raise_failed(outputs, "classification")
+        return [
+            ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.embedding), o.prompt_token_ids)
+            for o in outputs
+        ]
+
     def _run(
         self,
         prompts: list[str | list[int] | ImagePrompt],
@@ -149,15 +206,21 @@ class LLM:
         loras: Sequence[LoRARequest | None] | None = None,
         priorities: Sequence[int] | None = None,
     ) -> list:
-        """Every prompt through the engine's loop (LLMEngine.run) until all are done."""
+        """Every prompt validated, then through the engine's loop until all are done."""
+        count = len(prompts)
+        processed = [
+            dataclasses.replace(self.engine.process_inputs(prompt, p, lora), priority=priority)
+            for prompt, p, lora, priority in zip(prompts, params, loras or [None] * count, priorities or [0] * count)
+        ]
+        return self._run_processed(processed, use_tqdm)
+
+    def _run_processed(self, processed: list[ProcessedRequest], use_tqdm: bool) -> list:
+        """Validated requests through the engine's loop (LLMEngine.run) until all are done."""
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, p, lora, priority in zip(
-                prompts, params, loras or [None] * len(prompts), priorities or [0] * len(prompts)
-            ):
-                processed = dataclasses.replace(engine.process_inputs(prompt, p, lora), priority=priority)
-                ids.append(engine.add_processed(None, processed))
+            for item in processed:
+                ids.append(engine.add_processed(None, item))
             done: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
 
@@ -173,6 +236,12 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         return [done[i] for i in ids]
+
+
+def _raise_failed(outputs: list, what: str) -> None:
+    failed = [o for o in outputs if o.error is not None]
+    if failed:
+        raise RuntimeError(f"{what} request {failed[0].request_id} failed: {failed[0].error}")
 
 
 def _beam_search_output(output: RequestOutput, params: BeamSearchParams, eos: frozenset[int]) -> BeamSearchOutput:

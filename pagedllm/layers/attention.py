@@ -30,6 +30,8 @@ class AttentionMetadata:
     # Images whose tokens attend to each other both ways (Gemma 3), each wholly in this step: (the
     # sequence's index in the step, its first row, one past its last row).
     image_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # An encoder's token types, where a request of the step is a pair of texts (BERT's segments).
+    token_types: torch.Tensor | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of `group` attends with: its group's slots and block tables."""

@@ -5,6 +5,7 @@ small running state, so no step keeps another's hidden states."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,11 +48,28 @@ class Pooler:
         else:
             state.total, state.count = rows[-1].float(), 1
 
-    def finish(self, state: PoolingState, params: PoolingParams) -> np.ndarray:
-        """The embedding: pooled, cut to `dimensions`, normalized unless the request or model says not."""
+    def finish(
+        self,
+        state: PoolingState,
+        params: PoolingParams,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> np.ndarray:
+        """The embedding: pooled, cut to `dimensions`, normalized unless the request or model says
+        not. For "classify" and "score", the model's head over the pooled state instead: the labels'
+        probabilities (softmax), or the pair's score (the model's `activation`, as a one-label
+        classification is)."""
         if state.total is None:
             raise RuntimeError("pooling a prompt none of whose hidden states were seen")
         vector = state.total / state.count
+        if params.task != "embed":
+            if head is None:
+                raise RuntimeError(f"this model has no head for {params.task!r}")
+            logits = head(vector)
+            # Labels' probabilities; one label (a reranker's) goes through the model's activation.
+            several = params.task == "classify" and logits.shape[-1] > 1
+            out = torch.softmax(logits, dim=-1) if several or activation is None else activation(logits)
+            return out.cpu().numpy().astype(np.float32, copy=False)
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
         normalize = self.config.normalize if params.normalize is None else params.normalize

@@ -1,7 +1,9 @@
 """BERT encoders (all-MiniLM-L6-v2 and the other sentence-transformers BERTs): embeddings of words,
-absolute positions and token type 0, then post-norm layers of bidirectional attention and a GELU
-MLP. An encoder only embeds: each prompt attends to all of itself, so it is computed in one step,
-with no KV cache (the scheduler still counts its blocks, which the runner never allocates)."""
+absolute positions and token types (0, or 1 for a pair's second text), then post-norm layers of
+bidirectional attention and a GELU MLP. An encoder only pools: each prompt attends to all of
+itself, so it is computed in one step, with no KV cache (the scheduler still counts its blocks,
+which the runner never allocates). BertForSequenceClassification (cross-encoders such as the
+ms-marco MiniLM rerankers) adds BERT's pooler (a tanh dense layer over [CLS]) and a classifier."""
 
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # Every token is of type 0: a prompt here is one segment.
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # Type 0 unless the step gives types (a pair's second text is type 1).
+        types = self.token_type_embeddings.weight[0] if token_types is None else self.token_type_embeddings(token_types)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + types
         return self.LayerNorm(x)
 
 
@@ -132,6 +137,7 @@ class BertModel(Model):
     default_pooler = PoolerConfig("CLS", normalize=True)
     # The checkpoint's q, k and v -> our fused layer's shards.
     _qkv_shards = {"query": "q", "key": "k", "value": "v"}
+    _head_params: tuple[str, ...] = ()  # a subclass's head, loaded by it
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -152,7 +158,7 @@ class BertModel(Model):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, attn_metadata.token_types)
         for layer in self.encoder.layer:
             x = layer(x, attn_metadata)
         return x
@@ -164,7 +170,7 @@ class BertModel(Model):
         logger.info("BertModel runs op by op (its linear layers through their methods)")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+        params = {n: p for n, p in self.named_parameters() if not n.startswith(self._head_params)}
         missing = {(name, shard) for name in params for shard in (("q", "k", "v") if ".qkv." in name else (None,))}
         for name, tensor in weights:
             name = name.removeprefix("bert.")
@@ -184,3 +190,48 @@ class BertModel(Model):
         if len(parts) >= 3 and parts[-3] == "self" and parts[-2] in self._qkv_shards:
             return ".".join(parts[:-2] + ["qkv", parts[-1]]), self._qkv_shards[parts[-2]]
         return name, None
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder: the encoder, [CLS] through BERT's pooler (dense, tanh) and a classifier to
+    num_labels logits (`classify`); a pair's relevance is the activation of its one logit
+    (sentence-transformers' CrossEncoder: a sigmoid, or what its config names)."""
+
+    default_pooler = PoolerConfig("CLS", normalize=False)
+    pooling_tasks = ("classify", "score")
+    _head_params = ("pooler.", "classifier.")
+
+    def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(config, max_positions, quant_config)
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[CLS]'s hidden state -> the labels' logits (fp32)."""
+        head = self.classifier.weight
+        return self.classifier(torch.tanh(self.pooler(pooled.to(head.dtype)))).float()
+
+    def score_activation(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a pair's score is made of its logits: CrossEncoder's activation (sigmoid by
+        default for one label; Identity where the folder's config says so)."""
+        named = (getattr(self.config, "sentence_transformers", None) or {}).get("activation_fn", "")
+        if named.endswith("Identity"):
+            return logits
+        return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        head: dict[str, torch.Tensor] = {}
+        body = []
+        for name, tensor in weights:
+            short = name.removeprefix("bert.")
+            if short.startswith(("pooler.dense.", "classifier.")):
+                head[short.replace("pooler.dense.", "pooler.")] = tensor
+            else:
+                body.append((name, tensor))
+        super().load_weights(body)
+        for name, param in (*self.pooler.named_parameters(prefix="pooler"),
+                            *self.classifier.named_parameters(prefix="classifier")):  # fmt: skip
+            if name not in head:
+                raise ValueError(f"checkpoint lacks tensors for: {name}")
+            with torch.no_grad():
+                param.copy_(head[name].to(param.dtype))

@@ -32,6 +32,8 @@ class Model(nn.Module, ABC):
     is_causal: ClassVar[bool] = True
     # How its hidden states pool into an embedding where the model folder does not say.
     default_pooler: ClassVar[PoolerConfig] = PoolerConfig("LAST", normalize=True)
+    # What an encoder's pooled state serves ("embed"; a classification head's "classify", "score").
+    pooling_tasks: ClassVar[tuple[str, ...]] = ("embed",)
     # How the family's GGUF files lay out their tensors and config (models/gguf.py's GGUFFormat;
     # None: the shared layout), for the file architecture models/registry.py names.
     gguf: ClassVar[GGUFFormat | None] = None

@@ -177,16 +177,19 @@ def load_model_config(
         generation,
         resolve_quantization(quantization, is_gguf, device),
         resolve_kv_cache_dtype(kv_cache_dtype, resolved),
-        resolve_tasks(runner, cls.is_causal, st_pooler is not None),
+        resolve_tasks(runner, cls.is_causal, st_pooler is not None, cls.pooling_tasks),
         pooler,
         cls.is_causal,
         mmproj,
     )
 
 
-def resolve_tasks(runner: str, is_causal: bool, is_sentence_transformers: bool) -> tuple[str, ...]:
-    """vLLM's --runner: "generate" serves completions and chat, "pooling" embeddings; "auto" gives
-    an encoder or a sentence-transformers folder embeddings only, and any other decoder both."""
+def resolve_tasks(
+    runner: str, is_causal: bool, is_sentence_transformers: bool, pooling_tasks: tuple[str, ...] = ("embed",)
+) -> tuple[str, ...]:
+    """vLLM's --runner: "generate" serves completions and chat, "pooling" what the model pools for
+    (embeddings; a classifier's classification and scores); "auto" gives an encoder or a
+    sentence-transformers folder its pooling only, and any other decoder both."""
     if runner not in RUNNER_CHOICES:
         raise ValueError(f"unknown runner {runner!r}; choose from {', '.join(RUNNER_CHOICES)}")
     if runner == "generate":
@@ -197,8 +200,8 @@ def resolve_tasks(runner: str, is_causal: bool, is_sentence_transformers: bool) 
             )
         return ("generate",)
     if runner == "pooling" or not is_causal or is_sentence_transformers:
-        return ("embed",)
-    return ("generate", "embed")
+        return pooling_tasks
+    return ("generate", *pooling_tasks)
 
 
 def _pooler_overrides(spec: dict | None) -> dict:

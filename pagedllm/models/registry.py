@@ -32,6 +32,7 @@ _MODELS = {
     "Qwen2VLForConditionalGeneration": Family("qwen2_vl", "qwen2_vl", "qwen2vl"),  # (a text file: Qwen2's)
     "Gemma3ForConditionalGeneration": Family("gemma3_mm", "gemma3"),
     "BertModel": Family("bert"),
+    "BertForSequenceClassification": Family("bert"),
 }
 
 

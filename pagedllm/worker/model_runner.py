@@ -91,6 +91,7 @@ class ModelRunner:
                     self.draft.forget(r.request_id)
         self._copy_blocks(output.blocks_to_copy)
         input_ids, positions, meta = self.input_batch.prepare(output.scheduled, states)
+        meta.token_types = _token_types(states, positions, meta.query_lens_list)
         if self.lora is not None:
             loras = [s.lora_request for s in states]
             # The adapters every held request runs under, which no eviction may drop: only in steps with one.
@@ -305,7 +306,12 @@ class ModelRunner:
                     state.pooling, hidden[first_row : first_row + r.num_new_tokens], r.num_computed_tokens
                 )
                 if r.sample:
-                    result.pooler_output[r.request_id] = self.pooler.finish(state.pooling, state.pooling_params)
+                    result.pooler_output[r.request_id] = self.pooler.finish(
+                        state.pooling,
+                        state.pooling_params,
+                        getattr(self.model, "classify", None),
+                        getattr(self.model, "score_activation", None),
+                    )
             first_row += num_rows
 
     def _prompt_logprobs(
@@ -334,3 +340,19 @@ class ModelRunner:
 def _unseeded_uniform(j: int, purpose: str) -> float:
     """Rejection sampling's numbers for requests without a seed (seeded ones never reach it)."""
     return float(torch.rand(()))
+
+
+def _token_types(states: list[RequestState], positions: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """BERT's token types of the step's rows where a request is a pair of texts (its positions from
+    the second text's start are type 1); None where none is."""
+    starts = [s.pooling_params.token_type_start if s.pooling_params is not None else None for s in states]
+    if all(start is None for start in starts):
+        return None
+    types = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
+    row = 0
+    for start, count in zip(starts, rows):
+        if start is not None:
+            span = slice(row, row + count)
+            types[span] = (positions[span] >= start).long()
+        row += count
+    return types

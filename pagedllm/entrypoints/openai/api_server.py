@@ -27,10 +27,13 @@ from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     error_response,
@@ -42,6 +45,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 
 logger = logging.getLogger("pagedllm")
 
@@ -83,6 +87,7 @@ def build_app(
     embeddings = OpenAIServingEmbedding(engine, models, limits.request_timeout)
     messages = AnthropicServingMessages(chat)
     responses = OpenAIServingResponses(chat)
+    scores = OpenAIServingScore(engine, models, limits.request_timeout)
     _install_guards(app, api_key, limits)
     history = install_dashboard(app, engine, model_name)
 
@@ -117,6 +122,21 @@ def build_app(
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request):
         return await _until_disconnect(raw, embeddings.create(body))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, raw: Request):
+        return await _until_disconnect(raw, scores.score(body))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw: Request):
+        return await _until_disconnect(raw, scores.rerank(body))
+
+    @app.post("/classify")
+    async def classify(body: ClassificationRequest, raw: Request):
+        return await _until_disconnect(raw, scores.classify(body))
 
     @app.get("/v1/models")
     async def list_models():

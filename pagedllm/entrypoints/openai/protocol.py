@@ -487,6 +487,43 @@ class EmbeddingRequest(_Request):
     priority: Int64 = 0
 
 
+Texts = Annotated[list[str], Field(min_length=1, max_length=2048)]
+
+
+class ScoreRequest(_Request):
+    """vLLM's /score: text_1 against each of text_2 (1:N), or pair by pair (N:N)."""
+
+    model: str | None = None
+    text_1: str | Texts
+    text_2: str | Texts
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: Int64 = 0
+    user: str | None = None
+
+
+class RerankRequest(_Request):
+    """vLLM's /rerank (Jina's and Cohere's shape): the documents by their relevance to the query."""
+
+    model: str | None = None
+    query: str
+    documents: Texts
+    top_n: Annotated[int, Field(ge=0)] | None = None  # (None or 0: all of them)
+    return_documents: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: Int64 = 0
+    user: str | None = None
+
+
+class ClassificationRequest(_Request):
+    """vLLM's /classify: each input's label probabilities."""
+
+    model: str | None = None
+    input: str | Texts
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: Int64 = 0
+    user: str | None = None
+
+
 class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt, or a conversation rendered by the chat template (with its tools)."""
 

@@ -28,7 +28,7 @@ from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.entrypoints.openai.serving_chat import ChatOptions
 from pagedllm.entrypoints.openai.serving_models import LoRAModulePath
 
-URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
 
 
 class BatchInputError(ValueError):

@@ -26,7 +26,7 @@ from pagedllm.engine.async_llm import (
 from pagedllm.engine.llm_engine import ProcessedRequest
 from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured_output.backend import InvalidConstraintError
 
@@ -172,6 +172,22 @@ class OpenAIServing:
         finally:  # cancelled (client gone) before the outputs were read: abort what still runs
             for request_stream in streams:
                 request_stream.close()
+
+    async def collect_pooled(self, streams: list[RequestStream]) -> list[EmbeddingRequestOutput]:
+        """Every pooling request's one output, in the order of the streams."""
+        results: dict[int, EmbeddingRequestOutput] = {}
+        outputs = merge(streams)
+        if self.request_timeout is not None:
+            outputs = with_deadline(outputs, self.request_timeout)
+        try:
+            async for index, output in outputs:
+                results[index] = output
+        except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
+            raise api_error(exc) from exc
+        finally:  # cancelled (client gone): abort what still runs
+            for stream in streams:
+                stream.close()
+        return [results[i] for i in range(len(streams))]
 
     def logprob_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

@@ -8,8 +8,7 @@ import numpy as np
 from fastapi.responses import JSONResponse
 
 from pagedllm.entrypoints.openai.protocol import APIError, EmbeddingRequest
-from pagedllm.entrypoints.openai.serving import OpenAIServing, api_error, merge, new_id, off_loop, with_deadline
-from pagedllm.outputs import EmbeddingRequestOutput
+from pagedllm.entrypoints.openai.serving import OpenAIServing, new_id, off_loop
 from pagedllm.pooling_params import PoolingParams
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
@@ -39,7 +38,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             except ValueError as exc:
                 raise APIError(str(exc), param="input") from exc
         request_id = new_id("embd")
-        outputs = await self._collect(self.start(request_id, processed))
+        outputs = await self.collect_pooled(self.start(request_id, processed))
         data = [
             {"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, request.encoding_format)}
             for i, o in enumerate(outputs)
@@ -55,21 +54,6 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
         )
-
-    async def _collect(self, streams) -> list[EmbeddingRequestOutput]:
-        results: dict[int, EmbeddingRequestOutput] = {}
-        outputs = merge(streams)
-        if self.request_timeout is not None:
-            outputs = with_deadline(outputs, self.request_timeout)
-        try:
-            async for index, output in outputs:
-                results[index] = output
-        except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
-            raise api_error(exc) from exc
-        finally:  # cancelled (client gone): abort what still runs
-            for stream in streams:
-                stream.close()
-        return [results[i] for i in range(len(streams))]
 
 
 def _input_list(value) -> list[str | list[int]]:
