@@ -297,7 +297,7 @@ def test_wrong_task_and_bad_params(tmp_path, llama_dir):
         LLM(llama_dir, pooler_config={"pooling_type": "max"})
     with pytest.raises(ValueError, match="unknown pooler_config keys"):
         LLM(llama_dir, pooler_config={"pooling": "mean"})
-    for bad in ({"dimensions": 0}, {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"task": "classify"}):
+    for bad in ({"dimensions": 0}, {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"task": "reward"}):
         with pytest.raises(ValueError):
             PoolingParams(**bad)
     with pytest.raises(ValueError, match="empty"):

@@ -21,8 +21,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.config import MAX_BODY_BYTES, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_error_response
-from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -38,11 +36,13 @@ from pagedllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     error_response,
 )
+from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest, anthropic_error_response
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving import api_error, off_loop
 from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore

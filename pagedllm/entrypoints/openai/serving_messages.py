@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_error_body
+from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest, anthropic_error_body
 from pagedllm.entrypoints.openai.serving import Choice, accumulate, api_error, merge, with_deadline
 from pagedllm.entrypoints.openai.serving_chat import ChatStart, ChoiceStream, OpenAIServingChat
 
