@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.core.messages import SchedulerStats
@@ -152,6 +154,11 @@ class EngineMetrics:
 
     def render(self, replicas: list[SchedulerStats]) -> bytes:
         """The exposition, with each engine replica's scheduler stats (as of its last step)."""
+        self.update(replicas)
+        return generate_latest(self.registry)
+
+    def update(self, replicas: list[SchedulerStats]) -> None:
+        """The gauges and counters that follow the engine replicas' scheduler stats."""
         for engine, stats in enumerate(replicas):
             labels = (self.model_name, str(engine))
             self.running.labels(*labels).set(stats.num_running)
@@ -166,7 +173,6 @@ class EngineMetrics:
             for position, total in enumerate(stats.spec_accepted_per_position):
                 self._advance(self._spec_per_position.labels(*labels, str(position)), (labels[1], str(position)), total)
         self._set_lora_info(SchedulerStats.merge(replicas) if replicas else None)
-        return generate_latest(self.registry)
 
     def _set_lora_info(self, stats: SchedulerStats | None) -> None:
         self._lora_info.clear()  # one series: the current adapters (the gauge's labels change)
@@ -178,3 +184,22 @@ class EngineMetrics:
     def _advance(self, counter: Counter, key: tuple[str, str], total: int) -> None:
         counter.inc(total - self._seen.get(key, 0))
         self._seen[key] = total
+
+
+def render_merged(parts: list[tuple[EngineMetrics, list[SchedulerStats]]]) -> bytes:
+    """One exposition of several engines' metrics (a server of several models): each family once,
+    with every engine's series (they differ by their model_name label)."""
+    families: dict[str, Any] = {}
+    for metrics, replicas in parts:
+        metrics.update(replicas)
+        for family in metrics.registry.collect():
+            if family.name in families:
+                families[family.name].samples.extend(family.samples)
+            else:
+                families[family.name] = family
+
+    class _Merged:
+        def collect(self):
+            return list(families.values())
+
+    return generate_latest(_Merged())  # type: ignore[arg-type]

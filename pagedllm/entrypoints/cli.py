@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from pagedllm.config import (
@@ -23,7 +24,12 @@ from pagedllm.reasoning import REASONING_PARSERS
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, spelled as vLLM spells them."""
     defaults = EngineArgs()
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="HF folder or .gguf file (default: SmolLM2-135M-Instruct); serve takes several (the first is the default)",
+    )
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -267,7 +273,13 @@ def _json_object(text: str) -> dict:
 
 
 def engine_args(ns: argparse.Namespace) -> dict:
-    return {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+    """The engine's arguments; `--model` is one model (serve alone takes several: _models)."""
+    args = {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+    models = args.get("model") or [None]
+    if len(models) > 1 and getattr(ns, "command", None) != "serve":
+        raise ValueError(f"--model given {len(models)} times: only serve takes several models")
+    args["model"] = models[0]
+    return args
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -297,7 +309,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import ServerLimits, run_server
 
     args = engine_args(ns)
-    args["model"] = ns.model_path or ns.model
+    args["model"] = ns.model_path or args["model"]
     chat = _chat_options(ns)
     limits = ServerLimits(
         max_body_bytes=ns.max_request_body_bytes, request_timeout=ns.request_timeout, allowed_origins=ns.allowed_origins
@@ -312,7 +324,24 @@ def _serve(ns: argparse.Namespace) -> int:
         ns.max_waiting_requests,
         ns.shutdown_timeout,
         ns.lora_modules,
+        _models(ns),
     )
+
+
+def _models(ns: argparse.Namespace):
+    """Several models: the other --model entries (by their file or folder name) and --models-dir's."""
+    from pagedllm.entrypoints.openai.api_server import ModelsOptions
+    from pagedllm.entrypoints.openai.router import models_in
+
+    given = ([ns.model_path] if ns.model_path else []) + (ns.model or [])
+    others = {os.path.basename(os.path.normpath(p)).removesuffix(".gguf"): p for p in given[1:]}
+    if len(others) < len(given) - 1:
+        raise ValueError("--model entries must have different file or folder names (they are served by them)")
+    if ns.models_dir is not None:
+        others |= {name: path for name, path in models_in(ns.models_dir).items() if name not in others}
+    if not others:
+        return None
+    return ModelsOptions(others, ns.max_loaded_models, ns.model_idle_ttl, ns.model_load_timeout)
 
 
 def _chat_options(ns: argparse.Namespace):
@@ -327,7 +356,7 @@ def _run_batch(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.run_batch import run_batch
 
     args = engine_args(ns)
-    args["model"] = ns.model_path or ns.model
+    args["model"] = ns.model_path or args["model"]
     return run_batch(
         EngineArgs(**args),
         ns.input_file,
@@ -396,6 +425,27 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGEDLLM_API_KEY)")
     add_chat_args(serve)
     add_server_limits(serve)
+    serve.add_argument(
+        "--models-dir",
+        default=None,
+        help="serve every model in this folder too (subfolders with a config.json, .gguf files), "
+        "each by its name, loaded when a request names it",
+    )
+    serve.add_argument(
+        "--max-loaded-models", type=positive(int), default=2, help="models loaded at once, the default among them"
+    )
+    serve.add_argument(
+        "--model-idle-ttl",
+        type=positive(float),
+        default=None,
+        help="seconds a model other than the default may sit idle before it is unloaded (default: only to make room)",
+    )
+    serve.add_argument(
+        "--model-load-timeout",
+        type=positive(float),
+        default=120.0,
+        help="seconds a request waits for its model to load before it gets 503",
+    )
     batch = commands.add_parser(
         "run-batch", help="an OpenAI batch file (JSONL: completions, chat, embeddings) in, its answers out in order"
     )

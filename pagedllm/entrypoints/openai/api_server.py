@@ -36,15 +36,16 @@ from pagedllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     error_response,
 )
-from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest, anthropic_error_response
+from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest, shaped_error
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.router import ModelEntry, ModelRouter, model_entries, replay
 from pagedllm.entrypoints.openai.serving import api_error, off_loop
 from pagedllm.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
-from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 
 logger = logging.getLogger("pagedllm")
@@ -66,9 +67,11 @@ def build_app(
     chat_options: ChatOptions | None = None,
     limits: ServerLimits | None = None,
     lora_modules: list[LoRAModulePath] | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The app over `engine`, served as `model_name` with its LoRA adapters (--lora-modules: each
-    checked against the model here, a ValueError for one that does not fit)."""
+    checked against the model here, a ValueError for one that does not fit). `response_store`:
+    the stored Responses, where several models' apps share them."""
     limits = limits or ServerLimits()
     models = ServingModels(engine, model_name)
     models.add_at_start(lora_modules or [])
@@ -82,11 +85,12 @@ def build_app(
         engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    app.state.models = models  # (the router of several models lists their adapters)
     completions = OpenAIServingCompletion(engine, models, limits.request_timeout)
     chat = OpenAIServingChat(engine, models, chat_options, limits.request_timeout)
     embeddings = OpenAIServingEmbedding(engine, models, limits.request_timeout)
     messages = AnthropicServingMessages(chat)
-    responses = OpenAIServingResponses(chat)
+    responses = OpenAIServingResponses(chat, response_store)
     scores = OpenAIServingScore(engine, models, limits.request_timeout)
     _install_guards(app, api_key, limits)
     history = install_dashboard(app, engine, model_name)
@@ -226,13 +230,6 @@ def _install_guards(app: FastAPI, api_key: str | None, limits: ServerLimits) -> 
         return shaped_error(request.url.path, api_error(exc))
 
 
-def shaped_error(path: str, error: APIError) -> Response:
-    """The error in the shape of the API the route belongs to: Anthropic's for /v1/messages, else OpenAI's."""
-    if path.startswith("/v1/messages"):
-        return anthropic_error_response(error)
-    return error_response(error)
-
-
 def _validation_error(errors: list[dict]) -> APIError:
     """pydantic's errors as one 400: the first field at fault is the param."""
     first = errors[0] if errors else {}
@@ -272,7 +269,7 @@ class _Guard:
             refusal = self._refusal(Request(scope))
             if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 messages, refusal = await self._read_body(receive)
-                receive = _replay(messages, receive)
+                receive = replay(messages, receive)
             if refusal is not None:
                 await shaped_error(scope["path"], refusal)(scope, receive, send)
                 return
@@ -308,18 +305,6 @@ class _Guard:
 
     def _too_large(self) -> APIError:
         return APIError(f"request body larger than {self.max_body_bytes} bytes", 413, code="request_too_large")
-
-
-def _replay(messages: list[dict], receive):
-    """A receive() that gives the buffered body first (as one message), then the connection's own."""
-    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-    pending = [{"type": "http.request", "body": body, "more_body": False}] if messages else []
-    pending += [m for m in messages if m["type"] != "http.request"]
-
-    async def replay() -> dict:
-        return pending.pop(0) if pending else await receive()
-
-    return replay
 
 
 async def _until_disconnect(request: Request, handler):
@@ -379,6 +364,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclass
+class ModelsOptions:
+    """Several models on one server (flags of `pagedllm serve`): the others by name -> path."""
+
+    others: dict[str, str] = field(default_factory=dict)
+    max_loaded: int = 2
+    idle_ttl: float | None = None  # seconds; None: only unloaded to make room
+    load_timeout: float = 120.0
+
+
 def run_server(
     args: EngineArgs,
     host: str,
@@ -389,20 +384,56 @@ def run_server(
     max_waiting_requests: int | None = None,
     shutdown_timeout: float = 10.0,
     lora_modules: list[LoRAModulePath] | None = None,
+    models: ModelsOptions | None = None,
 ) -> int:
     """Serve until stopped; returns the process's exit code (non-zero if the engine died)."""
     chat_options.check()  # before the model loads
     api_key = api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    limits = limits or ServerLimits()
+    entries = model_entries(args, models.others) if models is not None and models.others else None
+    if entries is not None and (args.tensor_parallel_size > 1 or args.data_parallel_size > 1):
+        raise ValueError("several models on one server run one rank each: -tp and -dp take 1 with --models-dir")
     sock = bind_socket(host, port)
     engine = AsyncLLM(args, max_waiting_requests=max_waiting_requests)
     name = args.served_name()
     try:
-        app = build_app(engine, name, api_key, chat_options, limits, lora_modules)
+        if entries is None:
+            app = build_app(engine, name, api_key, chat_options, limits, lora_modules)
+        else:
+            app = _router(entries, engine, api_key, chat_options, limits, lora_modules, models, max_waiting_requests)
     except BaseException:
         engine.shutdown()
         raise
     logger.info("Serving %s (max_model_len %d) at http://%s:%d/v1", name, engine.max_model_len, host, port)
+    if entries is not None:
+        logger.info("Also serving, loaded on demand: %s", ", ".join(e.name for e in entries[1:]))
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
     server = _Server(config, engine, shutdown_timeout)
     server.run(sockets=[sock])
     return server.exit_code
+
+
+def _router(
+    entries: list[ModelEntry],
+    engine: AsyncLLM,
+    api_key: str | None,
+    chat_options: ChatOptions,
+    limits: ServerLimits,
+    lora_modules: list[LoRAModulePath] | None,
+    models: ModelsOptions,
+    max_waiting_requests: int | None,
+):
+    """The router over every model's app, behind one guard (the key is checked before a model loads).
+    The default model keeps the chat template and the adapters given; every model takes the parsers."""
+    store = ResponseStore()
+    others = ChatOptions(None, chat_options.enable_auto_tool_choice, chat_options.tool_call_parser,
+                         chat_options.reasoning_parser)  # fmt: skip
+
+    def make_app(entry: ModelEntry, model_engine: AsyncLLM) -> FastAPI:
+        options, adapters = (chat_options, lora_modules) if entry.pinned else (others, None)
+        return build_app(model_engine, entry.name, None, options, limits, adapters, store)
+
+    router = ModelRouter(entries, make_app, models.max_loaded, models.idle_ttl, models.load_timeout,
+                         max_waiting_requests)  # fmt: skip
+    router.attach_default(engine)
+    return _Guard(router, api_key, limits.max_body_bytes)

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
     StructuredOutputsFields,
     _Echoed,
     _Request,
+    error_response,
     validated_chat,
 )
 
@@ -44,6 +45,13 @@ def anthropic_error_body(error: APIError) -> dict:
 
 def anthropic_error_response(error: APIError) -> JSONResponse:
     return JSONResponse(anthropic_error_body(error), status_code=error.status, headers=error.headers)
+
+
+def shaped_error(path: str, error: APIError) -> JSONResponse:
+    """The error in the shape of the API the route belongs to: Anthropic's for /v1/messages, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_response(error)
+    return error_response(error)
 
 
 class CacheControl(_Request):
