@@ -210,6 +210,8 @@ class Spec:
     adapter: str | None = None  # the LoRA adapter it names as its model (--lora-fraction)
     bad_words: list[str] | None = None  # words it must not generate (--bad-words-fraction)
     priority: int = 0  # under --scheduling-policy priority (--priority-fraction)
+    api: str = "openai"  # a chat request's API: "openai", "responses" or "messages" (--api-fraction)
+    model: str | None = None  # the served model's name, which the Messages API needs (set before sending)
 
     @property
     def ends_itself(self) -> bool:
@@ -257,12 +259,24 @@ class Spec:
             body.update({"tools": TOOLS, "tool_choice": self.tool_choice, "parallel_tool_calls": False})
         if self.kind == "beams":  # the n best beams (use_beam_search): deterministic, no sampling fields
             body.update(use_beam_search=True, length_penalty=1.0)
-        return body
+        return self._other_api(body)
+
+    def _other_api(self, body: dict) -> dict:
+        """The chat body as the Responses or the Messages API takes it."""
+        if self.api == "openai":
+            return body
+        messages, max_tokens = body.pop("messages"), body.pop("max_tokens")
+        body.pop("n"), body.pop("stream_options", None)
+        if self.api == "responses":
+            return {**body, "input": messages, "max_output_tokens": max_tokens}
+        return {**body, "model": body.get("model", self.model), "messages": messages, "max_tokens": max_tokens}
 
     @property
     def path(self) -> str:
         if self.kind == "embed":
             return "/v1/embeddings"
+        if self.api != "openai":
+            return {"responses": "/v1/responses", "messages": "/v1/messages"}[self.api]
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
 
@@ -308,6 +322,9 @@ def make_spec(index: int, rng: random.Random, args: argparse.Namespace, preamble
         spec.bad_words = rng.sample(WORDS, 3)
     if args.priority_fraction > 0 and spec.kind != "embed" and rng.random() < args.priority_fraction:
         spec.priority = rng.randint(-2, 2)
+    plain_chat = spec.kind == "text" and spec.chat and spec.n == 1 and spec.bad_words is None
+    if args.api_fraction > 0 and plain_chat and rng.random() < args.api_fraction:
+        spec.api = rng.choice(["responses", "messages"])
     return spec
 
 
@@ -471,6 +488,39 @@ def take_choice(result: Result, choice: dict, chat: bool) -> None:
         result.finish[index] = choice.get("finish_reason")
 
 
+def take_other_api(result: Result, api: str, payload: dict) -> None:
+    """A whole Responses or Messages answer, or one of their stream's events, into the result (one
+    choice: its text, its finish as chat names it, its usage)."""
+    kind = payload.get("type", "response" if api == "responses" else "message")
+    text = ""
+    if kind in ("response", "response.completed", "response.incomplete"):
+        response = payload.get("response", payload)
+        if kind == "response":
+            text = "".join(
+                p.get("text", "") for i in response["output"] if i["type"] == "message" for p in i["content"]
+            )
+        result.finish[0] = "length" if response["status"] == "incomplete" else "stop"
+        result.completion_tokens = response["usage"]["output_tokens"]
+        result.done = True
+    elif kind == "message":
+        text = "".join(b.get("text", "") for b in payload["content"] if b["type"] == "text")
+        result.finish[0] = "length" if payload["stop_reason"] == "max_tokens" else "stop"
+        result.completion_tokens = payload["usage"]["output_tokens"]
+        result.done = True
+    elif kind == "response.output_text.delta":
+        text = payload["delta"]
+    elif kind == "content_block_delta":
+        text = payload["delta"].get("text", "")
+    elif kind == "message_delta":
+        result.finish[0] = "length" if payload["delta"]["stop_reason"] == "max_tokens" else "stop"
+        result.completion_tokens = payload["usage"]["output_tokens"]
+    elif kind == "message_stop":
+        result.done = True
+    elif kind in ("error", "response.failed"):
+        result.error = json.dumps(payload)[:500]
+    result.texts[0] = result.texts.get(0, "") + text
+
+
 async def plain(client: httpx.AsyncClient, spec: Spec, body: dict, result: Result) -> None:
     response = await client.post(spec.path, json=body)
     result.status = response.status_code
@@ -478,6 +528,9 @@ async def plain(client: httpx.AsyncClient, spec: Spec, body: dict, result: Resul
         result.error = response.text[:500]
         return
     payload = response.json()
+    if spec.api != "openai":
+        take_other_api(result, spec.api, payload)
+        return
     if spec.kind == "embed":
         result.vectors = [item["embedding"] for item in payload["data"]]
         result.done = True
@@ -502,6 +555,13 @@ async def streamed(client: httpx.AsyncClient, spec: Spec, body: dict, result: Re
                 result.done = True
                 continue
             chunk = json.loads(line[6:])
+            if spec.api != "openai":
+                take_other_api(result, spec.api, chunk)
+                chunks += 1
+                if spec.drop_after is not None and chunks >= spec.drop_after:
+                    result.dropped = True
+                    return
+                continue
             if "error" in chunk:
                 result.error = json.dumps(chunk)[:500]
                 continue
@@ -647,7 +707,7 @@ def pick_replays(results: list[Result], count: int, seed: int) -> list[Result]:
     groups: dict[tuple, list[Result]] = {}
     for r in greedy_kept(results):
         s = r.spec
-        groups.setdefault((s.kind, s.chat, s.stream, s.n, s.long), []).append(r)
+        groups.setdefault((s.kind, s.api, s.chat, s.stream, s.n, s.long), []).append(r)
     rng = random.Random(seed)
     for members in groups.values():
         rng.shuffle(members)
@@ -1000,6 +1060,8 @@ def mix(specs: list[Spec]) -> str:
         "lora": lambda s: s.adapter is not None,
         "bad_words": lambda s: s.bad_words is not None,
         "priority": lambda s: s.priority != 0,
+        "responses": lambda s: s.api == "responses",
+        "messages": lambda s: s.api == "messages",
     }
     counts = ", ".join(f"{name} {sum(map(test, specs))}" for name, test in kinds.items())
     return f"{len(specs)} requests: {counts}"
@@ -1201,6 +1263,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="requests with a priority in -2..2, the server under --scheduling-policy priority (--mixed: 0.2, else 0)",
     )
+    p.add_argument(
+        "--api-fraction",
+        type=float,
+        default=None,
+        help="plain chat requests sent through the Responses or the Messages API instead (--mixed: 0.2, else 0)",
+    )
     p.add_argument("--lora-adapters", type=int, default=3, help="random PEFT adapters the server serves (>= 2)")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -1238,6 +1306,7 @@ def parse_args() -> argparse.Namespace:
         ("lora_fraction", 0.2),
         ("bad_words_fraction", 0.1),
         ("priority_fraction", 0.2),
+        ("api_fraction", 0.2),
     ):
         if getattr(args, name) is None:
             setattr(args, name, mixed if args.mixed else 0.0)
@@ -1261,6 +1330,9 @@ async def run(
         clients = Clients(client, embed_client)
         if args.lora_fraction > 0:
             await load_adapter(client, lora_names(args)[-1], args.lora_paths[-1])
+        served = (await client.get("/v1/models")).json()["data"][0]["id"]
+        for spec in specs:
+            spec.model = served
         before = await metrics(client)
         start = time.monotonic()
         with RssSampler(pid, args.rss_interval) as sampler:

@@ -270,13 +270,18 @@ class MessagesRequest(_Conversation):
     structured_outputs: StructuredOutputsFields | None = None
     seed: Int64 | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = None
+    priority: Int64 = 0
 
     def chat_request(self) -> ChatCompletionRequest:
         """The same request as a chat completion (one choice; Anthropic has no n)."""
         fields = self.chat_fields()
-        fields.update(max_tokens=self.max_tokens, stream=self.stream, ignore_eos=self.ignore_eos)
+        fields.update(
+            max_tokens=self.max_tokens, stream=self.stream, ignore_eos=self.ignore_eos, priority=self.priority
+        )
         for name, value in (("stop", self.stop_sequences), ("temperature", self.temperature),
-                            ("top_p", self.top_p), ("top_k", self.top_k), ("seed", self.seed)):  # fmt: skip
+                            ("top_p", self.top_p), ("top_k", self.top_k), ("seed", self.seed),
+                            ("cache_salt", self.cache_salt)):  # fmt: skip
             if value is not None:
                 fields[name] = value
         if self.structured_outputs is not None:

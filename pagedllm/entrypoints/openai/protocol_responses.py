@@ -143,6 +143,7 @@ class ResponsesRequest(_Request):
     min_tokens: Count = 0
     structured_outputs: StructuredOutputsFields | None = None
     priority: Int64 = 0
+    cache_salt: str | None = None
 
     def input_messages(self) -> list[dict]:
         """This request's input as chat messages (without the instructions, which are not carried
@@ -187,7 +188,7 @@ class ResponsesRequest(_Request):
             fields["chat_template_kwargs"] = {"enable_thinking": self.reasoning.effort != "none"}
         if self.structured_outputs is not None:
             fields["structured_outputs"] = self.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
-        names = ("max_output_tokens", "temperature", "top_p", "top_k", "seed", "user")
+        names = ("max_output_tokens", "temperature", "top_p", "top_k", "seed", "user", "cache_salt")
         for name in names:
             value = getattr(self, name)
             if value is not None:
