@@ -194,3 +194,14 @@ def test_processors_reach_a_core_process_only_when_importable(llama_dir, tmp_pat
         assert info.value.param == "logits_processors"
     finally:
         llm.engine.shutdown()
+
+
+def test_bad_words_outputs_are_batch_and_cache_invariant(llm):
+    """The same greedy tokens alone, in a batch, and again with the prompt's blocks cached."""
+    prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]
+    plain = _greedy(llm, prompts, max_tokens=16)
+    words = [_word_at(llm, tokens, 2)[1] for tokens in plain]
+    together = _greedy(llm, prompts, max_tokens=16, bad_words=words)
+    alone = [_greedy(llm, [p], max_tokens=16, bad_words=words)[0] for p in prompts]
+    cached = _greedy(llm, prompts, max_tokens=16, bad_words=words)  # (the prompts' blocks are cached now)
+    assert together == alone == cached and together != plain
