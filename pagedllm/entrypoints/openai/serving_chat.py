@@ -4,6 +4,7 @@ calls, in full or as streaming deltas."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,10 +21,13 @@ from pagedllm.entrypoints.openai.serving import (
     OpenAIServing,
     Run,
     accumulate,
+    api_error,
+    merge,
     new_id,
     off_loop,
     top_entries,
     usage,
+    with_deadline,
 )
 from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.entrypoints.openai.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser, get_tool_parser
@@ -48,6 +52,54 @@ class ChatStart:
     streams: list[RequestStream]
     num_prompt_tokens: int
     parser: OutputParser
+    request_timeout: float | None = None
+
+    def outputs(self) -> AsyncIterator:
+        """Its outputs as they come, until the server's request timeout."""
+        outputs = merge(self.streams)
+        return outputs if self.request_timeout is None else with_deadline(outputs, self.request_timeout)
+
+    async def whole_choice(self) -> Choice:
+        """Its one choice, accumulated to the end (a failure raised as the API error it answers with)."""
+        choices: dict[int, Choice] = {}
+        try:
+            async for _, output in self.outputs():
+                for sample in output.outputs:
+                    accumulate(choices, 0, sample)
+        except Exception as exc:  # noqa: BLE001 - every failure answers in the API's shape (the route's handler)
+            raise api_error(exc) from exc
+        finally:
+            self.close()
+        return choices.get(0, Choice())
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+
+class BlockStream:
+    """A choice's streamed deltas (the chat's parser) as another API's events: subclasses turn each
+    delta into events (`_take`) and close the open block or item at the end (`_close`)."""
+
+    def __init__(self, stream: ChoiceStream) -> None:
+        self.stream = stream
+
+    def feed(self, text: str) -> list[str]:
+        return self._take(self.stream.feed(text))
+
+    def finish(self) -> list[str]:
+        return self._take(self.stream.finish()) + self._close()
+
+    def _take(self, delta: dict) -> list[str]:
+        raise NotImplementedError
+
+    def _close(self) -> list[str]:
+        raise NotImplementedError
+
+
+def named_event(kind: str, payload: dict) -> str:
+    """One Server-Sent Event with its event name (Anthropic's and the Responses API's framing)."""
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 @dataclass
@@ -150,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = new_id(id_prefix)
         streams = self.start(request_id, processed)
         parser = OutputParser(self.reasoning_parser, tools)
-        return ChatStart(request_id, streams, len(processed[0].prompt_token_ids), parser)
+        return ChatStart(request_id, streams, len(processed[0].prompt_token_ids), parser, self.request_timeout)
 
     def _sampling(
         self, request: ChatCompletionRequest, max_tokens: int | None, top: int | None

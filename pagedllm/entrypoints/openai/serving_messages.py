@@ -10,8 +10,14 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest, anthropic_error_body
-from pagedllm.entrypoints.openai.serving import Choice, accumulate, api_error, merge, with_deadline
-from pagedllm.entrypoints.openai.serving_chat import ChatStart, ChoiceStream, OpenAIServingChat
+from pagedllm.entrypoints.openai.serving import Choice, api_error
+from pagedllm.entrypoints.openai.serving_chat import (
+    BlockStream,
+    ChatStart,
+    ChoiceStream,
+    OpenAIServingChat,
+    named_event,
+)
 
 
 class AnthropicServingMessages:
@@ -21,24 +27,11 @@ class AnthropicServingMessages:
     async def create(self, request: MessagesRequest):
         chat_request = request.chat_request()
         started = await self.chat.begin(chat_request, "msg")
-        outputs = merge(started.streams)
-        if self.chat.request_timeout is not None:
-            outputs = with_deadline(outputs, self.chat.request_timeout)
         name, omit = request.model, request.thinking_omitted
         if request.stream:
-            events = _events(outputs, started, name, omit)
+            events = _events(started.outputs(), started, name, omit)
             return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            choice: dict[int, Choice] = {}
-            async for _, output in outputs:
-                for sample in output.outputs:
-                    accumulate(choice, 0, sample)
-        except Exception as exc:  # noqa: BLE001 - every failure answers in Anthropic's shape (the route's handler)
-            raise api_error(exc) from exc
-        finally:
-            for stream in started.streams:
-                stream.close()
-        return JSONResponse(_message(started, name, choice.get(0, Choice()), omit))
+        return JSONResponse(_message(started, name, await started.whole_choice(), omit))
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         chat_request = request.chat_request()
@@ -93,10 +86,6 @@ def _stop_reason(finish: str | None, stop: int | str | None, called: bool) -> tu
     return "end_turn", None
 
 
-def event(name: str, payload: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 async def _events(outputs: AsyncIterator, started: ChatStart, model: str, omit_thinking: bool) -> AsyncIterator[str]:
     """message_start, each block's start, deltas and stop, message_delta (stop reason, usage),
     message_stop; an error event if the request fails on the way."""
@@ -105,7 +94,7 @@ async def _events(outputs: AsyncIterator, started: ChatStart, model: str, omit_t
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": started.num_prompt_tokens, "output_tokens": 0},
     }  # fmt: skip
-    yield event("message_start", {"type": "message_start", "message": head})
+    yield named_event("message_start", {"type": "message_start", "message": head})
     blocks = _Blocks(started.parser.stream(), omit_thinking)
     tokens, finish, stop = 0, None, None
     try:
@@ -119,32 +108,26 @@ async def _events(outputs: AsyncIterator, started: ChatStart, model: str, omit_t
                     for item in blocks.finish():
                         yield item
     except Exception as exc:  # noqa: BLE001 - the engine, the deadline or shutdown ended it: say so last
-        yield event("error", anthropic_error_body(api_error(exc)))
+        yield named_event("error", anthropic_error_body(api_error(exc)))
         return
     finally:
-        for stream in started.streams:
-            stream.close()
+        started.close()
     reason, sequence = _stop_reason(finish, stop, blocks.stream.called)
     delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
              "usage": {"output_tokens": tokens}}  # fmt: skip
-    yield event("message_delta", delta)
-    yield event("message_stop", {"type": "message_stop"})
+    yield named_event("message_delta", delta)
+    yield named_event("message_stop", {"type": "message_stop"})
 
 
-class _Blocks:
-    """A choice's streamed deltas (the chat's parser) as Anthropic's content blocks: one block at a
-    time, a new one whenever the kind changes (thinking, text) or a tool call begins."""
+class _Blocks(BlockStream):
+    """Anthropic's content blocks: one block at a time, a new one whenever the kind changes
+    (thinking, text) or a tool call begins."""
 
     def __init__(self, stream: ChoiceStream, omit_thinking: bool) -> None:
-        self.stream, self.omit_thinking = stream, omit_thinking
+        super().__init__(stream)
+        self.omit_thinking = omit_thinking
         self.index = -1
         self.kind: str | None = None
-
-    def feed(self, text: str) -> list[str]:
-        return self._take(self.stream.feed(text))
-
-    def finish(self) -> list[str]:
-        return self._take(self.stream.finish()) + self._close()
 
     def _take(self, delta: dict) -> list[str]:
         out: list[str] = []
@@ -171,15 +154,15 @@ class _Blocks:
         out = self._close()
         self.index += 1
         self.kind = kind
-        out.append(event("content_block_start", {"type": "content_block_start", "index": self.index,
+        out.append(named_event("content_block_start", {"type": "content_block_start", "index": self.index,
                                                  "content_block": block}))  # fmt: skip
         return out
 
     def _delta(self, delta: dict) -> str:
-        return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+        return named_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
     def _close(self) -> list[str]:
         if self.kind is None:
             return []
         self.kind = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [named_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]

@@ -17,8 +17,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import APIError
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest, output_messages
-from pagedllm.entrypoints.openai.serving import Choice, accumulate, api_error, merge, with_deadline
-from pagedllm.entrypoints.openai.serving_chat import ChatStart, ChoiceStream, OpenAIServingChat
+from pagedllm.entrypoints.openai.serving import Choice, accumulate, api_error
+from pagedllm.entrypoints.openai.serving_chat import (
+    BlockStream,
+    ChatStart,
+    ChoiceStream,
+    OpenAIServingChat,
+    named_event,
+)
 
 MAX_STORED = 1024  # responses kept for GET and previous_response_id, the oldest dropped first
 
@@ -65,23 +71,10 @@ class OpenAIServingResponses:
             history = self.store.get(request.previous_response_id, "previous_response_id").conversation
         chat_request = request.chat_request(history)
         started = await self.chat.begin(chat_request, "resp")
-        outputs = merge(started.streams)
-        if self.chat.request_timeout is not None:
-            outputs = with_deadline(outputs, self.chat.request_timeout)
         build = _Builder(self, request, started, history)
         if request.stream:
-            return StreamingResponse(build.events(outputs), media_type="text/event-stream")
-        try:
-            choices: dict[int, Choice] = {}
-            async for _, output in outputs:
-                for sample in output.outputs:
-                    accumulate(choices, 0, sample)
-        except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
-            raise api_error(exc) from exc
-        finally:
-            for stream in started.streams:
-                stream.close()
-        choice = choices.get(0, Choice())
+            return StreamingResponse(build.events(started.outputs()), media_type="text/event-stream")
+        choice = await started.whole_choice()
         return JSONResponse(build.finish(_items(started, choice.text), choice))
 
     def get(self, response_id: str) -> dict:
@@ -223,33 +216,25 @@ class _Builder:
             yield stream.event("response.failed", response=failed)
             return
         finally:
-            for request_stream in self.started.streams:
-                request_stream.close()
+            self.started.close()
         response = self.finish(stream.items, choice)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield stream.event(kind, response=response)
 
 
-class _ItemStream:
-    """A choice's streamed deltas (the chat's parser) as the Responses events of its output items:
-    one item at a time, a new one whenever the kind changes (reasoning, message) or a call begins."""
+class _ItemStream(BlockStream):
+    """The Responses events of a choice's output items: one item at a time, a new one whenever the
+    kind changes (reasoning, message) or a call begins."""
 
     def __init__(self, stream: ChoiceStream) -> None:
-        self.stream = stream
+        super().__init__(stream)
         self.items: list[dict] = []  # every item so far, the open one last
         self.open: dict | None = None
         self.sequence = 0
 
     def event(self, kind: str, **payload) -> str:
-        body = {"type": kind, "sequence_number": self.sequence, **payload}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-    def feed(self, text: str) -> list[str]:
-        return self._take(self.stream.feed(text))
-
-    def finish(self) -> list[str]:
-        return self._take(self.stream.finish()) + self._close()
+        return named_event(kind, {"type": kind, "sequence_number": self.sequence - 1, **payload})
 
     def _take(self, delta: dict) -> list[str]:
         out: list[str] = []
