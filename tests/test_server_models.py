@@ -87,9 +87,20 @@ def test_models_load_on_demand_and_make_room(server, models_dir, tiny_models):
 
 
 def test_a_request_past_the_load_timeout_gets_503(llama_dir, models_dir):
-    server = Server(llama_dir, *ARGS, "--models-dir", str(models_dir), "--model-load-timeout", "0.01")
+    server = Server(
+        llama_dir, *ARGS, "--models-dir", str(models_dir), "--model-load-timeout", "0.01",
+        "--allowed-origins", "http://app.test", api_key=KEY,
+    )  # fmt: skip
     try:
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        # CORS in front of the key (a preflight has none) and once (not again in each model's app).
+        preflight = httpx.options(
+            f"{server.url}/v1/completions",
+            headers={"Origin": "http://app.test", "Access-Control-Request-Method": "POST"},
+        )
+        assert preflight.status_code == 200
+        listed = httpx.get(f"{server.url}/v1/models", headers={**server.headers, "Origin": "http://app.test"})
+        assert listed.headers.get_list("access-control-allow-origin") == ["http://app.test"]
+        client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
         with pytest.raises(APIStatusError) as info:
             client.completions.create(model="qwen", prompt="Hi", max_tokens=2)
         assert info.value.status_code == 503 and "loading" in info.value.message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -429,11 +430,16 @@ def _router(
     others = ChatOptions(None, chat_options.enable_auto_tool_choice, chat_options.tool_call_parser,
                          chat_options.reasoning_parser)  # fmt: skip
 
+    inner = dataclasses.replace(limits, allowed_origins=[])  # (CORS once, in front)
+
     def make_app(entry: ModelEntry, model_engine: AsyncLLM) -> FastAPI:
         options, adapters = (chat_options, lora_modules) if entry.pinned else (others, None)
-        return build_app(model_engine, entry.name, None, options, limits, adapters, store)
+        return build_app(model_engine, entry.name, None, options, inner, adapters, store)
 
     router = ModelRouter(entries, make_app, models.max_loaded, models.idle_ttl, models.load_timeout,
                          max_waiting_requests)  # fmt: skip
     router.attach_default(engine)
-    return _Guard(router, api_key, limits.max_body_bytes)
+    guarded = _Guard(router, api_key, limits.max_body_bytes)
+    if not limits.allowed_origins:
+        return guarded
+    return CORSMiddleware(guarded, allow_origins=limits.allowed_origins, allow_methods=["*"], allow_headers=["*"])
