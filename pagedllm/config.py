@@ -57,8 +57,18 @@ class LoRAConfig:
     # vLLM's: "fcfs" (arrival order) or "priority" (requests' `priority`, lower first, then arrival;
     # a waiting request preempts running ones of a strictly lower priority).
     scheduling_policy: str = "fcfs"
+    # The KV cache's second tier (LMCache's and vLLM's offloading flags name it alike): full blocks
+    # written to an LMDB store in this directory as they are computed, read back for prefix hits
+    # the memory no longer holds, across restarts; at most kv_offload_size bytes ("64GiB").
+    kv_offload_dir: str | None = None
+    kv_offload_size: int | str = "64GiB"
 
     def __post_init__(self) -> None:
+        if self.kv_offload_dir is not None:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload_dir keeps prefix-cache blocks: it needs prefix caching enabled")
+            if parse_memory(self.kv_offload_size, 0) < 1 << 20:
+                raise ValueError(f"kv_offload_size must be at least 1MiB, got {self.kv_offload_size!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy {self.scheduling_policy!r}: expected one of {', '.join(SCHEDULING_POLICIES)}"
@@ -271,8 +281,18 @@ class EngineArgs:
     # vLLM's: "fcfs" (arrival order) or "priority" (requests' `priority`, lower first, then arrival;
     # a waiting request preempts running ones of a strictly lower priority).
     scheduling_policy: str = "fcfs"
+    # The KV cache's second tier (LMCache's and vLLM's offloading flags name it alike): full blocks
+    # written to an LMDB store in this directory as they are computed, read back for prefix hits
+    # the memory no longer holds, across restarts; at most kv_offload_size bytes ("64GiB").
+    kv_offload_dir: str | None = None
+    kv_offload_size: int | str = "64GiB"
 
     def __post_init__(self) -> None:
+        if self.kv_offload_dir is not None:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload_dir keeps prefix-cache blocks: it needs prefix caching enabled")
+            if parse_memory(self.kv_offload_size, 0) < 1 << 20:
+                raise ValueError(f"kv_offload_size must be at least 1MiB, got {self.kv_offload_size!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy {self.scheduling_policy!r}: expected one of {', '.join(SCHEDULING_POLICIES)}"
@@ -368,6 +388,16 @@ def attention_keys_per_token(hf_config) -> float:
     full_layers = sum(window is None for window in sliding_windows(hf_config))
     per_key = 2 * heads * d  # q.k and p.v, a multiply-add per dimension each
     return hf_config.num_hidden_layers * weights / (full_layers * per_key) if full_layers else 0.0
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """What a worker's KV store is opened with: the directory, its budget in bytes, and the digest
+    every key of this model starts with (engine/builder.py's `kv_model_digest`)."""
+
+    path: str
+    size_bytes: int
+    model_digest: bytes  # 16 bytes
 
 
 @dataclass(frozen=True)

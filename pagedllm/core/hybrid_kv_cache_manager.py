@@ -78,6 +78,14 @@ class HybridKVCacheManager:
     def step_block_hashes(self, request: Request, num_hits: int, num_new: int) -> list[int]:
         return self.groups[0].step_block_hashes(request, num_hits, num_new)
 
+    def tier_candidates(self, request: Request, num_hits: int) -> list[tuple[int, ...]]:
+        """Each block's key in every group (the second tier gives a block only where all groups have it)."""
+        per_group = [group.tier_candidates(request, num_hits) for group in self.groups]
+        return [tuple(key for (key,) in keys) for keys in zip(*per_group)]
+
+    def blocks_to_save(self, request: Request, num_tokens: int) -> list[tuple[int, int]]:
+        return [save for group in self.groups for save in group.blocks_to_save(request, num_tokens)]
+
     def cache_full_blocks(self, request: Request) -> None:
         for group in self.groups:
             group.cache_full_blocks(request)

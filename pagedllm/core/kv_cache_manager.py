@@ -15,11 +15,13 @@ and never attends to them.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.request import Request
+from pagedllm.digest import int_digest
 from pagedllm.multimodal import MultiModalFeature
 
 
@@ -115,10 +117,32 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def tier_candidates(self, request: Request, num_hits: int) -> list[tuple[int, ...]]:
+        """The keys of the blocks after `num_hits` memory hits that a second tier could give (the
+        same blocks get_computed_blocks would take), one 1-tuple a block (a group's key)."""
+        if not self._caches(request) or request.num_computed_tokens:
+            return []
+        if request.sampling_params.prompt_logprobs is not None:
+            return []
+        hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        return [(self._pool_hash(h),) for h in hashes[num_hits:]]
+
+    def blocks_to_save(self, request: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """(key, block id) of the request's blocks that are full once its first `num_tokens` tokens
+        are computed and were not cached before: what a step computing up to there completes."""
+        if not self._caches(request):
+            return []
+        blocks = self.req_blocks.get(request.request_id, [])
+        start, end = self._num_cached.get(request.request_id, 0), min(num_tokens // self.block_size, len(blocks))
+        if end <= start:
+            return []
+        hashes = self._block_hashes(request, end)
+        return [(self._pool_hash(hashes[i]), blocks[i].block_id) for i in range(start, end) if blocks[i] is not FREED]
+
     def _pool_hash(self, block_hash: int) -> int:
         """A block's key in the pool's prefix cache: its hash, and for groups past the first, the
         group (the same tokens in another group's layers are another block)."""
-        return block_hash if self.group == 0 else hash((self.group, block_hash))
+        return block_hash if self.group == 0 else group_hash(self.group, block_hash)
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Hashes of the request's first `num_blocks` full blocks, extended on demand."""
@@ -333,12 +357,27 @@ def extend_block_hashes(
     """The chained hashes of the first `num_blocks` full blocks of `token_ids`: `hashes` (those
     known so far) extended in place, the first `num_blocks` returned. A block that holds some of an
     image's placeholder tokens (all alike) also hashes the image's content and where in the block
-    it starts: the same image hits, another one never does."""
+    it starts: the same image hits, another one never does. Stable digests (digest.int_digest),
+    not Python's hash(): a KV store on disk finds a block again after a restart."""
     while len(hashes) < num_blocks:
         i = len(hashes)
         start, end = i * block_size, (i + 1) * block_size
-        parent = hashes[-1] if hashes else hash(("pagedllm-root", root))
-        key: tuple = (parent, tuple(token_ids[start:end]))
-        images = tuple((f.identifier, f.offset - start) for f in features if f.overlaps(start, end))
-        hashes.append(hash((*key, images) if images else key))
+        parent = hashes[-1] if hashes else root_hash(root)
+        tokens = array("q", token_ids[start:end]).tobytes()
+        images = b"".join(
+            f.identifier.to_bytes(8, "little") + (f.offset - start).to_bytes(8, "little", signed=True)
+            for f in features
+            if f.overlaps(start, end)
+        )
+        hashes.append(int_digest(parent.to_bytes(16, "little"), tokens, images))
     return hashes[:num_blocks]
+
+
+def root_hash(root: Hashable) -> int:
+    """The chain's start: the request's salt and adapter (plain values, whose repr is stable)."""
+    return int_digest(b"pagedllm-root", repr(root).encode())
+
+
+def group_hash(group: int, block_hash: int) -> int:
+    """A block's key in a group past the first (the same tokens in other layers are another block)."""
+    return int_digest(b"group", group.to_bytes(4, "little"), block_hash.to_bytes(16, "little"))

@@ -89,6 +89,18 @@ class SchedulerStats:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    # The KV cache's second tier (--kv-offload-dir; core/kv_tier.py): blocks it holds, and since the
+    # start, blocks read back instead of computed, reads that failed, bytes and seconds of reads
+    # and of (background) writes.
+    kv_tier_blocks: int = 0
+    kv_tier_bytes: int = 0
+    kv_tier_hits: int = 0
+    kv_tier_failures: int = 0
+    kv_tier_read_bytes: int = 0
+    kv_tier_read_seconds: float = 0.0
+    kv_tier_write_blocks: int = 0
+    kv_tier_write_bytes: int = 0
+    kv_tier_write_seconds: float = 0.0
 
     @staticmethod
     def merge(replicas: list[SchedulerStats]) -> SchedulerStats:
@@ -117,6 +129,15 @@ class SchedulerStats:
                 "encoder_cache_entries",
                 "encoder_cache_queries",
                 "encoder_cache_hits",
+                "kv_tier_blocks",
+                "kv_tier_bytes",
+                "kv_tier_hits",
+                "kv_tier_failures",
+                "kv_tier_read_bytes",
+                "kv_tier_read_seconds",
+                "kv_tier_write_blocks",
+                "kv_tier_write_bytes",
+                "kv_tier_write_seconds",
             )
         }
         return SchedulerStats(

@@ -37,7 +37,8 @@ from collections.abc import Iterable
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.encoder_cache_manager import EncoderCacheManager
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import FREED, KVCacheManager
+from pagedllm.core.kv_tier import KVTier
 from pagedllm.core.messages import SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import fcfs_key, make_waiting_queue, priority_key
@@ -47,9 +48,15 @@ LONG_PROMPT_SHARE = 0.04
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager | HybridKVCacheManager,
+        tier: KVTier | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.tier = tier  # the KV cache's second tier (--kv-offload-dir), or None
         self.waiting = make_waiting_queue(config.policy)
         # Kept sorted by arrival (priority: by priority, then arrival), so the first victim is last.
         self.running: list[Request] = []
@@ -184,6 +191,9 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 continue
             computed = self.kv.get_computed_blocks(request)
+            if self.tier is not None and self._start_tier_load(request, computed):
+                deferred.append(self.waiting.popleft())  # admitted once its blocks are read
+                continue
             if self.config.whole_images:
                 del computed[self._blocks_before_image(request, len(computed)) :]
             num_cached = len(computed) * self.kv.block_size
@@ -234,6 +244,15 @@ class Scheduler:
             self._drop_encoder_refs(self.waiting[0])  # it stopped the loop, perhaps with images booked
         self.waiting.extendleft(reversed(deferred))
         return self._build_output(chosen)
+
+    def _start_tier_load(self, request: Request, computed: list) -> bool:
+        """Whether the request's prompt goes on, past its memory hits, with blocks the second tier
+        holds, which it now reads (kv_tier.py)."""
+        candidates = self.kv.tier_candidates(request, len(computed))
+        if not candidates:
+            return False
+        hits = [b for hit in computed for b in (hit if isinstance(hit, tuple) else (hit,)) if b is not FREED]
+        return self.tier.start_load(request.request_id, candidates, self.kv.pool, hits)
 
     def _preempt_for_priority(self, budget: int) -> None:
         """Preempt running requests of a strictly lower priority (the last first) while the waiting
@@ -387,6 +406,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        if self.tier is not None:
+            self.tier.forget(request.request_id)  # it may read its blocks back when it resumes
         self._drop_encoder_refs(request)
         self._worker_ids.discard(request.request_id)
         self._preempted_ids.add(request.request_id)
@@ -402,10 +423,12 @@ class Scheduler:
         return len(request.spec_token_ids) if request.num_tokens - request.num_computed_tokens == 1 else 0
 
     def _build_output(self, chosen: list[tuple[Request, int]]) -> SchedulerOutput:
-        if not chosen:  # no step reaches the worker: the ids it should drop wait for one that does
+        loads = self.tier.step_loads() if self.tier is not None else []
+        if not chosen and not loads:  # no step reaches the worker: the ids it should drop wait for one that does
             return SchedulerOutput([])
         scheduled = [self._schedule_request(request, num_new) for request, num_new in chosen]
         output = SchedulerOutput(scheduled, self._finished_ids, self._preempted_ids, self.kv.take_copies())
+        output.kv_loads = loads
         output.evicted_encoder_ids = self.encoder_cache.take_evicted()
         self._finished_ids, self._preempted_ids = set(), set()
         return output
@@ -441,11 +464,24 @@ class Scheduler:
             spec_token_ids=drafts,
             other_group_blocks=self.kv.take_other_group_block_ids(request.request_id, whole=new),
             encoder_inputs=self._step_encodes.pop(request.request_id, []),
+            kv_saves=self._kv_saves(request, min(start + num_new, request.num_tokens)),
         )
+
+    def _kv_saves(self, request: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """The blocks a step completes (its known tokens: drafts may be rejected) that the second
+        tier does not hold yet."""
+        if self.tier is None:
+            return []
+        saves = [(h, b) for h, b in self.kv.blocks_to_save(request, num_tokens) if h not in self.tier.stored]
+        self.tier.note_saves(h for h, _ in saves)
+        return saves
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens (rolling back rejected drafts) and finish requests that hit a stop;
         returns requests with news."""
+        if self.tier is not None:
+            self.tier.take_report(result.kv_store)
+            self.tier.finish_loads(result.kv_store, self.kv.pool)
         touched = []
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
@@ -504,6 +540,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._held_prefills.discard(request.request_id)
+        if self.tier is not None:
+            self.tier.forget(request.request_id)
         self._drop_encoder_refs(request)
         self.kv.free(request)
         self._worker_ids.discard(request.request_id)
@@ -537,6 +575,7 @@ class Scheduler:
             encoder_cache_entries=len(self.encoder_cache.sizes),
             encoder_cache_queries=self.encoder_cache.num_hits + self.encoder_cache.num_encoded,
             encoder_cache_hits=self.encoder_cache.num_hits,
+            **(self.tier.stats() if self.tier is not None else {}),
         )
 
 

@@ -58,6 +58,9 @@ class ScheduledRequest:
     # Indexes into the request's mm_features of the images to encode before this step (their
     # outputs go into the worker's encoder cache, by identifier, until evicted).
     encoder_inputs: list[int] = field(default_factory=list)
+    # The KV store (--kv-offload-dir): (block hash, block id) of the full blocks this step completes,
+    # which the worker copies out after the step and writes to the store in the background.
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_spec_tokens(self) -> int:
@@ -98,6 +101,9 @@ class SchedulerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     # Images' identifiers the encoder cache evicted: the worker drops their outputs first.
     evicted_encoder_ids: list[int] = field(default_factory=list)
+    # The KV store: (block hash, block id) of blocks to read into the cache before the forward pass
+    # (the ids are the scheduler's, held for no scheduled request); the answer says which were whole.
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -105,7 +111,35 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.kv_loads
+
+
+@dataclass
+class KVStoreReport:
+    """What the worker's KV store did in a step: the loads read whole and those that were not; the
+    blocks it no longer holds (evicted for room, writes that failed or were dropped); its reads and
+    writes since the last report (the writes run in the background)."""
+
+    loaded: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    read_blocks: int = 0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    write_blocks: int = 0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+
+    def merge(self, other: KVStoreReport) -> None:
+        self.loaded += other.loaded
+        self.failed += other.failed
+        self.dropped += other.dropped
+        self.read_blocks += other.read_blocks
+        self.read_bytes += other.read_bytes
+        self.read_seconds += other.read_seconds
+        self.write_blocks += other.write_blocks
+        self.write_bytes += other.write_bytes
+        self.write_seconds += other.write_seconds
 
 
 @dataclass
@@ -122,6 +156,7 @@ class ModelRunnerOutput:
     draft_seconds: float = 0.0  # time the draft model's passes took (taken out of the step's time)
     # (seconds, tokens) of its passes that fed one token a request: what a draft token costs
     draft_token_cost: tuple[float, int] = (0.0, 0)
+    kv_store: KVStoreReport | None = None  # with --kv-offload-dir
 
     def merge(self, other: ModelRunnerOutput) -> None:
         """Take in another run's results for other requests (a step rerun request by request)."""
@@ -133,3 +168,7 @@ class ModelRunnerOutput:
         self.draft_seconds += other.draft_seconds
         (seconds, tokens), (more_seconds, more_tokens) = self.draft_token_cost, other.draft_token_cost
         self.draft_token_cost = (seconds + more_seconds, tokens + more_tokens)
+        if other.kv_store is not None:
+            if self.kv_store is None:
+                self.kv_store = KVStoreReport()
+            self.kv_store.merge(other.kv_store)

@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.config import (
     EngineArgs,
+    KVOffloadConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -30,7 +31,9 @@ from pagedllm.config import (
 )
 from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_tier import KVTier
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.digest import file_digest, int_digest
 from pagedllm.engine.core_client import EngineCoreClient, InprocClient, ProcClient
 from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.engine_core import EngineCore
@@ -151,7 +154,8 @@ def make_engine_core(
         if args.compile:
             compile_torch_paths()
         executor.load_model()
-        executor.initialize_cache(num_blocks)
+        executor.initialize_cache(num_blocks, kv_offload_config(args, model_config))
+        tier = _kv_tier(args, executor)
     except BaseException:
         executor.shutdown()  # no worker process outlives a failed start
         raise
@@ -173,6 +177,7 @@ def make_engine_core(
             **encoder,
         ),
         kv,
+        tier,
     )
     backend = XgrammarBackend(
         tokenizer or (lambda: load_tokenizer(model_config, args.tokenizer)),
@@ -219,6 +224,51 @@ def draft_model_config(spec: SpeculativeConfig | None, args: EngineArgs, target:
     draft = load_model_config(spec.model, args.dtype, None, args.device, spec.quantization, args.kv_cache_dtype)
     check_draft(target, draft)
     return draft
+
+
+# Bumped whenever what a stored block's bytes mean changes (the cache tensors' layout, the hash chain).
+KV_STORE_LAYOUT = 1
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+
+
+def kv_offload_config(args: EngineArgs, model_config: ModelConfig) -> KVOffloadConfig | None:
+    if args.kv_offload_dir is None:
+        return None
+    if not model_config.is_causal:
+        raise ValueError("kv_offload_dir: an encoder keeps no KV cache to offload")
+    size = parse_memory(args.kv_offload_size, 0)
+    return KVOffloadConfig(os.path.abspath(args.kv_offload_dir), size, kv_model_digest(args, model_config))
+
+
+def kv_model_digest(args: EngineArgs, model_config: ModelConfig) -> bytes:
+    """What a stored block's K/V depend on besides its tokens (and its adapter, in the block hash):
+    the weights' and config's content (each file's digest computed once, digest.file_digest), the
+    dtypes, the quantization, the block size and the tensor-parallel split."""
+    path = model_config.path
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if n.endswith(WEIGHT_SUFFIXES) or n == "config.json")
+        files = [os.path.join(path, n) for n in names]
+    else:
+        files = [path]
+    files += [model_config.mmproj] if model_config.mmproj else []
+    described = [
+        f"layout={KV_STORE_LAYOUT}",
+        f"dtype={model_config.dtype}",
+        f"cache_dtype={model_config.cache_dtype}",
+        f"quantization={model_config.quantization}",
+        f"block_size={args.block_size}",
+        f"tensor_parallel_size={args.tensor_parallel_size}",
+        *(f"{os.path.basename(f)}={file_digest(f)}" for f in files),
+    ]
+    return int_digest(*(d.encode() for d in described)).to_bytes(16, "little")
+
+
+def _kv_tier(args: EngineArgs, executor: Executor) -> KVTier | None:
+    if args.kv_offload_dir is None:
+        return None
+    stored = executor.stored_block_hashes()
+    logger.info("KV offload: %s holds %d blocks of this model", args.kv_offload_dir, len(stored))
+    return KVTier.of(stored, executor.kv_cache_bytes_per_block(), args.block_size)
 
 
 def _kv_cache_manager(

@@ -149,6 +149,8 @@ class EngineCore:
             scheduler_output.num_draft_tokens = self._draft_lengths(scheduler_output)
         start = time.perf_counter()
         result, failures = self._execute(scheduler_output)
+        if self.scheduler.tier is not None:
+            self.scheduler.tier.observe_prefill(scheduler_output.num_scheduled_tokens, time.perf_counter() - start)
         if self.controller is not None:
             self._observe_speculation(scheduler_output, result, time.perf_counter() - start)
         self._worker_drafts = result.spec_token_ids
@@ -304,8 +306,8 @@ class EngineCore:
                 "a step of %d requests failed (%r): running them one at a time", len(scheduler_output.scheduled), exc
             )
         merged, failures = ModelRunnerOutput(), {}
-        # Block copies and finished ids ride with the first run that succeeds (copies are idempotent
-        # until a forward pass writes into their targets).
+        # Block copies, store reads and finished ids ride with the first run that succeeds (copies and
+        # reads are idempotent until a forward pass writes into their targets).
         pending = dataclasses.replace(scheduler_output, scheduled=[])
         for scheduled in scheduler_output.scheduled:
             try:
@@ -314,7 +316,7 @@ class EngineCore:
                 failures[scheduled.request_id] = exc
                 continue
             merged.merge(part)
-            pending = dataclasses.replace(pending, finished_request_ids=set(), blocks_to_copy=[])
+            pending = dataclasses.replace(pending, finished_request_ids=set(), blocks_to_copy=[], kv_loads=[])
         return merged, failures
 
     def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

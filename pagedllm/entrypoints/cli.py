@@ -79,6 +79,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="share KV blocks of common prompt prefixes",
     )
     parser.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        help="a directory for the KV cache's second tier: full blocks kept on disk (LMDB) as they are "
+        "computed and read back for prefix hits memory no longer holds, after a restart too",
+    )
+    parser.add_argument(
+        "--kv-offload-size",
+        default=defaults.kv_offload_size,
+        help="the most the --kv-offload-dir store holds (least recently used blocks go first); default 64GiB",
+    )
+    parser.add_argument(
         "--engine-core-process",
         action=argparse.BooleanOptionalAction,
         default=defaults.engine_core_process,

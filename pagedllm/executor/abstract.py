@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from pagedllm.config import KVOffloadConfig
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -27,7 +28,12 @@ class Executor(ABC):
     def load_model(self) -> None: ...
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None: ...
+    def initialize_cache(self, num_blocks: int, kv_offload: KVOffloadConfig | None = None) -> None:
+        """Allocate the KV cache; with `kv_offload`, open each worker's KV store too."""
+
+    @abstractmethod
+    def stored_block_hashes(self) -> list[int]:
+        """The block hashes the KV store holds for this model (rank 0's; none without a store)."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

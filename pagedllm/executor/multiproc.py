@@ -176,6 +176,7 @@ def _worker_main(
                 break
             pipe.send(answer(worker, rank, method, args))
     finally:
+        worker.shutdown()  # its KV store's queued writes
         destroy_tensor_parallel()
 
 

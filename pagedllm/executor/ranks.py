@@ -21,7 +21,7 @@ from abc import abstractmethod
 from collections.abc import Hashable
 from typing import Any
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import KVOffloadConfig, ModelConfig
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorFailure
 from pagedllm.executor.cpu_binding import physical_cores_of
@@ -97,8 +97,11 @@ class RanksExecutor(Executor):
     def load_model(self) -> None:
         self._call("load_model", timeout=STARTUP_TIMEOUT_S)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks, timeout=STARTUP_TIMEOUT_S)
+    def initialize_cache(self, num_blocks: int, kv_offload: KVOffloadConfig | None = None) -> None:
+        self._call("initialize_cache", num_blocks, kv_offload, timeout=STARTUP_TIMEOUT_S)
+
+    def stored_block_hashes(self) -> list[int]:
+        return self._call("stored_block_hashes", timeout=STARTUP_TIMEOUT_S)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import KVOffloadConfig, ModelConfig
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.thread_governor import make_governor
@@ -25,8 +25,14 @@ class UniprocExecutor(Executor):
     def load_model(self) -> None:
         self.driver_worker.load_model()
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.driver_worker.initialize_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int, kv_offload: KVOffloadConfig | None = None) -> None:
+        self.driver_worker.initialize_cache(num_blocks, kv_offload)
+
+    def stored_block_hashes(self) -> list[int]:
+        return self.driver_worker.stored_block_hashes()
+
+    def shutdown(self) -> None:
+        self.driver_worker.shutdown()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self.driver_worker.execute_model(scheduler_output)

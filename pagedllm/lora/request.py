@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from pagedllm.digest import file_digest
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,20 @@ class LoRARequest:
             raise ValueError(f"LoRA adapter {self.lora_name!r} needs a path")
         object.__setattr__(self, "lora_path", os.path.abspath(os.path.expanduser(self.lora_path)))
 
-    @property
-    def cache_key(self) -> tuple[str, int, str]:
-        """What keeps its prefix-cache blocks apart from the base model's and other adapters'."""
-        return ("lora", self.lora_int_id, self.lora_path)
+    @cached_property
+    def cache_key(self) -> tuple[str, str, tuple[str, ...]]:
+        """What keeps its prefix-cache blocks apart from the base model's and other adapters': its
+        path and its files' content (read once), so that a KV store on disk never gives an adapter
+        rewritten in place the K/V of the one before."""
+        return ("lora", self.lora_path, adapter_digests(self.lora_path))
+
+
+def adapter_digests(path: str) -> tuple[str, ...]:
+    """The digests of an adapter's files (a PEFT folder's config and weights, or a GGUF file);
+    none where the path cannot be read (the request is refused elsewhere, by name)."""
+    root = Path(path)
+    try:
+        files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file())
+        return tuple(f"{p.name}:{file_digest(p)}" for p in files)
+    except OSError:
+        return ()

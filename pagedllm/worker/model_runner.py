@@ -12,7 +12,8 @@ import torch
 from pagedllm import heap
 from pagedllm.config import ModelConfig, head_dim, kv_cache_groups, text_config
 from pagedllm.core.messages import TokenLogprobs
-from pagedllm.core.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.core.step import KVStoreReport, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import head_share, max_kv_heads_per_rank
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata
@@ -21,6 +22,7 @@ from pagedllm.models.interface import MultiModalEmbeds
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
+from pagedllm.worker.kv_store import KVStore
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.rejection_sampler import rejection_sample
 from pagedllm.worker.sampler import Sampler, token_logprobs
@@ -52,8 +54,10 @@ class ModelRunner:
         block_size: int,
         device: str,
         draft: tuple[ModelConfig, torch.nn.Module] | None = None,
+        kv_store: KVStore | None = None,
     ) -> None:
         self.model = model
+        self.kv_store = kv_store  # the second tier (--kv-offload-dir), or None
         self.device = torch.device(device)
         hf = text_config(model_config.hf_config)
         # One (K, V) pair of tensors a slot; each layer uses its slot's (config.KVCacheGroups: one
@@ -82,6 +86,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        report = self._load_blocks(output.kv_loads) if self.kv_store is not None else None
+        if not output.scheduled:  # a step of store reads alone
+            return ModelRunnerOutput(kv_store=report)
+        result = self._execute(output)
+        if report is not None:
+            self._save_blocks([save for r in output.scheduled for save in r.kv_saves])
+            result.kv_store = report
+        return result
+
+    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         states = self.input_batch.update(output)
         if self.draft is not None:
             for request_id in output.finished_request_ids | output.preempted_request_ids:
@@ -123,6 +137,54 @@ class ModelRunner:
         if self.device.type == "cpu" and input_ids.shape[0] >= TRIM_AFTER_TOKENS:
             heap.trim()
         return result
+
+    def _block_tensors(self) -> list[torch.Tensor]:
+        """The cache tensors a block id indexes, in the store's order: K then V of each slot."""
+        return [t for pair in self.kv_slots for t in pair]
+
+    def _load_blocks(self, loads: list[tuple[int, int]]) -> KVStoreReport:
+        """Read the step's blocks from the store into the cache (a block the store has not whole is
+        not loaded; under tensor parallelism one that any rank lacks counts as lacking on all, so
+        that no rank computes from K/V another rank does not have)."""
+        tensors = self._block_tensors()
+        sizes = [t[0].numel() * t.element_size() for t in tensors]
+
+        def into(i: int, payload: memoryview) -> bool:
+            if payload.nbytes != sum(sizes):
+                return False  # another layout (the model's digest should have kept it apart)
+            src = np.frombuffer(payload, dtype=np.uint8)  # the store's pages, read-only: copied from
+            block, offset = loads[i][1], 0
+            for tensor, size in zip(tensors, sizes):
+                tensor[block].view(torch.uint8).view(-1).numpy()[:] = src[offset : offset + size]
+                offset += size
+            return True
+
+        found = self.kv_store.read([h for h, _ in loads], into) if loads else []
+        if loads and parallel_state.tensor_parallel().size > 1:
+            missing = torch.tensor([0.0 if ok else 1.0 for ok in found])
+            found = (parallel_state.all_reduce(missing) == 0).tolist()
+        counters = self.kv_store.take_counters()
+        return KVStoreReport(
+            loaded=[h for (h, _), ok in zip(loads, found) if ok],
+            failed=[h for (h, _), ok in zip(loads, found) if not ok],
+            dropped=counters.dropped,
+            read_blocks=counters.read_blocks,
+            read_bytes=counters.read_bytes,
+            read_seconds=counters.read_seconds,
+            write_blocks=counters.write_blocks,
+            write_bytes=counters.write_bytes,
+            write_seconds=counters.write_seconds,
+        )
+
+    def _save_blocks(self, saves: list[tuple[int, int]]) -> None:
+        """Copy the step's newly full blocks out of the cache (one gather) and hand them to the
+        store's writer: the step does not wait for the disk."""
+        if not saves:
+            return
+        ids = torch.tensor([block for _, block in saves])
+        copied = torch.cat([t[ids].view(len(saves), -1).view(torch.uint8) for t in self._block_tensors()], dim=1)
+        for (block_hash, _), row in zip(saves, copied):
+            self.kv_store.save(block_hash, row.numpy())
 
     def _lora_manager(self, model_config: ModelConfig) -> LoRAManager | None:
         """Adapter slots in the model's layers, where LoRA is enabled (the C++ stack is built again

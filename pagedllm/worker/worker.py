@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import KVOffloadConfig, ModelConfig
 from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import parallel_state
 from pagedllm.models.loader import load_model
 from pagedllm.worker.draft_runner import draft_kv_bytes_per_block
+from pagedllm.worker.kv_store import KVStore
 from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 
@@ -34,11 +35,25 @@ class Worker:
         if self.draft_config is not None:
             self.draft_model = load_model(self.draft_config, self.device)
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int, kv_offload: KVOffloadConfig | None = None) -> None:
         if self.model is None:
             raise RuntimeError("load the model before allocating its KV cache")
         draft = (self.draft_config, self.draft_model) if self.draft_model is not None else None
-        self.model_runner = ModelRunner(self.model_config, self.model, num_blocks, self.block_size, self.device, draft)
+        store = KVStore(kv_offload, parallel_state.tensor_parallel().rank) if kv_offload is not None else None
+        self.model_runner = ModelRunner(
+            self.model_config, self.model, num_blocks, self.block_size, self.device, draft, store
+        )
+
+    def stored_block_hashes(self) -> list[int]:
+        """The block hashes the KV store (--kv-offload-dir) holds for this model and rank."""
+        store = self.model_runner.kv_store if self.model_runner is not None else None
+        return store.hashes() if store is not None else []
+
+    def shutdown(self) -> None:
+        """Write what the KV store has queued and close it."""
+        store = self.model_runner.kv_store if self.model_runner is not None else None
+        if store is not None:
+            store.close()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(scheduler_output)
