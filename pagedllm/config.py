@@ -54,25 +54,8 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # vLLM's: "fcfs" (arrival order) or "priority" (requests' `priority`, lower first, then arrival;
-    # a waiting request preempts running ones of a strictly lower priority).
-    scheduling_policy: str = "fcfs"
-    # The KV cache's second tier (LMCache's and vLLM's offloading flags name it alike): full blocks
-    # written to an LMDB store in this directory as they are computed, read back for prefix hits
-    # the memory no longer holds, across restarts; at most kv_offload_size bytes ("64GiB").
-    kv_offload_dir: str | None = None
-    kv_offload_size: int | str = "64GiB"
 
     def __post_init__(self) -> None:
-        if self.kv_offload_dir is not None:
-            if not self.enable_prefix_caching:
-                raise ValueError("kv_offload_dir keeps prefix-cache blocks: it needs prefix caching enabled")
-            if parse_memory(self.kv_offload_size, 0) < 1 << 20:
-                raise ValueError(f"kv_offload_size must be at least 1MiB, got {self.kv_offload_size!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy {self.scheduling_policy!r}: expected one of {', '.join(SCHEDULING_POLICIES)}"
-            )
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

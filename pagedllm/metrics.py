@@ -57,6 +57,10 @@ class EngineMetrics:
         self.encoder_usage = per_engine(
             Gauge, "encoder_cache_usage_perc", "Encoder cache usage (images' embeddings): 1 means full."
         )
+        self.kv_tier_blocks = per_engine(
+            Gauge, "kv_offload_blocks", "KV blocks held by the disk tier (--kv-offload-dir)."
+        )
+        self.kv_tier_bytes = per_engine(Gauge, "kv_offload_bytes", "Bytes of K/V held by the disk tier.")
         self._totals = {  # SchedulerStats' running totals -> the counters that take what is new
             "num_preemptions": per_engine(Counter, "num_preemptions", "Requests preempted (recomputed later)."),
             "prefix_cache_queries": per_engine(
@@ -77,6 +81,21 @@ class EngineMetrics:
             ),
             "encoder_cache_hits": per_engine(
                 Counter, "encoder_cache_hits", "Images found encoded in the encoder cache."
+            ),
+            "kv_tier_hits": per_engine(Counter, "kv_offload_hits", "KV blocks read from the disk tier, not computed."),
+            "kv_tier_failures": per_engine(
+                Counter, "kv_offload_failures", "KV blocks the disk tier could not give whole (computed instead)."
+            ),
+            "kv_tier_read_bytes": per_engine(Counter, "kv_offload_read_bytes", "Bytes read from the disk tier."),
+            "kv_tier_read_seconds": per_engine(
+                Counter, "kv_offload_read_seconds", "Seconds spent reading the disk tier."
+            ),
+            "kv_tier_write_blocks": per_engine(
+                Counter, "kv_offload_write_blocks", "KV blocks written to the disk tier."
+            ),
+            "kv_tier_write_bytes": per_engine(Counter, "kv_offload_write_bytes", "Bytes written to the disk tier."),
+            "kv_tier_write_seconds": per_engine(
+                Counter, "kv_offload_write_seconds", "Seconds the disk tier's writer spent writing (in the background)."
             ),
         }
         # As vLLM's: a counter a draft position, labelled `position` (0: a draft's first token).
@@ -165,6 +184,8 @@ class EngineMetrics:
             self.waiting.labels(*labels).set(stats.num_waiting)
             self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
             self.kv_blocks_free.labels(*labels).set(stats.kv_blocks_free)
+            self.kv_tier_blocks.labels(*labels).set(stats.kv_tier_blocks)
+            self.kv_tier_bytes.labels(*labels).set(stats.kv_tier_bytes)
             size = stats.encoder_cache_size
             self.encoder_usage.labels(*labels).set(stats.encoder_cache_used / size if size else 0.0)
             # The engine keeps running totals; the counters take what is new since the last scrape.
@@ -181,7 +202,7 @@ class EngineMetrics:
         running, waiting = ",".join(stats.running_loras), ",".join(stats.waiting_loras)
         self._lora_info.labels(running, waiting, str(stats.max_loras)).set_to_current_time()
 
-    def _advance(self, counter: Counter, key: tuple[str, str], total: int) -> None:
+    def _advance(self, counter: Counter, key: tuple[str, str], total: float) -> None:
         counter.inc(total - self._seen.get(key, 0))
         self._seen[key] = total
 

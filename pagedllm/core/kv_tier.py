@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.step import KVStoreReport
@@ -68,7 +69,8 @@ class KVTier:
         while run < len(candidates) and all(h in self.stored for h in candidates[run]):
             run += 1
         keys = [h for position in candidates[:run] for h in position]
-        if not keys or not self._worth_reading(run, len(keys)) or len(keys) > pool.num_free_blocks:
+        revived = sum(1 for block in hits if pool.is_free(block))  # pinning takes them out of the free queue
+        if not keys or not self._worth_reading(run, len(keys)) or len(keys) + revived > pool.num_free_blocks:
             return False
         self.tried.add(request_id)
         pool.touch(list(hits))
@@ -125,7 +127,7 @@ class KVTier:
         if report.read_bytes and report.read_seconds > 0:
             self.read_bytes_per_s += SMOOTHING * (report.read_bytes / report.read_seconds - self.read_bytes_per_s)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, Any]:
         """SchedulerStats' kv_tier_* fields."""
         t = self.totals
         return {

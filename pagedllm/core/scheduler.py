@@ -31,6 +31,7 @@ frontend drives (engine/llm_engine.py, engine/beam_search.py).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -249,7 +250,7 @@ class Scheduler:
         """Whether the request's prompt goes on, past its memory hits, with blocks the second tier
         holds, which it now reads (kv_tier.py)."""
         candidates = self.kv.tier_candidates(request, len(computed))
-        if not candidates:
+        if self.tier is None or not candidates:
             return False
         hits = [b for hit in computed for b in (hit if isinstance(hit, tuple) else (hit,)) if b is not FREED]
         return self.tier.start_load(request.request_id, candidates, self.kv.pool, hits)
@@ -553,7 +554,7 @@ class Scheduler:
         free = self.kv.num_free_blocks
         slots = self.kv.num_allocated_slots()
         held = sum(self.kv.num_stored_tokens(r) for r in self.running)
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_blocks_total=total,
@@ -575,8 +576,8 @@ class Scheduler:
             encoder_cache_entries=len(self.encoder_cache.sizes),
             encoder_cache_queries=self.encoder_cache.num_hits + self.encoder_cache.num_encoded,
             encoder_cache_hits=self.encoder_cache.num_hits,
-            **(self.tier.stats() if self.tier is not None else {}),
         )
+        return dataclasses.replace(stats, **self.tier.stats()) if self.tier is not None else stats
 
 
 def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -38,6 +38,9 @@ MAGIC = b"PKV1"
 ENTRY = struct.Struct("<QQ")  # a block's last use (ns since the epoch) and its value's size
 # Writes in flight beyond this many bytes are dropped rather than queued: the step never waits.
 MAX_PENDING_BYTES = 512 << 20
+# Stores open in this process by their real path: LMDB forbids opening one environment twice in
+# a process (its locks are per process), so a second engine on the same directory goes without.
+_OPEN: set[str] = set()
 
 
 @dataclass
@@ -58,7 +61,14 @@ class KVStore:
         self.config = config
         self.prefix = config.model_digest + rank.to_bytes(2, "little")
         self.writable = True
-        self.env = self._open(config.path)
+        self.path = os.path.realpath(config.path)
+        if self.path in _OPEN:
+            logger.warning("KV offload: %s is already open in this process: this engine goes without it", self.path)
+            self.env = None
+        else:
+            self.env = self._open(self.path)
+        if self.env is not None:
+            _OPEN.add(self.path)
         self._lock = threading.Lock()
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # key -> its value's size, least recent first
         self._bytes = 0
@@ -86,7 +96,7 @@ class KVStore:
         try:
             os.makedirs(path, exist_ok=True)
             env = lmdb.open(path, map_size=map_size, max_dbs=2, sync=False, metasync=False, readahead=False)
-        except (lmdb.ReadonlyError, PermissionError, lmdb.Error) as exc:
+        except (OSError, lmdb.Error) as exc:
             if not _is_damage(exc):
                 return self._open_read_only(path, exc)
             return self._start_afresh(path, map_size, exc)
@@ -202,6 +212,7 @@ class KVStore:
             self.env.sync(True)
         self.env.close()
         self.env = None
+        _OPEN.discard(self.path)
 
     # -- the writer thread ----------------------------------------------------------------------------
     def _write_loop(self) -> None:

@@ -1,0 +1,232 @@
+"""The KV cache's second tier (--kv-offload-dir): blocks written to an LMDB store, read back after a
+restart or an eviction from memory, bit for bit what computing them gives; a damaged, foreign,
+unwritable or full store degrades to recomputing, never to a wrong answer or a failed request."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.kv_tier import KVTier
+from pagedllm.core.step import KVStoreReport
+from pagedllm.lora.request import LoRARequest
+
+BS = 4
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+# A few blocks more than max_model_len: one request's blocks evict another's.
+SMALL_KV = {"kv_cache_memory": 30 * BS * 512, "max_model_len": 96, "max_num_seqs": 4}
+
+
+def _prompts(n: int = 3, length: int = 41) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 30000, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _llm(model: str, store: Path | str | None, **kwargs) -> LLM:
+    args = {"dtype": "float32", "kv_cache_memory": "16MiB", "block_size": BS, **kwargs}
+    return LLM(model, kv_offload_dir=str(store) if store is not None else None, **args)
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [
+        (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+        for o in outputs
+    ]
+
+
+def _done(llm: LLM):
+    """The engine's stats once every request ended (every block free again), then the store closed."""
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    llm.engine.shutdown()
+    return stats
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Every prompt computed alone, no prefix cache, no store."""
+    llm = _llm(llama_dir, None, enable_prefix_caching=False)
+    return [_run(llm, [p])[0] for p in _prompts()]
+
+
+def test_blocks_read_back_after_a_restart_are_bitwise_the_computed_ones(llama_dir, tmp_path, reference):
+    first = _llm(llama_dir, tmp_path)
+    assert _run(first, _prompts()) == reference
+    written = _done(first)
+    assert written.kv_tier_write_blocks >= 3 * 10 and written.kv_tier_hits == 0
+
+    again = _llm(llama_dir, tmp_path)
+    assert _run(again, _prompts()) == reference  # tokens and logprobs, exactly
+    stats = _done(again)
+    # Each 41-token prompt: its 10 full blocks before the last token, read instead of computed.
+    assert stats.kv_tier_hits == 3 * 10 and stats.prefix_cache_hits == 3 * 10 * BS
+    assert stats.kv_tier_failures == 0 and stats.kv_tier_read_bytes > 0
+
+
+def test_blocks_evicted_from_memory_come_back_from_the_store(llama_dir, tmp_path, reference):
+    llm = _llm(llama_dir, tmp_path, **SMALL_KV)
+    prompts = _prompts()
+    outputs = [_run(llm, [p])[0] for p in prompts]  # each evicts most of the one before
+    outputs.append(_run(llm, [prompts[0]])[0])
+    assert outputs == reference + reference[:1]
+    stats = _done(llm)
+    assert stats.kv_tier_hits > 0  # the first prompt's blocks, gone from memory, read from disk
+
+
+def test_preempted_requests_resume_from_the_store(llama_dir, tmp_path, reference):
+    """Four requests in a pool that holds two: preemptions; their outputs stay each one's alone."""
+    llm = _llm(llama_dir, tmp_path, **SMALL_KV)
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
+    alone = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    together = [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
+    assert together == alone
+    stats = _done(llm)
+    assert stats.num_preemptions > 0 and stats.kv_tier_hits > 0
+
+
+@pytest.mark.parametrize("other", [{"dtype": "bfloat16"}, {"kv_cache_dtype": "fp8"}, {"block_size": 8}])
+def test_another_dtype_or_block_size_never_hits(llama_dir, tmp_path, other):
+    first = _llm(llama_dir, tmp_path)
+    _run(first, _prompts())
+    _done(first)
+    llm = _llm(llama_dir, tmp_path, **other)
+    assert llm.engine.stats().kv_tier_blocks == 0
+    _run(llm, _prompts())
+    assert _done(llm).kv_tier_hits == 0
+
+
+def test_another_model_never_hits(tiny_models, tmp_path):
+    prompts = _prompts()
+    first = _llm(tiny_models["llama"], tmp_path)
+    _run(first, prompts)
+    _done(first)
+    other = _llm(tiny_models["qwen2"], tmp_path)
+    assert other.engine.stats().kv_tier_blocks == 0
+    _run(other, prompts)
+    assert _done(other).kv_tier_hits == 0
+
+
+def test_adapters_key_blocks_by_their_content(tmp_path):
+    """An adapter's blocks are keyed by its files' content: rewritten in place, it is another adapter."""
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"one")
+    key = LoRARequest("a", 1, str(folder)).cache_key
+    assert LoRARequest("b", 2, str(folder)).cache_key == key  # another id, the same files: the same K/V
+    (folder / "adapter_model.safetensors").write_bytes(b"two")
+    assert LoRARequest("a", 1, str(folder)).cache_key != key
+
+
+def test_a_damaged_block_is_dropped_and_computed(llama_dir, tmp_path, reference):
+    first = _llm(llama_dir, tmp_path)
+    _run(first, _prompts())
+    _done(first)
+    data = tmp_path / "data.mdb"
+    env = lmdb.open(str(tmp_path), readonly=True, lock=False, max_dbs=2)
+    with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
+        payload = bytes(next(iter(txn.cursor()))[1])[16:]
+    env.close()
+    raw = bytearray(data.read_bytes())
+    at = raw.find(payload[:64])
+    assert at > 0
+    raw[at + 8] ^= 0x40  # one bit of one K value
+    data.write_bytes(bytes(raw))
+
+    again = _llm(llama_dir, tmp_path)
+    assert _run(again, _prompts()) == reference
+    stats = _done(again)
+    assert stats.kv_tier_failures >= 1 and stats.kv_tier_hits < 3 * 10
+
+
+def test_a_truncated_store_is_set_aside(llama_dir, tmp_path, reference):
+    store = tmp_path / "kv"
+    first = _llm(llama_dir, store)
+    _run(first, _prompts())
+    _done(first)
+    data = store / "data.mdb"
+    os.truncate(data, data.stat().st_size // 3)
+
+    again = _llm(llama_dir, store)
+    assert again.engine.stats().kv_tier_blocks == 0
+    assert _run(again, _prompts()) == reference
+    assert _done(again).kv_tier_hits == 0
+    assert [p.name.startswith("kv.damaged-") for p in tmp_path.iterdir()].count(True) == 1
+
+
+def test_an_unusable_directory_degrades_to_recompute(llama_dir, reference):
+    llm = _llm(llama_dir, "/proc/pagedllm-kv-store")  # cannot be created
+    assert _run(llm, _prompts()) == reference
+    assert _done(llm).kv_tier_hits == 0
+
+
+def test_a_full_disk_loses_writes_not_requests(llama_dir, tmp_path, reference):
+    """Files may not grow past 96 KiB (RLIMIT_FSIZE, as a full disk): the writer's writes fail, the
+    requests do not."""
+    script = textwrap.dedent(
+        f"""
+        import json, resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (96 << 10, resource.RLIM_INFINITY))
+        from pagedllm import LLM, SamplingParams
+        llm = LLM({llama_dir!r}, dtype="float32", kv_cache_memory="16MiB", block_size={BS},
+                  kv_offload_dir={str(tmp_path)!r})
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = [llm.generate({{"prompt_token_ids": p}}, params, use_tqdm=False)[0].outputs[0].token_ids
+                for p in {_prompts(3, 200)!r}]
+        llm.engine.shutdown()
+        print(json.dumps(outs))
+        """
+    )
+    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = _llm(llama_dir, None, enable_prefix_caching=False)
+    expected = [
+        o.outputs[0].token_ids
+        for o in alone.generate(
+            [{"prompt_token_ids": p} for p in _prompts(3, 200)],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+    ]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+    assert "KV offload: a write failed" in done.stderr
+
+
+def test_tier_reads_hold_the_pool_invariants():
+    """A read's blocks are held only for its step: loaded ones become cached free blocks, failed
+    ones plain free blocks, and the reader's memory hits are held meanwhile and let go."""
+    pool = BlockPool(8)
+    tier = KVTier.of({1, 2, 3}, block_bytes=100, block_size=4)
+    hit = pool.get_new_blocks(1)[0]
+    pool.cache_block(hit, 99)
+    pool.free_blocks([hit])
+    assert tier.start_load("r", [(1,), (2,), (4,), (3,)], pool, [hit])  # the run before 4: blocks 1, 2
+    assert not tier.start_load("r", [(1,)], pool, [])  # once per wait
+    assert [h for h, _ in tier.step_loads()] == [1, 2]
+    assert hit.ref_cnt == 1 and pool.num_free_blocks == 8 - 3
+    tier.finish_loads(KVStoreReport(loaded=[1], failed=[2]), pool)
+    assert pool.num_free_blocks == 8 and hit.ref_cnt == 0
+    assert pool.lookup(1) is not None and pool.lookup(2) is None and pool.lookup(99) is hit
+    assert tier.stored == {1, 3} and tier.stats()["kv_tier_hits"] == 1 and tier.stats()["kv_tier_failures"] == 1
+
+
+def test_reading_is_skipped_where_computing_is_faster():
+    pool = BlockPool(8)
+    tier = KVTier.of({1}, block_bytes=10**9, block_size=4)  # a second a block to read
+    tier.observe_prefill(tokens=1000, seconds=0.001)
+    assert not tier.start_load("r", [(1,)], pool, [])
