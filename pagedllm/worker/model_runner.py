@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_store = kv_store  # the second tier (--kv-offload-dir), or None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-reader") if kv_store is not None else None
         self.device = torch.device(device)
         hf = text_config(model_config.hf_config)
         # One (K, V) pair of tensors a slot; each layer uses its slot's (config.KVCacheGroups: one
@@ -86,13 +88,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        report = self._load_blocks(output.kv_loads) if self.kv_store is not None else None
-        if not output.scheduled:  # a step of store reads alone
-            return ModelRunnerOutput(kv_store=report)
-        result = self._execute(output)
-        if report is not None:
-            self._save_blocks([save for r in output.scheduled for save in r.kv_saves])
-            result.kv_store = report
+        if self.kv_store is None:
+            return self._execute(output)
+        # The store's reads go into blocks no request of this step reads: they run beside its forward
+        # pass, on the reader thread (a step of reads alone waits for them).
+        reading = self._reader.submit(self._read_blocks, output.kv_loads)
+        try:
+            result = self._execute(output) if output.scheduled else ModelRunnerOutput()
+        finally:
+            found = reading.result()
+        result.kv_store = self._store_report(output.kv_loads, found)
+        self._save_blocks([save for r in output.scheduled for save in r.kv_saves])
         return result
 
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -142,10 +148,11 @@ class ModelRunner:
         """The cache tensors a block id indexes, in the store's order: K then V of each slot."""
         return [t for pair in self.kv_slots for t in pair]
 
-    def _load_blocks(self, loads: list[tuple[int, int]]) -> KVStoreReport:
-        """Read the step's blocks from the store into the cache (a block the store has not whole is
-        not loaded; under tensor parallelism one that any rank lacks counts as lacking on all, so
-        that no rank computes from K/V another rank does not have)."""
+    def _read_blocks(self, loads: list[tuple[int, int]]) -> list[bool]:
+        """Read blocks from the store into the cache; whether each was whole (one that is not is
+        left unread)."""
+        if not loads:
+            return []
         tensors = self._block_tensors()
         sizes = [t[0].numel() * t.element_size() for t in tensors]
 
@@ -159,7 +166,11 @@ class ModelRunner:
                 offset += size
             return True
 
-        found = self.kv_store.read([h for h, _ in loads], into) if loads else []
+        return self.kv_store.read([h for h, _ in loads], into)
+
+    def _store_report(self, loads: list[tuple[int, int]], found: list[bool]) -> KVStoreReport:
+        """The step's reads and the store's counters. Under tensor parallelism a block any rank
+        lacks counts as lacking on all, so that no rank computes from K/V another does not have."""
         if loads and parallel_state.tensor_parallel().size > 1:
             missing = torch.tensor([0.0 if ok else 1.0 for ok in found])
             found = (parallel_state.all_reduce(missing) == 0).tolist()
