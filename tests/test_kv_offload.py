@@ -230,3 +230,59 @@ def test_reading_is_skipped_where_computing_is_faster():
     tier = KVTier.of({1}, block_bytes=10**9, block_size=4)  # a second a block to read
     tier.observe_prefill(tokens=1000, seconds=0.001)
     assert not tier.start_load("r", [(1,)], pool, [])
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory, tokenizer_dir) -> str:
+    from test_gemma3 import make_gemma3
+
+    return make_gemma3(tmp_path_factory.mktemp("gemma3"), tokenizer_dir)
+
+
+@pytest.mark.parametrize(
+    "model, args",
+    [
+        ("mistral", {}),  # one sliding window: blocks behind it freed
+        ("gemma3", {}),  # sliding and full layers: a block table a group, a key a group
+        ("llama", {"kv_cache_dtype": "fp8"}),
+        ("llama", {"speculative_config": NGRAM}),
+        ("llama", {"engine_core_process": True}),
+        pytest.param("llama", {"tensor_parallel_size": 2}, marks=pytest.mark.e2e),  # each rank its shard
+        pytest.param("llama", {"data_parallel_size": 2}, marks=pytest.mark.e2e),  # replicas share the store
+    ],
+    ids=["sliding-window", "hybrid", "fp8", "ngram", "core-process", "tp2", "dp2"],
+)
+def test_restart_hits_wherever_the_prefix_cache_works(tiny_models, gemma3_dir, tmp_path, model, args):
+    """Greedy outputs (and seeded samples, n=2) after a restart are those of an engine without the
+    store, with blocks read back."""
+    path = gemma3_dir if model == "gemma3" else tiny_models[model]
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = [PARAMS, SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=6, ignore_eos=True)]
+
+    def outputs(llm: LLM) -> list:
+        return [
+            [(c.token_ids, c.logprobs) for c in o.outputs]
+            for p in params
+            for o in llm.generate(prompts, p, use_tqdm=False)
+        ]
+
+    plain = _llm(path, None, **{k: v for k, v in args.items() if k != "data_parallel_size"})
+    expected = outputs(plain)
+    plain.engine.shutdown()
+    for attempt in range(2):
+        llm = _llm(path, tmp_path, **args)
+        got = outputs(llm)
+        stats = llm.engine.stats()
+        llm.engine.shutdown()
+        assert _logprob_values(got) == _logprob_values(expected), attempt
+        assert (stats.kv_tier_hits > 0) == (attempt == 1) and stats.kv_tier_failures == 0
+
+
+def _logprob_values(outputs: list) -> list:
+    return [
+        [(tokens, [{t: lp.logprob for t, lp in e.items()} for e in logprobs or []]) for tokens, logprobs in request]
+        for request in outputs
+    ]
