@@ -95,6 +95,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -885,7 +886,26 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
         args.kv_cache_memory,
     ]
     policy = ["--scheduling-policy", "priority"] if args.priority_fraction > 0 else []
-    return command + lora_server_args(args) + policy + shlex.split(args.extra_server_args)
+    return command + lora_server_args(args) + policy + kv_offload_args(args) + shlex.split(args.extra_server_args)
+
+
+def kv_offload_args(args: argparse.Namespace) -> list[str]:
+    """The KV cache's disk tier in a fresh directory, small enough that its LRU evicts during the soak."""
+    if not args.kv_offload:
+        return []
+    args.kv_offload_dir = tempfile.mkdtemp(prefix="pagedllm-soak-kv-")
+    return ["--kv-offload-dir", args.kv_offload_dir, "--kv-offload-size", args.kv_offload_size]
+
+
+def kv_offload_check(delta: dict[str, float]) -> tuple[str, bool, str]:
+    """The disk tier was written and read, and every read it was asked for came back whole."""
+    written, hits = (
+        delta.get("pagedllm:kv_offload_write_blocks_total", 0),
+        delta.get("pagedllm:kv_offload_hits_total", 0),
+    )
+    failures = delta.get("pagedllm:kv_offload_failures_total", 0)
+    detail = f"{written:.0f} blocks written, {hits:.0f} read back, {failures:.0f} reads failed"
+    return "KV disk tier written and read back", written > 0 and hits > 0 and failures == 0, detail
 
 
 def embeddings_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -1269,6 +1289,13 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="plain chat requests sent through the Responses or the Messages API instead (--mixed: 0.2, else 0)",
     )
+    p.add_argument(
+        "--kv-offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the server keeps KV blocks on disk too (--kv-offload-dir, a fresh temporary directory; --mixed: on)",
+    )
+    p.add_argument("--kv-offload-size", default="256MiB", help="the disk tier's budget (--kv-offload)")
     p.add_argument("--lora-adapters", type=int, default=3, help="random PEFT adapters the server serves (>= 2)")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -1310,6 +1337,8 @@ def parse_args() -> argparse.Namespace:
     ):
         if getattr(args, name) is None:
             setattr(args, name, mixed if args.mixed else 0.0)
+    if args.kv_offload is None:
+        args.kv_offload = args.mixed
     if args.mixed:
         args.extra_server_args = f"{MIXED_SERVER_ARGS} {args.extra_server_args}"
     if args.lora_fraction > 0 and args.lora_adapters < 2:
@@ -1358,6 +1387,8 @@ async def run(
     )
     if args.lora_fraction > 0:
         table.append(lora_check(results, picked, delta))
+    if args.kv_offload:
+        table.append(kv_offload_check(delta))
     if embed_url:
         table.append(
             (
@@ -1397,6 +1428,8 @@ def main() -> int:
     finally:
         code = stop_server(process, args.shutdown_wait)
         embed_code = stop_server(embed_process, args.shutdown_wait) if embed_process is not None else None
+        if args.kv_offload:
+            shutil.rmtree(args.kv_offload_dir, ignore_errors=True)
     table += server_checks(code, args.log)
     if embed_process is not None:
         table += [(f"embeddings {name}", ok, detail) for name, ok, detail in server_checks(embed_code, embed_log)]

@@ -11,15 +11,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import lmdb
 import pytest
 import torch
+from openai import OpenAI
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.kv_tier import KVTier
 from pagedllm.core.step import KVStoreReport
 from pagedllm.lora.request import LoRARequest
+from server_utils import Server
 
 BS = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -286,3 +289,45 @@ def _logprob_values(outputs: list) -> list:
         [(tokens, [{t: lp.logprob for t, lp in e.items()} for e in logprobs or []]) for tokens, logprobs in request]
         for request in outputs
     ]
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.e2e
+def test_a_restarted_server_answers_from_the_store(llama_dir, tmp_path):
+    """`pagedllm serve --kv-offload-dir`: a restarted server reads the blocks the last one wrote
+    (the official client's answers equal), and /metrics shows the tier."""
+    args = ("--kv-offload-dir", str(tmp_path / "kv"), "--kv-offload-size", "64MiB", "--max-model-len", "512")
+    prompt = " ".join(f"word{i}" for i in range(150))
+    texts = []
+    for attempt in range(2):
+        server = Server(llama_dir, *args)
+        try:
+            client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+            done = client.completions.create(model=llama_dir, prompt=prompt, max_tokens=8, temperature=0)
+            texts.append(done.choices[0].text)
+            hits, blocks = (
+                _metric(server, "pagedllm:kv_offload_hits_total"),
+                _metric(server, "pagedllm:kv_offload_blocks"),
+            )
+        finally:
+            server.stop()
+        assert blocks > 0 and (hits > 0) == (attempt == 1)
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kv-offload-size", "12"], "kv_offload_size must be at least 1MiB"),
+        (["--kv-offload-size", "lots"], "cannot read a memory size"),
+        (["--no-enable-prefix-caching"], "needs prefix caching enabled"),
+    ],
+)
+def test_bad_offload_flags_stop_the_start_with_a_clear_message(tmp_path, flags, message):
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--kv-offload-dir", str(tmp_path), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]

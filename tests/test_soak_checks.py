@@ -116,3 +116,12 @@ def test_lora_requests_name_their_adapter_and_are_counted(monkeypatch):
     assert lora_check(results, results[:2], {"pagedllm:lora_requests_total": 5.0})[1]
     assert not lora_check(results, results[:2], {"pagedllm:lora_requests_total": 4.0})[1]
     assert not lora_check(results, [], {"pagedllm:lora_requests_total": 5.0})[1]
+
+
+def test_the_disk_tier_check_wants_writes_reads_and_no_failed_read():
+    from soak import kv_offload_check
+
+    good = {"pagedllm:kv_offload_write_blocks_total": 40.0, "pagedllm:kv_offload_hits_total": 12.0}
+    assert kv_offload_check(good)[1]
+    assert not kv_offload_check({**good, "pagedllm:kv_offload_hits_total": 0.0})[1]
+    assert not kv_offload_check({**good, "pagedllm:kv_offload_failures_total": 1.0})[1]
