@@ -85,7 +85,7 @@ def child_fill(args: argparse.Namespace) -> dict:
 def child_ttft(args: argparse.Namespace) -> dict:
     prompt = _tokens(1, args.doc_tokens) + _tokens(3, 16)  # the document, another question
     times = {}
-    for arm in (["store", "none"] if args.order == 0 else ["none", "store"]):
+    for arm in ["store", "none"] if args.order == 0 else ["none", "store"]:
         llm = _llm(args, args.store if arm == "store" else None)
         _warm(llm)
         times[arm] = _generate(llm, [prompt], 1)
@@ -191,7 +191,7 @@ def run_pair(args: argparse.Namespace, figure: str) -> None:
     rows = []
     for run in range(args.runs):
         row = {}
-        for arm in (["store", "none"] if run % 2 == 0 else ["none", "store"]):
+        for arm in ["store", "none"] if run % 2 == 0 else ["none", "store"]:
             store = tempfile.mkdtemp(prefix="kv-offload-bench-", dir=args.store_parent) if arm == "store" else None
             try:
                 row[arm] = _child(args, args.mode, store)
@@ -229,9 +229,7 @@ def main() -> None:
     if args.doc_tokens is None:
         args.doc_tokens = 4096 if args.mode == "ttft" else 2048
     if args.max_model_len is None:
-        args.max_model_len = (
-            args.prompt_tokens + args.output_tokens if args.mode == "preempt" else args.doc_tokens + 64
-        )
+        args.max_model_len = args.prompt_tokens + args.output_tokens if args.mode == "preempt" else args.doc_tokens + 64
     if args.child:
         print(json.dumps(CHILDREN[args.child](args)))
         return

@@ -331,3 +331,91 @@ def test_bad_offload_flags_stop_the_start_with_a_clear_message(tmp_path, flags, 
     command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--kv-offload-dir", str(tmp_path), *flags]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+
+
+def _store(path: Path, size: int = 1 << 20, digest: bytes = b"m" * 16):
+    from pagedllm.config import KVOffloadConfig
+    from pagedllm.worker.kv_store import KVStore
+
+    return KVStore(KVOffloadConfig(str(path), size, digest))
+
+
+def _read(store, hashes: list[int]) -> list[bytes | None]:
+    got: dict[int, bytes] = {}
+
+    def into(i: int, payload: memoryview) -> bool:
+        got[i] = bytes(payload)
+        return True
+
+    found = store.read(hashes, into)
+    return [got.get(i) if ok else None for i, ok in enumerate(found)]
+
+
+def test_the_store_keeps_its_budget_least_recently_used_first_across_restarts(tmp_path):
+    block = 100 << 10  # ten fit the 1 MiB budget
+    store = _store(tmp_path)
+    for h in range(6):
+        store.save(h, bytes([h]) * block)
+    store.flush()
+    assert _read(store, [0]) == [bytes([0]) * block]  # 0 is now the most recently used
+    store.flush()
+    store.save(6, bytes([6]) * block)  # (a write records the reads' uses too)
+    store.close()
+
+    store = _store(tmp_path)  # the order survives the restart
+    for h in range(7, 12):
+        store.save(h, bytes([h]) * block)
+    store.flush()
+    kept = set(store.hashes())
+    assert len(kept) * (block + 16) <= 1 << 20
+    assert {1, 2} & kept == set() and 0 in kept and {7, 8, 9, 10, 11} <= kept
+    assert {1, 2} <= set(store.take_counters().dropped)
+    assert _read(store, [1, 0]) == [None, bytes([0]) * block]
+    store.close()
+
+
+def test_the_store_keeps_models_apart(tmp_path):
+    one = _store(tmp_path, digest=b"a" * 16)
+    one.save(5, b"x" * 1000)
+    one.close()
+    other = _store(tmp_path, digest=b"b" * 16)
+    assert other.hashes() == [] and _read(other, [5]) == [None]
+    other.close()
+    again = _store(tmp_path, digest=b"a" * 16)
+    assert again.hashes() == [5] and _read(again, [5]) == [b"x" * 1000]
+    again.close()
+
+
+def test_a_second_engine_in_the_process_goes_without_the_open_store(tmp_path):
+    first = _store(tmp_path)
+    second = _store(tmp_path)
+    first.save(1, b"y" * 100)
+    first.flush()
+    assert second.env is None and _read(second, [1]) == [None] and second.hashes() == []
+    second.save(2, b"z")  # dropped, reported
+    assert second.take_counters().dropped == [2]
+    first.close()
+
+
+def test_adapter_blocks_come_back_only_under_their_adapter(llama_dir, tmp_path):
+    from lora_utils import make_adapter
+
+    adapters = {n: make_adapter(llama_dir, tmp_path / n, rank=4, seed=s) for n, s in (("a", 1), ("b", 2))}
+    lora = {n: LoRARequest(n, i + 1, path) for i, (n, path) in enumerate(adapters.items())}
+    prompt = {"prompt_token_ids": _prompts(1)[0]}
+    store = tmp_path / "kv"
+
+    def run(llm: LLM, name: str | None) -> list[int]:
+        out = llm.generate(prompt, PARAMS, lora_request=lora[name] if name else None, use_tqdm=False)
+        return out[0].outputs[0].token_ids
+
+    plain = _llm(llama_dir, None, enable_lora=True)
+    expected = {n: run(plain, n) for n in ("a", "b", None)}
+    first = _llm(llama_dir, store, enable_lora=True)
+    assert run(first, "a") == expected["a"]
+    _done(first)
+    again = _llm(llama_dir, store, enable_lora=True)
+    assert run(again, None) == expected[None] and run(again, "b") == expected["b"]
+    assert again.engine.stats().kv_tier_hits == 0  # "a"'s blocks are neither the base model's nor "b"'s
+    assert run(again, "a") == expected["a"]
+    assert _done(again).kv_tier_hits == 10

@@ -92,10 +92,12 @@ class KVStore:
     def _open(self, path: str) -> lmdb.Environment | None:
         """The environment at `path`: read-only where the directory cannot be written; a damaged one
         moved aside and started afresh; None (no second tier) where neither works."""
-        map_size = 2 * self.config.size_bytes + (64 << 20)  # room for LMDB's own pages and free lists
+        # Room for LMDB's own pages and free lists. Read-ahead stays on: a block is one run of pages,
+        # which page faults one 4 KiB page at a time would read at a few tens of MB/s from disk.
+        map_size = 2 * self.config.size_bytes + (64 << 20)
         try:
             os.makedirs(path, exist_ok=True)
-            env = lmdb.open(path, map_size=map_size, max_dbs=2, sync=False, metasync=False, readahead=False)
+            env = lmdb.open(path, map_size=map_size, max_dbs=2, sync=False, metasync=False)
         except (OSError, lmdb.Error) as exc:
             if not _is_damage(exc):
                 return self._open_read_only(path, exc)
@@ -122,7 +124,7 @@ class KVStore:
         try:
             os.replace(path, aside)
             os.makedirs(path)
-            return lmdb.open(path, map_size=map_size, max_dbs=2, sync=False, metasync=False, readahead=False)
+            return lmdb.open(path, map_size=map_size, max_dbs=2, sync=False, metasync=False)
         except (OSError, lmdb.Error) as again:
             logger.warning("KV offload: %s cannot be started afresh (%s): blocks are recomputed", path, again)
             return None
@@ -232,36 +234,39 @@ class KVStore:
 
     def _write(self, batch: list[tuple[bytes, int, Any]]) -> None:
         start = time.perf_counter()
-        written, nbytes = [], 0
+        written: list[tuple[bytes, int]] = []
+        evicted: list[bytes] = []
         try:
             with self.env.begin(write=True) as txn:
                 self._record_uses(txn)
                 for key, _, payload in batch:
                     value = _framed(payload)
-                    evicted = self._make_room(txn, len(value))
+                    evicted += self._make_room(txn, sum(size for _, size in written) + len(value))
                     txn.put(key, value, db=self.blocks)
                     txn.put(key, ENTRY.pack(time.time_ns(), len(value)), db=self.uses)
-                    written.append((key, len(value), evicted))
-                    nbytes += len(value)
+                    written.append((key, len(value)))
         except lmdb.Error as exc:  # a full disk or map: these blocks are not stored
             self._warn("write", exc)
             with self._lock:
                 self._pending -= sum(memoryview(p).nbytes for _, _, p in batch)
                 self._counters.dropped += [h for _, h, _ in batch]
+                self._lru.clear()
+                self._bytes = 0
+            self._read_uses()  # the evictions were undone with the transaction
             return
         with self._lock:
             self._pending -= sum(memoryview(p).nbytes for _, _, p in batch)
-            for key, size, evicted in written:
-                self._drop_evicted(evicted)
-                if key not in self._lru:
-                    self._bytes += size
+            self._drop_evicted(evicted)
+            for key, size in written:
+                self._bytes += size - self._lru.pop(key, 0)
                 self._lru[key] = size
             self._counters.write_blocks += len(written)
-            self._counters.write_bytes += nbytes
+            self._counters.write_bytes += sum(size for _, size in written)
             self._counters.write_seconds += time.perf_counter() - start
 
     def _make_room(self, txn: lmdb.Transaction, size: int) -> list[bytes]:
-        """Delete the least recently used blocks until `size` more bytes fit the budget."""
+        """Delete the least recently used blocks until `size` more bytes (this transaction's so far
+        and the next one's) fit the budget."""
         evicted = []
         with self._lock:
             while self._lru and self._bytes + size > self.config.size_bytes:
