@@ -80,6 +80,10 @@ def fuzz_server(llama_dir, tmp_path_factory):
         '{"method": "ngram", "num_speculative_tokens": 3}',
         "--long-prefill-token-threshold",  # prompts beside decodes go a token or two a step
         "0.5",
+        "--kv-offload-dir",  # every block through the disk tier too
+        str(tmp_path_factory.mktemp("fuzz-kv")),
+        "--kv-offload-size",
+        "64MiB",
     )
     yield server
     server.stop()
@@ -198,6 +202,8 @@ def image_server(llava_dir, tmp_path_factory):
         str(template),
         "--limit-mm-per-prompt",
         '{"image": 2}',
+        "--kv-offload-dir",
+        str(tmp_path_factory.mktemp("fuzz-images-kv")),
     )
     yield server
     server.stop()

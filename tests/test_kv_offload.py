@@ -218,8 +218,8 @@ def test_tier_reads_hold_the_pool_invariants():
     hit = pool.get_new_blocks(1)[0]
     pool.cache_block(hit, 99)
     pool.free_blocks([hit])
-    assert tier.start_load("r", [(1,), (2,), (4,), (3,)], pool, [hit])  # the run before 4: blocks 1, 2
-    assert not tier.start_load("r", [(1,)], pool, [])  # once per wait
+    assert tier.start_load("r", [(1,), (2,), (4,), (3,)], pool, [hit], 5, 0) == "started"  # the run before 4
+    assert tier.start_load("r", [(1,)], pool, [], 1, 0) == "no"  # once per wait
     assert [h for h, _ in tier.step_loads()] == [1, 2]
     assert hit.ref_cnt == 1 and pool.num_free_blocks == 8 - 3
     tier.finish_loads(KVStoreReport(loaded=[1], failed=[2]), pool)
@@ -232,7 +232,17 @@ def test_reading_is_skipped_where_computing_is_faster():
     pool = BlockPool(8)
     tier = KVTier.of({1}, block_bytes=10**9, block_size=4)  # a second a block to read
     tier.observe_prefill(tokens=1000, seconds=0.001)
-    assert not tier.start_load("r", [(1,)], pool, [])
+    assert tier.start_load("r", [(1,)], pool, [], 1, 0) == "no"
+
+
+def test_a_read_waits_for_room_for_itself_and_what_its_request_will_take():
+    pool = BlockPool(8)
+    tier = KVTier.of({1, 2, 3}, block_bytes=100, block_size=4)
+    # 3 read + 4 after it + 2 the running ones may take > 8 free: next step.
+    assert tier.start_load("r", [(1,), (2,), (3,)], pool, [], 7, 2) == "wait"
+    assert tier.start_load("r", [(1,), (2,), (3,)], pool, [], 7, 1) == "started"
+    assert tier.start_load("s", [(1,)], pool, [], 2, 0) == "wait"  # 1 + its 1 after + r's 4 > 5 free
+    assert tier.start_load("s", [(1,)], pool, [], 1, 0) == "started"
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -252,16 +262,19 @@ def gemma3_dir(tmp_path_factory, tokenizer_dir) -> str:
         ("gemma3", {}),  # sliding and full layers: a block table a group, a key a group
         ("llama", {"kv_cache_dtype": "fp8"}),
         ("llama", {"speculative_config": NGRAM}),
+        ("llama", {"speculative_config": "draft"}),  # the draft recomputes what it did not write
         ("llama", {"engine_core_process": True}),
         pytest.param("llama", {"tensor_parallel_size": 2}, marks=pytest.mark.e2e),  # each rank its shard
         pytest.param("llama", {"data_parallel_size": 2}, marks=pytest.mark.e2e),  # replicas share the store
     ],
-    ids=["sliding-window", "hybrid", "fp8", "ngram", "core-process", "tp2", "dp2"],
+    ids=["sliding-window", "hybrid", "fp8", "ngram", "draft-model", "core-process", "tp2", "dp2"],
 )
 def test_restart_hits_wherever_the_prefix_cache_works(tiny_models, gemma3_dir, tmp_path, model, args):
     """Greedy outputs (and seeded samples, n=2) after a restart are those of an engine without the
     store, with blocks read back."""
     path = gemma3_dir if model == "gemma3" else tiny_models[model]
+    if args.get("speculative_config") == "draft":
+        args = {"speculative_config": {"model": tiny_models["llama"], "num_speculative_tokens": 3}}
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     params = [PARAMS, SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=6, ignore_eos=True)]
 

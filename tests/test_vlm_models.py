@@ -171,6 +171,24 @@ def test_a_repeated_image_hits_the_prefix_cache_and_another_misses(vlm):
     assert (stats.encoder_cache_used, stats.encoder_cache_size) == (2 * len(placeholders), 8 * largest)
 
 
+def test_image_blocks_come_back_from_the_disk_tier_after_a_restart(vlm, tmp_path):
+    """--kv-offload-dir: a restarted engine reads an image prompt's blocks back (its greedy tokens
+    transformers'), and another image in the same text never hits past it."""
+    template = "USER: {img}\nWhat is in the picture? Say it in a few words. ASSISTANT:"
+    args = {"dtype": "float32", "max_model_len": 256, "block_size": 4, "kv_offload_dir": str(tmp_path)}
+    first = LLM(vlm.path, **args)
+    _generate(first, vlm, [(template, [1])])
+    first.engine.shutdown()
+    again = LLM(vlm.path, **args)
+    assert list(_generate(again, vlm, [(template, [1])])[0].outputs[0].token_ids) == _expected(vlm, template, [1])[0]
+    hits = again.engine.stats().kv_tier_hits
+    assert hits > 0
+    assert list(_generate(again, vlm, [(template, [4])])[0].outputs[0].token_ids) == _expected(vlm, template, [4])[0]
+    placeholders = vlm.image_tokens(vlm.prompt(template), _pictures([4]))
+    assert again.engine.stats().kv_tier_hits - hits <= placeholders[0] // 4  # the text before the image, at most
+    again.engine.shutdown()
+
+
 def test_samples_and_preemption_keep_the_images(vlm):
     # 20 blocks of 4 tokens (2 KiB each) for 3 prompts of 20-40 tokens and their samples' outputs:
     # some are preempted and recomputed.

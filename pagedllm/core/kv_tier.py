@@ -46,6 +46,7 @@ class KVTier:
     block_size: int
     loading: dict[str, list[tuple[int, KVBlock]]] = field(default_factory=dict)  # request id -> its reads
     pinned: list[KVBlock] = field(default_factory=list)  # readers' memory hits, kept from eviction meanwhile
+    _step_needs: int = 0  # blocks the requests reading this step will take once admitted
     tried: set[str] = field(default_factory=set)  # requests that read once since they last waited anew
     read_bytes_per_s: float = INITIAL_READ_BYTES_PER_S
     prefill_s_per_token: float = INITIAL_PREFILL_S_PER_TOKEN
@@ -57,26 +58,42 @@ class KVTier:
 
     # -- reads ---------------------------------------------------------------------------------------
     def start_load(
-        self, request_id: str, candidates: Sequence[tuple[int, ...]], pool: BlockPool, hits: Sequence[KVBlock]
-    ) -> bool:
+        self,
+        request_id: str,
+        candidates: Sequence[tuple[int, ...]],
+        pool: BlockPool,
+        hits: Sequence[KVBlock],
+        positions_left: int,
+        reserve: int,
+    ) -> str:
         """Read the leading run of `candidates` (each position's key in every group) the store
-        holds, if reading is the faster way and the pool has the blocks; whether it started. The
-        request's memory `hits` before them are held until the step ends, so that the reads'
-        blocks do not evict them."""
+        holds, where reading is the faster way: "started"; "wait" where the pool has no room for
+        it this step; "no" where there is nothing worth reading (the request computes).
+
+        The room counts what the reads take, the request's memory `hits` (held until the step
+        ends, so that the reads do not evict them), the blocks it will take once admitted (of its
+        `positions_left` past its hits, those past the run, in every group), those of the reads
+        started before it this step, and `reserve` more (the running requests' growth). The
+        blocks read wait in the free queue behind every other free block until their request is
+        admitted at the next step, so that they are evicted only if all those go."""
         if request_id in self.tried or request_id in self.loading:
-            return False
+            return "no"
         run = 0
         while run < len(candidates) and all(h in self.stored for h in candidates[run]):
             run += 1
         keys = [h for position in candidates[:run] for h in position]
+        if not keys or not self._worth_reading(run, len(keys)):
+            return "no"
         revived = sum(1 for block in hits if pool.is_free(block))  # pinning takes them out of the free queue
-        if not keys or not self._worth_reading(run, len(keys)) or len(keys) + revived > pool.num_free_blocks:
-            return False
+        blocks_after = (positions_left - run) * len(candidates[0])
+        if len(keys) + revived + blocks_after + self._step_needs + reserve > pool.num_free_blocks:
+            return "wait"
         self.tried.add(request_id)
         pool.touch(list(hits))
         self.pinned += hits
         self.loading[request_id] = list(zip(keys, pool.get_new_blocks(len(keys))))
-        return True
+        self._step_needs += blocks_after
+        return "started"
 
     def _worth_reading(self, positions: int, blocks: int) -> bool:
         read_s = blocks * self.block_bytes / max(self.read_bytes_per_s, 1.0)
@@ -103,6 +120,7 @@ class KVTier:
         self.totals.failed_blocks += len(failed)
         self.loading.clear()
         self.pinned = []
+        self._step_needs = 0
 
     def forget(self, request_id: str) -> None:
         """A request that waits anew (preempted) may read again; one that ended is forgotten."""

@@ -247,13 +247,27 @@ class Scheduler:
         return self._build_output(chosen)
 
     def _start_tier_load(self, request: Request, computed: list) -> bool:
-        """Whether the request's prompt goes on, past its memory hits, with blocks the second tier
-        holds, which it now reads (kv_tier.py)."""
+        """Whether the request waits for blocks of its prompt, past its memory hits, that the
+        second tier holds (kv_tier.py): reading them now, or next step where there is no room
+        now while other requests run or read (with none, it reads what fits or computes)."""
+        if self.tier is None:
+            return False
         candidates = self.kv.tier_candidates(request, len(computed))
-        if self.tier is None or not candidates:
+        if not candidates:
             return False
         hits = [b for hit in computed for b in (hit if isinstance(hit, tuple) else (hit,)) if b is not FREED]
-        return self.tier.start_load(request.request_id, candidates, self.kv.pool, hits)
+        reserve = len(self.running) * len(candidates[0])
+        positions = -(-(request.num_tokens + self.config.num_lookahead_tokens) // self.kv.block_size)
+        while candidates:
+            answer = self.tier.start_load(
+                request.request_id, candidates, self.kv.pool, hits, positions - len(computed), reserve
+            )
+            if answer != "wait":
+                return answer == "started"
+            if self.running or self.tier.loading:
+                return True  # next step, when the others' blocks may be free
+            candidates = candidates[: len(candidates) // 2]  # alone: read what fits
+        return False
 
     def _preempt_for_priority(self, budget: int) -> None:
         """Preempt running requests of a strictly lower priority (the last first) while the waiting
