@@ -382,7 +382,7 @@ def test_the_store_keeps_its_budget_least_recently_used_first_across_restarts(tm
     kept = set(store.hashes())
     assert len(kept) * (block + 16) <= 1 << 20
     assert {1, 2} & kept == set() and 0 in kept and {7, 8, 9, 10, 11} <= kept
-    assert {1, 2} <= set(store.take_counters().dropped)
+    assert {1, 2} <= set(store.take_report().dropped)
     assert _read(store, [1, 0]) == [None, bytes([0]) * block]
     store.close()
 
@@ -406,7 +406,7 @@ def test_a_second_engine_in_the_process_goes_without_the_open_store(tmp_path):
     first.flush()
     assert second.env is None and _read(second, [1]) == [None] and second.hashes() == []
     second.save(2, b"z")  # dropped, reported
-    assert second.take_counters().dropped == [2]
+    assert second.take_report().dropped == [2]
     first.close()
 
 

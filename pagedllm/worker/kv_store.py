@@ -24,12 +24,12 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
 
 from pagedllm.config import KVOffloadConfig
+from pagedllm.core.step import KVStoreReport
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +41,7 @@ MAX_PENDING_BYTES = 512 << 20
 # Stores open in this process by their real path: LMDB forbids opening one environment twice in
 # a process (its locks are per process), so a second engine on the same directory goes without.
 _OPEN: set[str] = set()
-
-
-@dataclass
-class StoreCounters:
-    """Since the last `take_counters`: blocks and bytes read and written, and the seconds it took."""
-
-    read_blocks: int = 0
-    read_bytes: int = 0
-    read_seconds: float = 0.0
-    write_blocks: int = 0
-    write_bytes: int = 0
-    write_seconds: float = 0.0
-    dropped: list[int] = field(default_factory=list)  # hashes no longer stored (evicted, failed writes)
+WRITE_RETRY_S = 30.0  # how long saves are dropped after a write failed
 
 
 class KVStore:
@@ -72,12 +60,13 @@ class KVStore:
         self._lock = threading.Lock()
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # key -> its value's size, least recent first
         self._bytes = 0
-        self._counters = StoreCounters()
+        self._counters = KVStoreReport()  # what it did since the last report (no loads: the runner's)
         self._pending = 0  # bytes queued for the writer
         self._touched: list[bytes] = []  # keys read since the writer last recorded uses
         self._bad: list[bytes] = []  # keys found damaged, which the writer deletes
         self._queue: queue.Queue[tuple[bytes, int, Any] | None] = queue.Queue()
         self._warned: set[str] = set()
+        self._resume_at = 0.0  # after a failed write (a full disk), saves are dropped until then
         if self.env is not None:
             self.blocks = self.env.open_db(b"blocks") if self.writable else self.env.open_db(b"blocks", create=False)
             self.uses = self.env.open_db(b"uses") if self.writable else self.env.open_db(b"uses", create=False)
@@ -140,9 +129,10 @@ class KVStore:
         except (lmdb.Error, struct.error) as exc:
             logger.warning("KV offload: the store's index cannot be read (%s): it is read as empty", exc)
             entries = []
-        for _, key, size in sorted(entries):
-            self._lru[key] = size
-            self._bytes += size
+        with self._lock:
+            for _, key, size in sorted(entries):
+                self._lru[key] = size
+                self._bytes += size
 
     # -- what the worker calls ------------------------------------------------------------------------
     def hashes(self) -> list[int]:
@@ -155,7 +145,12 @@ class KVStore:
         such, if the writer is that far behind or the store takes no writes."""
         size = memoryview(payload).nbytes
         with self._lock:
-            full = not self.writable or self.env is None or self._pending + size > MAX_PENDING_BYTES
+            full = (
+                not self.writable
+                or self.env is None
+                or self._pending + size > MAX_PENDING_BYTES
+                or time.monotonic() < self._resume_at
+            )
             if full:
                 self._counters.dropped.append(block_hash)
                 return
@@ -193,10 +188,11 @@ class KVStore:
             self._counters.read_seconds += time.perf_counter() - start
         return found
 
-    def take_counters(self) -> StoreCounters:
+    def take_report(self) -> KVStoreReport:
+        """Its reads, writes and dropped blocks since the last call."""
         with self._lock:
-            counters, self._counters = self._counters, StoreCounters()
-        return counters
+            report, self._counters = self._counters, KVStoreReport()
+        return report
 
     def flush(self) -> None:
         """Wait until every queued block is written (tests; shutdown)."""
@@ -253,6 +249,7 @@ class KVStore:
                 self._lru.clear()
                 self._bytes = 0
             self._read_uses()  # the evictions were undone with the transaction
+            self._resume_at = time.monotonic() + WRITE_RETRY_S
             return
         with self._lock:
             self._pending -= sum(memoryview(p).nbytes for _, _, p in batch)

@@ -174,18 +174,10 @@ class ModelRunner:
         if loads and parallel_state.tensor_parallel().size > 1:
             missing = torch.tensor([0.0 if ok else 1.0 for ok in found])
             found = (parallel_state.all_reduce(missing) == 0).tolist()
-        counters = self.kv_store.take_counters()
-        return KVStoreReport(
-            loaded=[h for (h, _), ok in zip(loads, found) if ok],
-            failed=[h for (h, _), ok in zip(loads, found) if not ok],
-            dropped=counters.dropped,
-            read_blocks=counters.read_blocks,
-            read_bytes=counters.read_bytes,
-            read_seconds=counters.read_seconds,
-            write_blocks=counters.write_blocks,
-            write_bytes=counters.write_bytes,
-            write_seconds=counters.write_seconds,
-        )
+        report = self.kv_store.take_report()
+        report.loaded = [h for (h, _), ok in zip(loads, found) if ok]
+        report.failed = [h for (h, _), ok in zip(loads, found) if not ok]
+        return report
 
     def _save_blocks(self, saves: list[tuple[int, int]]) -> None:
         """Copy the step's newly full blocks out of the cache (one gather) and hand them to the
