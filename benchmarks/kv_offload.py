@@ -24,7 +24,8 @@ budget a quarter of what they need together: preemptions. Output tokens per seco
 (a preempted request's full blocks read back when memory no longer holds them) / without.
 
 Every figure is the median over --runs runs, with the spread (min-max); the arms of a run
-alternate which goes first.
+alternate which goes first. --busy N runs N busy processes (`while True: pass`) beside the whole
+measurement.
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--kv-offload-size", default="16GiB")
     p.add_argument("--drop-caches", action="store_true", help="ttft: empty the page cache before the restart")
+    p.add_argument("--busy", type=int, default=0, help="busy processes beside the measurement")
     p.add_argument("--store-parent", default=None, help="where the stores are made (default: the temp dir)")
     p.add_argument("--child", choices=list(CHILDREN), default=None, help=argparse.SUPPRESS)
     p.add_argument("--order", type=int, default=0, help=argparse.SUPPRESS)
@@ -234,10 +236,15 @@ def main() -> None:
         print(json.dumps(CHILDREN[args.child](args)))
         return
     print(f"command: {' '.join(sys.argv)}", flush=True)
-    if args.mode == "ttft":
-        run_ttft(args)
-    else:
-        run_pair(args, "req_per_s" if args.mode == "docs" else "tok_per_s")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        if args.mode == "ttft":
+            run_ttft(args)
+        else:
+            run_pair(args, "req_per_s" if args.mode == "docs" else "tok_per_s")
+    finally:
+        for process in busy:
+            process.kill()
 
 
 if __name__ == "__main__":
