@@ -29,7 +29,10 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
 }
 # Kept F32 whatever the file's type, as llama.cpp keeps them: the routers.
 _KEEP_F32 = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.")
-_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+_QTYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+    "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "IQ3_S",
+)  # fmt: skip
 _Q = gguf.GGMLQuantizationType
 
 
@@ -65,7 +68,15 @@ HALF_FIELDS = {
     "Q4_K": ((0, "+"), (2, 7.5)),
     "Q5_K": ((0, "+"), (2, 15.5)),
     "Q6_K": ((208, "±"),),
+    "Q2_K": ((80, "+"), (82, 1.5)),
+    "Q3_K": ((108, "±"),),
+    "IQ4_NL": ((0, "±"),),
+    "IQ4_XS": ((0, "±"),),
+    "IQ3_S": ((0, "+"),),
+    "MXFP4": (),
 }
+# MXFP4's scale is a byte, E8M0: 2^(e - 128) for its doubled values.
+E8M0_FIELDS = {"MXFP4": 0}
 # Over one tensor of Gemma 3 270M's Q4_K_M file the fields' magnitudes run from 0.6-0.8x (5th
 # percentile) to 1.4-1.9x (95th) their median, about a log-normal of sigma 0.3.
 SCALE_SPREAD = 0.3
@@ -87,11 +98,18 @@ def random_blocks(qtype: str, rows: int, cols: int, median: float, seed: int = 0
             values = median * spread if kind == "+" else kind * np.abs(step) * spread
         step = values
         blocks[..., offset : offset + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+    if qtype in E8M0_FIELDS:
+        exponent = np.round(np.log2(median * rng.lognormal(0.0, SCALE_SPREAD, blocks.shape[:2]))) + 128
+        blocks[..., E8M0_FIELDS[qtype]] = exponent.astype(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-# The K types' super-scale medians: weights of about the 0.05 spread the tests' models are made with.
-_K_MEDIANS = {_Q.Q4_K: 2e-4, _Q.Q5_K: 1e-4, _Q.Q6_K: 5e-5}
+# The types gguf-py cannot quantize, written as random blocks: their scales' medians, for weights of
+# about the 0.05 spread the tests' models are made with.
+_K_MEDIANS = {
+    _Q.Q4_K: 2e-4, _Q.Q5_K: 1e-4, _Q.Q6_K: 5e-5, _Q.Q2_K: 2e-3, _Q.Q3_K: 1.5e-3,
+    _Q.IQ4_NL: 8e-4, _Q.IQ4_XS: 5e-5, _Q.IQ3_S: 4e-4, _Q.MXFP4: 1e-2,
+}  # fmt: skip
 
 
 def _random_k_blocks(w: np.ndarray, qt: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -242,7 +260,10 @@ def write_gguf(
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    file_types = {"Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}
+    file_types = {
+        "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K", "Q3_K": "MOSTLY_Q3_K_M",
+        "MXFP4": "MOSTLY_MXFP4_MOE",
+    }  # fmt: skip
     w.add_file_type(
         gguf.LlamaFileType.ALL_F32 if qt == _Q.F32 else gguf.LlamaFileType[file_types.get(qtype, f"MOSTLY_{qtype}")]
     )

@@ -72,6 +72,12 @@ def teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[torch.Tensor]:
         ("qwen2", "Q5_1", None),
         ("llama", "Q4_K", Q4_K_M),
         ("qwen2", "Q5_K", {"ffn_down": "Q6_K"}),
+        ("llama", "Q2_K", {"attn_v": "Q3_K", "ffn_down": "Q3_K"}),  # as llama.cpp's Q2_K mixes them
+        ("qwen2", "Q3_K", None),
+        ("llama", "IQ4_NL", None),
+        ("qwen2", "IQ4_XS", {"attn_v": "IQ4_NL"}),
+        ("llama", "MXFP4", None),
+        ("qwen2", "IQ3_S", None),
     ],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -86,7 +92,7 @@ def test_quantized_layers_give_the_dequantized_distributions(
     model = quantized.engine.model_runner.model
     layer = model.model.layers[0]
     assert layer.mlp.gate_up_proj.formats == (qtype,)
-    expected_qkv = (qtype, "Q6_K") if overrides and "attn_v" in overrides else (qtype,)
+    expected_qkv = (qtype, overrides["attn_v"]) if overrides and "attn_v" in overrides else (qtype,)
     assert layer.self_attn.qkv_proj.formats == expected_qkv
     assert layer.mlp.down_proj.formats == ((overrides or {}).get("ffn_down", qtype),)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
@@ -177,8 +183,8 @@ def test_start_up_log_names_the_types(tmp_path, wide_models, tokenizer_dir, capl
 
 
 def test_unsupported_types_are_named():
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight is of type IQ4_XS.*supported: F32"):
-        GGUFConfig({"model.layers.0.mlp.up_proj.weight": "IQ4_XS"})
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight is of type IQ2_XXS.*supported: F32"):
+        GGUFConfig({"model.layers.0.mlp.up_proj.weight": "IQ2_XXS"})
     config = GGUFConfig({"a.q_proj.weight": "Q4_0", "a.k_proj.weight": "F16", "a.v_proj.weight": "Q4_0"})
     with pytest.raises(ValueError, match=r"a.k_proj \(F16\).*mix quantized and float"):
         config.linear_method(["a.q_proj", "a.k_proj", "a.v_proj"])

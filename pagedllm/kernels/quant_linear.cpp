@@ -55,31 +55,58 @@ constexpr int64_t kGroup = 16;  // output rows a record holds
 constexpr int64_t kBlock = 32;  // values an activation scale covers
 constexpr int kPassRows = 8;    // activation rows a pass over a group's records serves (int8 path)
 
-enum Format : int { kQ4_0 = 0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kNumFormats };
+enum Format : int {
+  kQ4_0 = 0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kQ2_K, kQ3_K, kIQ4_NL, kIQ4_XS, kMXFP4, kIQ3_S,
+  kNumFormats
+};
+
+// The value tables that IQ4_NL's, IQ4_XS's and MXFP4's 4-bit codes index (MXFP4's e2m1 doubled).
+constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // A format's constants, as formats.Format computes them.
 template <int F>
 struct Traits {
-  static constexpr int bits = F == kQ8_0 ? 8 : F == kQ6_K ? 6 : (F == kQ5_0 || F == kQ5_1 || F == kQ5_K) ? 5 : 4;
-  static constexpr bool k_quant = F >= kQ4_K;
+  static constexpr int bits = F == kQ8_0                                                ? 8
+                              : F == kQ6_K                                              ? 6
+                              : (F == kQ5_0 || F == kQ5_1 || F == kQ5_K || F == kIQ3_S) ? 5
+                              : F == kQ3_K                                              ? 3
+                              : F == kQ2_K                                              ? 2
+                                                                                        : 4;
+  static constexpr bool k_quant = F >= kQ4_K && F != kIQ4_NL && F != kMXFP4;
   static constexpr bool has_min = F == kQ4_1 || F == kQ5_1;
-  static constexpr int offset = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ8_0 ? 128 : F == kQ6_K ? 32 : 0;
+  // 4-bit codes that index a table: once unpacked, u = value + 128, 8-bit codes (wide).
+  static constexpr bool lookup = F == kIQ4_NL || F == kIQ4_XS || F == kMXFP4;
+  static constexpr const int8_t* table = F == kMXFP4 ? kMXFP4Values : kIQ4NLValues;
+  static constexpr int wide = lookup ? 8 : bits;
+  static constexpr int offset = F == kQ4_0                 ? 8
+                                : F == kQ5_0               ? 16
+                                : (F == kQ8_0 || lookup)   ? 128
+                                : F == kQ6_K               ? 32
+                                : F == kQ3_K               ? 4
+                                : F == kIQ3_S              ? 15
+                                                           : 0;
+  // K types: int8 sub-scales of u - offset (Q6_K, Q3_K, IQ4_XS, IQ3_S), or uint8 ones with uint8
+  // sub-minimums and a dmin (Q4_K, Q5_K, Q2_K); one a 16 values or one a 32.
+  static constexpr bool signed_subs = F == kQ6_K || F == kQ3_K || F == kIQ4_XS || F == kIQ3_S;
+  static constexpr bool sub_min = k_quant && !signed_subs;
+  static constexpr int subs = (F == kQ6_K || F == kQ2_K || F == kQ3_K) ? 16 : 8;
+  static constexpr int64_t scale_bytes = F == kMXFP4 ? 4 : 2;  // d as float32 or float16
   static constexpr int blocks = k_quant ? 8 : 1;  // 32-value blocks a record
-  static constexpr int64_t code_bytes = (bits == 8 ? 512 : 256);  // a block's
-  static constexpr int64_t high_bytes = bits == 5 ? 64 : bits == 6 ? 128 : 0;  // a block's
+  static constexpr int64_t code_bytes = bits == 8 ? 512 : bits <= 3 ? 128 : 256;  // a block's
+  static constexpr int64_t high_bytes = (bits == 3 || bits == 5) ? 64 : bits == 6 ? 128 : 0;  // a block's
   static constexpr int64_t high_at = code_bytes * blocks;
   static constexpr int64_t scales_at = high_at + high_bytes * blocks;
-  // K types: sub-scales [subs][16] (Q6_K: 16 int8 subs, else 8 uint8), then 8 uint8 sub-minimums
-  // a lane (Q4_K, Q5_K), then d (and dmin) as 16 float16.
-  static constexpr int subs = F == kQ6_K ? 16 : 8;
+  // K types: sub-scales [subs][16], then the sub-minimums [subs][16], then d (and dmin) as 16 float16.
   static constexpr int64_t sub_min_at = scales_at + subs * kGroup;
-  static constexpr int64_t d_at = k_quant ? sub_min_at + (F == kQ6_K ? 0 : 8 * kGroup) : scales_at;
+  static constexpr int64_t d_at = k_quant ? sub_min_at + (sub_min ? subs * kGroup : 0) : scales_at;
+  static constexpr int64_t used_bytes = d_at + scale_bytes * kGroup * ((k_quant ? sub_min : has_min) ? 2 : 1);
   // A K type's record ends on a cache line (formats.Format.record_padding): Q6_K's 3360 bytes are
   // padded to 3392, so that no record starts mid-line.
-  static constexpr int64_t used_bytes =
-      k_quant ? d_at + 2 * kGroup * (F == kQ6_K ? 1 : 2) : scales_at + 2 * kGroup * (has_min ? 2 : 1);
   static constexpr int64_t record_bytes = k_quant ? (used_bytes + 63) / 64 * 64 : used_bytes;
   static constexpr int64_t record_values = kBlock * blocks;
+  // The sub-scale (or sub-minimum) of block j's half h (values 16 h .. 16 h + 15), as an index [.][16].
+  static constexpr int sub(int j, int h) { return subs == 16 ? 2 * j + h : j; }
 };
 
 // fn(std::integral_constant<int, F>) for the format F given at run time: where a format number
@@ -96,6 +123,12 @@ auto by_format(int format, Fn&& fn) {
     case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
+    case kQ2_K: return fn(std::integral_constant<int, kQ2_K>{});
+    case kQ3_K: return fn(std::integral_constant<int, kQ3_K>{});
+    case kIQ4_NL: return fn(std::integral_constant<int, kIQ4_NL>{});
+    case kIQ4_XS: return fn(std::integral_constant<int, kIQ4_XS>{});
+    case kMXFP4: return fn(std::integral_constant<int, kMXFP4>{});
+    case kIQ3_S: return fn(std::integral_constant<int, kIQ3_S>{});
     default: TORCH_CHECK(false, "unknown quantized format ", format);
   }
   return fn(C{});
@@ -105,7 +138,9 @@ int64_t record_bytes(int format) {
   return by_format(format, [](auto f) { return Traits<decltype(f)::value>::record_bytes; });
 }
 
-int64_t record_values(int format) { return format >= kQ4_K ? 256 : kBlock; }
+int64_t record_values(int format) {
+  return by_format(format, [](auto f) { return Traits<decltype(f)::value>::record_values; });
+}
 
 // -- activations --------------------------------------------------------------------------------
 // One call's activations, quantized: codes, a scale per `block` values, code sums per 16. The K types
@@ -121,7 +156,7 @@ struct Activations {
   const int16_t* s(int64_t row) const { return sums + row * (k / 16); }
 };
 
-constexpr int64_t activation_block(int format) { return format >= kQ4_K ? 256 : kBlock; }
+int64_t activation_block(int format) { return record_values(format); }
 
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* s) {
@@ -263,23 +298,46 @@ Activations quantize_activations(const torch::Tensor& x, bool portable, int64_t 
 template <int F>
 inline int code_at(const uint8_t* codes, const uint8_t* high, int lane, int v) {
   using Tr = Traits<F>;
+  const int t = v / 4, at = 4 * lane + v % 4;  // the step, and the byte of a step (or high-bits plane)
+  int u;
   if constexpr (Tr::bits == 8) {
-    return codes[64 * (v / 4) + 4 * lane + v % 4];
+    u = codes[64 * t + at];
+  } else if constexpr (Tr::bits <= 3) {  // value 8c + 4s + i: bits 2c of step s's byte
+    u = (codes[64 * (t % 2) + at] >> (2 * (t / 2))) & 3;
+    if constexpr (Tr::bits == 3) u |= ((high[at] >> t) & 1) << 2;
   } else {
-    const int h = v / 16, step = v % 16 / 4, i = v % 4;
-    const uint8_t byte = codes[64 * step + 4 * lane + i];
-    int u = h ? byte >> 4 : byte & 0x0F;
-    const int t = v / 4, at = 4 * lane + i;  // the step, and the byte of a high-bits plane
+    const uint8_t byte = codes[64 * (t % 4) + at];
+    u = t >= 4 ? byte >> 4 : byte & 0x0F;
     if constexpr (Tr::bits == 5) u |= ((high[at] >> t) & 1) << 4;
     if constexpr (Tr::bits == 6) u |= ((high[64 * (t / 4) + at] >> (2 * (t % 4))) & 3) << 4;
-    return u;
   }
+  if constexpr (Tr::lookup) u = Tr::table[u] + 128;
+  return u;
 }
 
 inline float half_at(const uint8_t* p, int lane) {
   uint16_t h;
   std::memcpy(&h, p + 2 * lane, 2);
   return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// Lane `lane`'s d (or m) of a table of 16, float16 or (MXFP4) float32.
+template <int F>
+inline float scale_at(const uint8_t* p, int lane) {
+  if constexpr (Traits<F>::scale_bytes == 4) {
+    float d;
+    std::memcpy(&d, p + 4 * lane, 4);
+    return d;
+  } else {
+    return half_at(p, lane);
+  }
+}
+
+// A K record's sub-scale (or sub-minimum) of block j's half h, lane `lane`, from a [subs][16] table.
+template <int F>
+inline int sub_at(const uint8_t* table, int j, int h, int lane) {
+  const uint8_t byte = table[Traits<F>::sub(j, h) * kGroup + lane];
+  return Traits<F>::signed_subs ? static_cast<int8_t>(byte) : byte;
 }
 
 template <int F>
@@ -301,26 +359,31 @@ void group_portable(const uint8_t* group, int64_t records, const Activations& a,
           for (int v = 0; v < kBlock; ++v)
             dot[v / 16] += code_at<F>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, lane, v) *
                            xq[block * kBlock + v];
-          const int32_t s0 = sx[2 * block], s1 = sx[2 * block + 1];
+          const int32_t sum[2] = {sx[2 * block], sx[2 * block + 1]};
           if constexpr (!Tr::k_quant) {
-            const float scale = half_at(p + Tr::scales_at, lane);
+            const float scale = scale_at<F>(p + Tr::scales_at, lane);
             if constexpr (Tr::has_min) {
               total += static_cast<float>(dot[0] + dot[1]) * dx[block] * scale;
-              total += half_at(p + Tr::scales_at + 2 * kGroup, lane) * (dx[block] * static_cast<float>(s0 + s1));
+              total += scale_at<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup, lane) *
+                       (dx[block] * static_cast<float>(sum[0] + sum[1]));
             } else {
-              total += static_cast<float>(dot[0] + dot[1] - Tr::offset * (s0 + s1)) * dx[block] * scale;
+              total += static_cast<float>(dot[0] + dot[1] - Tr::offset * (sum[0] + sum[1])) * dx[block] * scale;
             }
-          } else if constexpr (F == kQ6_K) {
-            const auto* sc = reinterpret_cast<const int8_t*>(p + Tr::scales_at);
-            scaled += (dot[0] - 32 * s0) * sc[(2 * j) * kGroup + lane] + (dot[1] - 32 * s1) * sc[(2 * j + 1) * kGroup + lane];
           } else {
-            scaled += (dot[0] + dot[1]) * p[Tr::scales_at + j * kGroup + lane];
-            minimums += (s0 + s1) * p[Tr::sub_min_at + j * kGroup + lane];
+            for (int h = 0; h < 2; ++h) {
+              const int sc = sub_at<F>(p + Tr::scales_at, j, h, lane);
+              if constexpr (Tr::signed_subs) {
+                scaled += (dot[h] - Tr::offset * sum[h]) * sc;
+              } else {
+                scaled += dot[h] * sc;
+                minimums += sum[h] * sub_at<F>(p + Tr::sub_min_at, j, h, lane);
+              }
+            }
           }
         }
         if constexpr (Tr::k_quant) {
           total += half_at(p + Tr::d_at, lane) * (static_cast<float>(scaled) * dx[rec]);
-          if constexpr (F != kQ6_K)
+          if constexpr (Tr::sub_min)
             total -= half_at(p + Tr::d_at + 2 * kGroup, lane) * (static_cast<float>(minimums) * dx[rec]);
         }
       }
@@ -352,10 +415,24 @@ inline void prefetch_part(const uint8_t* record, int j) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // A block's codes as 8 registers: w[t] pairs with activation bytes 4t..4t+3 in every lane.
-template <int Bits>
+template <int F>
 inline void unpack(const uint8_t* codes, const uint8_t* high, __m512i w[8]) {
+  constexpr int Bits = Traits<F>::bits;
   if constexpr (Bits == 8) {
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(codes + 64 * t);
+  } else if constexpr (Bits <= 3) {
+    const __m512i low2 = _mm512_set1_epi8(0x03);
+    for (int s = 0; s < 2; ++s) {
+      const __m512i q = _mm512_loadu_si512(codes + 64 * s);
+      for (int c = 0; c < 4; ++c) w[2 * c + s] = _mm512_and_si512(c ? _mm512_srli_epi16(q, 2 * c) : q, low2);
+    }
+    if constexpr (Bits == 3) {  // bit t of the plane's bytes to bit 2 of step t's
+      const __m512i plane = _mm512_loadu_si512(high), bit = _mm512_set1_epi8(0x04);
+      for (int t = 0; t < 8; ++t) {
+        const __m512i at2 = t <= 2 ? _mm512_slli_epi16(plane, 2 - t) : _mm512_srli_epi16(plane, t - 2);
+        w[t] = _mm512_ternarylogic_epi32(w[t], at2, bit, 0xF8);  // w | (at2 & bit)
+      }
+    }
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int s = 0; s < 4; ++s) {
@@ -381,6 +458,11 @@ inline void unpack(const uint8_t* codes, const uint8_t* high, __m512i w[8]) {
         for (int q = 0; q < 4; ++q) w[4 * h + q] = _mm512_ternarylogic_epi32(w[4 * h + q], at4[q], bits, 0xF8);
       }
     }
+  }
+  if constexpr (Traits<F>::lookup) {  // each code's table value + 128, one byte shuffle a register
+    const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Traits<F>::table));
+    const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(values, _mm_set1_epi8(static_cast<char>(0x80))));
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_shuffle_epi8(table, w[t]);
   }
 }
 
@@ -444,33 +526,46 @@ inline __m512i row_dot(const __m512i w[8], const int8_t* x) {
   }
 }
 
-// A Q6_K record's int8 scales of block j's two halves, as int32 lanes.
-inline void q6_scales(const uint8_t* p, int j, __m512i& sc0, __m512i& sc1) {
-  const auto* sc = reinterpret_cast<const __m128i*>(p + Traits<kQ6_K>::scales_at + 2 * j * kGroup);
-  sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc));
-  sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1));
+// A [subs][16] table's row as int32 lanes, signed or not as the format's sub-scales are.
+template <int F>
+inline __m512i sub_lanes(const uint8_t* table, int j, int h) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table + Traits<F>::sub(j, h) * kGroup));
+  return Traits<F>::signed_subs ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
 }
 
-// A K record's int16 weight pairs of block j's activation sums per 16: Q6_K's two half-block
-// scales, the others' sub-minimum twice (it covers both halves).
+// A K record's int16 weight pairs of block j's activation sums per 16: the sub-minimums of its
+// two halves (the same one twice where one covers 32 values), or the sub-scales of a format whose
+// codes are offset.
 template <int F>
 inline __m512i sum_weights(const uint8_t* p, int j) {
   using Tr = Traits<F>;
-  if constexpr (F == kQ6_K) {
-    __m512i sc0, sc1;
-    q6_scales(p, j, sc0, sc1);
-    return _mm512_mask_blend_epi16(0xAAAAAAAA, sc0, _mm512_slli_epi32(sc1, 16));
-  } else {
-    const __m512i sub_min = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + Tr::sub_min_at + j * kGroup)));
-    return _mm512_or_si512(sub_min, _mm512_slli_epi32(sub_min, 16));
-  }
+  const uint8_t* table = p + (Tr::sub_min ? Tr::sub_min_at : Tr::scales_at);
+  const __m512i lo = sub_lanes<F>(table, j, 0), hi = sub_lanes<F>(table, j, 1);
+  return _mm512_mask_blend_epi16(0xAAAAAAAA, lo, _mm512_slli_epi32(hi, 16));
 }
 
 inline __m512 halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A table of 16 d (or m), float16 or float32.
+template <int F>
+inline __m512 scales16(const uint8_t* p) {
+  if constexpr (Traits<F>::scale_bytes == 4)
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  else
+    return halves(p);
+}
 
+// v x the format's code offset, as int32 lanes (a shift where it is a power of two).
+template <int F>
+inline __m512i times_offset(__m512i v) {
+  constexpr int offset = Traits<F>::offset;
+  if constexpr ((offset & (offset - 1)) == 0)
+    return _mm512_slli_epi32(v, __builtin_ctz(offset));
+  else
+    return _mm512_mullo_epi32(v, _mm512_set1_epi32(offset));
+}
 
 // A K record's block j for N rows of a pass of R: the codes' integer sums, scaled by the sub-block
 // scales, into scaled.
@@ -478,9 +573,8 @@ template <int F, int R, int N>
 inline void k_rows(__m512i (&scaled)[N], const __m512i w[8], const uint8_t* p, int j, const int8_t* const* xq,
                    int64_t at) {
   using Tr = Traits<F>;
-  if constexpr (F == kQ6_K) {
-    __m512i sc0, sc1;
-    q6_scales(p, j, sc0, sc1);
+  if constexpr (Tr::subs == 16) {
+    const __m512i sc0 = sub_lanes<F>(p + Tr::scales_at, j, 0), sc1 = sub_lanes<F>(p + Tr::scales_at, j, 1);
     for (int r = 0; r < N; ++r) {
       __m512i low, high;
       if constexpr (R == 1)
@@ -490,7 +584,7 @@ inline void k_rows(__m512i (&scaled)[N], const __m512i w[8], const uint8_t* p, i
       scaled[r] = _mm512_add_epi32(scaled[r], _mm512_add_epi32(_mm512_mullo_epi32(low, sc0), _mm512_mullo_epi32(high, sc1)));
     }
   } else {
-    const __m512i sub_scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + Tr::scales_at + j * kGroup)));
+    const __m512i sub_scale = sub_lanes<F>(p + Tr::scales_at, j, 0);
     for (int r = 0; r < N; ++r)
       scaled[r] = _mm512_add_epi32(scaled[r], _mm512_mullo_epi32(row_dot<R>(w, xq[r] + at), sub_scale));
   }
@@ -509,8 +603,8 @@ inline void k_record(const __m512i (&scaled)[N], const __m512i weights[8], const
       minimums = _mm512_dpwssd_epi32(minimums, weights[j], pair_word(sx[r] + 2 * (rec * Tr::blocks + j)));
     const __m512 dx_rec = _mm512_set1_ps(dx[r][rec]);
     __m512 sum = _mm512_loadu_ps(sums + r * kGroup);
-    if constexpr (F == kQ6_K) {  // codes are 32 over their values: sum (code - 32) x scale
-      const __m512i centred = _mm512_sub_epi32(scaled[r], _mm512_slli_epi32(minimums, 5));
+    if constexpr (Tr::signed_subs) {  // codes are `offset` over their values: sum (code - offset) x scale
+      const __m512i centred = _mm512_sub_epi32(scaled[r], times_offset<F>(minimums));
       sum = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(centred), dx_rec), sum);
     } else {
       sum = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(scaled[r]), dx_rec), sum);
@@ -540,15 +634,15 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
     const uint8_t* p = group + rec * Tr::record_bytes;
     if (!Tr::k_quant && stream) prefetch_part<Tr::record_bytes, 1>(p, 0);
     if constexpr (!Tr::k_quant) {
-      unpack<Tr::bits>(p, p + Tr::high_at, w);
-      const __m512 scale = halves(p + Tr::scales_at);
+      unpack<F>(p, p + Tr::high_at, w);
+      const __m512 scale = scales16<F>(p + Tr::scales_at);
       for (int r = 0; r < R; ++r) {
         const __m512i dot = row_dot<R>(w, xq[r] + rec * kBlock);
         const int32_t sum = sx[r][2 * rec] + sx[r][2 * rec + 1];
         const __m512 d = _mm512_set1_ps(dx[r][rec]);
         if constexpr (Tr::has_min) {
           total[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), scale, total[r]);
-          total[r] = _mm512_fmadd_ps(halves(p + Tr::scales_at + 2 * kGroup),
+          total[r] = _mm512_fmadd_ps(scales16<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup),
                                      _mm512_set1_ps(dx[r][rec] * static_cast<float>(sum)), total[r]);
         } else {
           const __m512i centred = _mm512_sub_epi32(dot, _mm512_set1_epi32(Tr::offset * sum));
@@ -566,7 +660,7 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
       for (int r = 0; r < B; ++r) scaled_b[r] = _mm512_setzero_si512();
       for (int j = 0; j < Tr::blocks; ++j) {
         if (stream) prefetch_part<Tr::record_bytes, Tr::blocks>(p, j);
-        unpack<Tr::bits>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, w);
+        unpack<F>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, w);
         const int64_t at = (rec * Tr::blocks + j) * kBlock;
         k_rows<F, R, A>(scaled_a, w, p, j, xq, at);
         if constexpr (B > 0) k_rows<F, R, B>(scaled_b, w, p, j, xq + A, at);
@@ -593,11 +687,25 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
 // int16 as long as they cannot overflow and are then widened to int32 by madd (by ones).
 
 // Codes and high-bit planes of one half, already offset by 32 bytes a half: as unpack's.
-template <int Bits>
+template <int F>
 inline void unpack8(const uint8_t* codes, const uint8_t* high, __m256i w[8]) {
+  constexpr int Bits = Traits<F>::bits;
   auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   if constexpr (Bits == 8) {
     for (int t = 0; t < 8; ++t) w[t] = load(codes + 64 * t);
+  } else if constexpr (Bits <= 3) {
+    const __m256i low2 = _mm256_set1_epi8(0x03);
+    for (int s = 0; s < 2; ++s) {
+      const __m256i q = load(codes + 64 * s);
+      for (int c = 0; c < 4; ++c) w[2 * c + s] = _mm256_and_si256(c ? _mm256_srli_epi16(q, 2 * c) : q, low2);
+    }
+    if constexpr (Bits == 3) {
+      const __m256i plane = load(high), bit = _mm256_set1_epi8(0x04);
+      for (int t = 0; t < 8; ++t) {
+        const __m256i at2 = t <= 2 ? _mm256_slli_epi16(plane, 2 - t) : _mm256_srli_epi16(plane, t - 2);
+        w[t] = _mm256_or_si256(w[t], _mm256_and_si256(at2, bit));
+      }
+    }
   } else {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int s = 0; s < 4; ++s) {
@@ -622,16 +730,21 @@ inline void unpack8(const uint8_t* codes, const uint8_t* high, __m256i w[8]) {
       }
     }
   }
+  if constexpr (Traits<F>::lookup) {
+    const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Traits<F>::table));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_xor_si128(values, _mm_set1_epi8(static_cast<char>(0x80))));
+    for (int t = 0; t < 8; ++t) w[t] = _mm256_shuffle_epi8(table, w[t]);
+  }
 }
 
 // Step t's int16 pair sums: codes w times activation bytes 4t..4t+3. 8-bit codes are u = q + 128,
 // whose products with int8 would overflow maddubs' int16: they go as |q| times x with q's sign.
-template <int Bits>
+template <int Wide>
 inline __m256i products(__m256i w, const int8_t* x, int t) {
   int32_t value;
   std::memcpy(&value, x + 4 * t, 4);
   const __m256i xs = _mm256_set1_epi32(value);
-  if constexpr (Bits == 8) {
+  if constexpr (Wide == 8) {
     const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
     return _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xs, q));
   }
@@ -640,47 +753,62 @@ inline __m256i products(__m256i w, const int8_t* x, int t) {
 
 inline __m256i widen16(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 
+// Steps first..first + 3's int16 pair sums, added and widened to int32 by madd with the int16
+// factors f: in int16 as many at a time as cannot overflow (a pair sum is at most 2 x 15 x 127 for
+// codes of up to 4 bits, 2 x 31 x 127 for 5, 2 x 63 x 127 for 6, 2 x 128 x 127 for 8: 4, 4, 2, 1).
+template <int Wide>
+inline __m256i half_sum(const __m256i m[8], int first, __m256i f) {
+  constexpr int per = Wide <= 5 ? 4 : Wide == 6 ? 2 : 1;
+  __m256i total = _mm256_setzero_si256();
+  for (int c = first; c < first + 4; c += per) {
+    __m256i part = m[c];
+    for (int k = 1; k < per; ++k) part = _mm256_add_epi16(part, m[c + k]);
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(part, f));
+  }
+  return total;
+}
+
 // The int32 dot products of 8 rows with one activation row's 32 codes, over values 0..15 (low)
-// and 16..31 (high); 4-bit codes give all 32 in low. The int16 sums stay below 2^15: at most 16
-// products of 15 x 127, 8 of 31 x 127, 4 of 63 x 127, 2 of 128 x 127. For 8-bit codes these are
-// the products of q = u - 128, not of u.
-template <int Bits>
+// and 16..31 (high); 4-bit codes give all 32 in low. For 8-bit codes (tables' values included)
+// these are the products of q = u - 128, not of u.
+template <int Wide>
 inline void dots8(const __m256i w[8], const int8_t* x, __m256i& low, __m256i& high) {
   __m256i m[8];
-  for (int t = 0; t < 8; ++t) m[t] = products<Bits>(w[t], x, t);
-  if constexpr (Bits == 4) {
+  for (int t = 0; t < 8; ++t) m[t] = products<Wide>(w[t], x, t);
+  if constexpr (Wide <= 4) {  // all 8 steps in int16: at most 16 products of 15 x 127
     const __m256i a = _mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3]));
     const __m256i b = _mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7]));
     low = widen16(_mm256_add_epi16(a, b));
     high = _mm256_setzero_si256();
-  } else if constexpr (Bits == 5) {
-    low = widen16(_mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3])));
-    high = widen16(_mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7])));
   } else {
-    low = _mm256_add_epi32(_mm256_add_epi32(widen16(m[0]), widen16(m[1])), _mm256_add_epi32(widen16(m[2]), widen16(m[3])));
-    high = _mm256_add_epi32(_mm256_add_epi32(widen16(m[4]), widen16(m[5])), _mm256_add_epi32(widen16(m[6]), widen16(m[7])));
+    const __m256i ones = _mm256_set1_epi16(1);
+    low = half_sum<Wide>(m, 0, ones);
+    high = half_sum<Wide>(m, 4, ones);
   }
 }
 
 inline __m256 halves8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-// A K block's codes times one activation row's, each lane's sum times its sub-scale (Q6_K: its two
-// half-block scales, lo and hi): the int16 pair sums of the products are widened by madd with the
-// scale in both halves of the lane, (a + b) x scale exactly as int32. The int16 sums stay as
-// dots8's: all 8 steps for 4-bit codes, 4 for 5-bit, 2 for 6-bit.
-template <int Bits>
+
+// Half `lanes`' d (or m), float16 or float32, from a table of 16.
+template <int F>
+inline __m256 scales8(const uint8_t* p, int64_t lanes) {
+  if constexpr (Traits<F>::scale_bytes == 4)
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + lanes);
+  else
+    return halves8(p + 2 * lanes);
+}
+
+// A K block's codes times one activation row's, each lane's sum times its sub-scales (lo for
+// values 0..15, hi for 16..31; the same where one covers 32 values): the int16 pair sums of the
+// products are widened by madd with the scale in both halves of the lane, (a + b) x scale exactly
+// as int32.
+template <int Wide>
 inline __m256i scaled_dots8(const __m256i w[8], const int8_t* x, __m256i lo, __m256i hi) {
   __m256i m[8];
-  for (int t = 0; t < 8; ++t) m[t] = products<Bits>(w[t], x, t);
-  const auto add = [](__m256i a, __m256i b) { return _mm256_add_epi16(a, b); };
-  if constexpr (Bits == 6)
-    return _mm256_add_epi32(
-        _mm256_add_epi32(_mm256_madd_epi16(add(m[0], m[1]), lo), _mm256_madd_epi16(add(m[2], m[3]), lo)),
-        _mm256_add_epi32(_mm256_madd_epi16(add(m[4], m[5]), hi), _mm256_madd_epi16(add(m[6], m[7]), hi)));
-  const __m256i a = add(add(m[0], m[1]), add(m[2], m[3])), b = add(add(m[4], m[5]), add(m[6], m[7]));
-  if constexpr (Bits == 4) return _mm256_madd_epi16(add(a, b), lo);
-  return _mm256_add_epi32(_mm256_madd_epi16(a, lo), _mm256_madd_epi16(b, lo));  // 5 bits: a + b may overflow
+  for (int t = 0; t < 8; ++t) m[t] = products<Wide>(w[t], x, t);
+  return _mm256_add_epi32(half_sum<Wide>(m, 0, lo), half_sum<Wide>(m, 4, hi));
 }
 
 // 8 bytes (a half's lanes of a [.][16] table) as int32, unsigned or signed.
@@ -692,17 +820,25 @@ inline __m256i pair16(__m256i lo, __m256i hi) {
 }
 inline __m256i twice16(__m256i v) { return pair16(v, v); }
 
-// A K record's int16 pairs for block j's activation sums per 16 (half `lanes`): Q6_K's two
-// half-block scales, the others' sub-minimum twice (it covers both halves); as sum_weights.
+// Half `lanes` of a [subs][16] table's row for block j's half h, as int32 lanes.
+template <int F>
+inline __m256i sub_lanes8(const uint8_t* table, int j, int h, int64_t lanes) {
+  const uint8_t* at = table + Traits<F>::sub(j, h) * kGroup + lanes;
+  return Traits<F>::signed_subs ? i8x8(at) : u8x8(at);
+}
+
+// A K record's int16 pairs for block j's activation sums per 16 (half `lanes`), as sum_weights.
 template <int F>
 inline __m256i sum_weights8(const uint8_t* p, int j, int64_t lanes) {
   using Tr = Traits<F>;
-  if constexpr (F == kQ6_K) {
-    const uint8_t* sc = p + Tr::scales_at + 2 * j * kGroup + lanes;
-    return pair16(i8x8(sc), i8x8(sc + kGroup));
-  }
-  const __m256i m = u8x8(p + Tr::sub_min_at + j * kGroup + lanes);
-  return twice16(m);
+  const uint8_t* table = p + (Tr::sub_min ? Tr::sub_min_at : Tr::scales_at);
+  return pair16(sub_lanes8<F>(table, j, 0, lanes), sub_lanes8<F>(table, j, 1, lanes));
+}
+
+// v x the format's code offset, as int32 lanes.
+template <int F>
+inline __m256i times_offset8(__m256i v) {
+  return _mm256_mullo_epi32(v, _mm256_set1_epi32(Traits<F>::offset));
 }
 
 // group_vnni's sums for one half (rows 8 half .. 8 half + 7) of a record, added into total.
@@ -710,21 +846,21 @@ template <int F, int R>
 inline void half_avx2(const uint8_t* p, int64_t rec, int half, const int8_t* const* xq, const float* const* dx,
                       const int16_t* const* sx, __m256* total) {
   using Tr = Traits<F>;
-  constexpr int offset = Tr::bits == 8 ? 0 : Tr::offset;  // dots8 gives Q8_0's signed products
+  constexpr int offset = Tr::wide == 8 ? 0 : Tr::offset;  // 8-bit codes' products are already signed
   const int64_t at = 32 * half, lanes = 8 * half;  // bytes into a step or plane; lanes into a table
   __m256i w[8];
   if constexpr (!Tr::k_quant) {
-    unpack8<Tr::bits>(p + at, p + Tr::high_at + at, w);
-    const __m256 scale = halves8(p + Tr::scales_at + 2 * lanes);
+    unpack8<F>(p + at, p + Tr::high_at + at, w);
+    const __m256 scale = scales8<F>(p + Tr::scales_at, lanes);
     for (int r = 0; r < R; ++r) {
       __m256i low, high;
-      dots8<Tr::bits>(w, xq[r] + rec * kBlock, low, high);
+      dots8<Tr::wide>(w, xq[r] + rec * kBlock, low, high);
       const __m256i dot = _mm256_add_epi32(low, high);
       const int32_t sum = sx[r][2 * rec] + sx[r][2 * rec + 1];
       const __m256 d = _mm256_set1_ps(dx[r][rec]);
       if constexpr (Tr::has_min) {
         total[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), d), scale, total[r]);
-        total[r] = _mm256_fmadd_ps(halves8(p + Tr::scales_at + 2 * kGroup + 2 * lanes),
+        total[r] = _mm256_fmadd_ps(scales8<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup, lanes),
                                    _mm256_set1_ps(dx[r][rec] * static_cast<float>(sum)), total[r]);
       } else {
         const __m256i centred = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * sum));
@@ -734,33 +870,34 @@ inline void half_avx2(const uint8_t* p, int64_t rec, int half, const int8_t* con
     return;
   }
   // Integers over the record, as group_vnni's: the sub-scaled dots, and the activations' sums per
-  // 16 times sum_weights8 (the sub-minimums' term; Q6_K's 32 offset of its codes).
+  // 16 times sum_weights8 (the sub-minimums' term; the offset of a signed format's codes).
   __m256i scaled[R], minimums[R];
   for (int r = 0; r < R; ++r) scaled[r] = minimums[r] = _mm256_setzero_si256();
   for (int j = 0; j < Tr::blocks; ++j) {
     const int64_t block = rec * Tr::blocks + j;
-    unpack8<Tr::bits>(p + j * Tr::code_bytes + at, p + Tr::high_at + j * Tr::high_bytes + at, w);
-    const uint8_t* sc = p + Tr::scales_at + (F == kQ6_K ? 2 : 1) * j * kGroup + lanes;
-    const __m256i lo = F == kQ6_K ? twice16(i8x8(sc)) : twice16(u8x8(sc));
-    const __m256i hi = F == kQ6_K ? twice16(i8x8(sc + kGroup)) : lo;
+    unpack8<F>(p + j * Tr::code_bytes + at, p + Tr::high_at + j * Tr::high_bytes + at, w);
+    const __m256i lo = twice16(sub_lanes8<F>(p + Tr::scales_at, j, 0, lanes));
+    const __m256i hi = Tr::subs == 16 ? twice16(sub_lanes8<F>(p + Tr::scales_at, j, 1, lanes)) : lo;
     for (int r = 0; r < R; ++r)
-      scaled[r] = _mm256_add_epi32(scaled[r], scaled_dots8<Tr::bits>(w, xq[r] + block * kBlock, lo, hi));
+      scaled[r] = _mm256_add_epi32(scaled[r], scaled_dots8<Tr::wide>(w, xq[r] + block * kBlock, lo, hi));
   }
-  for (int j = 0; j < Tr::blocks; ++j) {
-    const __m256i weights = sum_weights8<F>(p, j, lanes);
-    for (int r = 0; r < R; ++r) {
-      int32_t sums;  // the block's two activation sums per 16, an int16 pair
-      std::memcpy(&sums, sx[r] + 2 * (rec * Tr::blocks + j), 4);
-      minimums[r] = _mm256_add_epi32(minimums[r], _mm256_madd_epi16(weights, _mm256_set1_epi32(sums)));
+  if constexpr (Tr::sub_min || offset != 0) {
+    for (int j = 0; j < Tr::blocks; ++j) {
+      const __m256i weights = sum_weights8<F>(p, j, lanes);
+      for (int r = 0; r < R; ++r) {
+        int32_t sums;  // the block's two activation sums per 16, an int16 pair
+        std::memcpy(&sums, sx[r] + 2 * (rec * Tr::blocks + j), 4);
+        minimums[r] = _mm256_add_epi32(minimums[r], _mm256_madd_epi16(weights, _mm256_set1_epi32(sums)));
+      }
     }
   }
-  if constexpr (F == kQ6_K)
-    for (int r = 0; r < R; ++r) scaled[r] = _mm256_sub_epi32(scaled[r], _mm256_slli_epi32(minimums[r], 5));
+  if constexpr (Tr::signed_subs && offset != 0)
+    for (int r = 0; r < R; ++r) scaled[r] = _mm256_sub_epi32(scaled[r], times_offset8<F>(minimums[r]));
   const __m256 d = halves8(p + Tr::d_at + 2 * lanes);
   for (int r = 0; r < R; ++r) {
     const __m256 dx_rec = _mm256_set1_ps(dx[r][rec]);
     total[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(scaled[r]), dx_rec), total[r]);
-    if constexpr (F != kQ6_K)
+    if constexpr (Tr::sub_min)
       total[r] = _mm256_fnmadd_ps(halves8(p + Tr::d_at + 2 * kGroup + 2 * lanes),
                                   _mm256_mul_ps(_mm256_cvtepi32_ps(minimums[r]), dx_rec), total[r]);
   }
@@ -823,9 +960,9 @@ void group_rows(const uint8_t* group, int64_t records, const Activations& a, int
     default: return group_vnni<F, 4>(group, records, a, row0, sums, stream);
   }
 #elif defined(PAGEDLLM_QUANT_AVX2)
-  // Passes of up to 8 rows share each record's unpacking, but Q4_K's and Q5_K's 8 rows spill
+  // Passes of up to 8 rows share each record's unpacking, but the sub-minimum types' 8 rows spill
   // their accumulators: two passes of 4 where the records stay in cache (not streamed).
-  if ((F == kQ4_K || F == kQ5_K) && !stream && rows > 4) {
+  if (Traits<F>::sub_min && !stream && rows > 4) {
     group_rows<F>(group, records, a, row0, 4, sums, stream);
     return group_rows<F>(group, records, a, row0 + 4, rows - 4, sums + 4 * kGroup, false);
   }
@@ -1059,15 +1196,18 @@ void dequantize_row(const uint8_t* group, int64_t records, int lane, float* out)
       for (int v = 0; v < kBlock; ++v) {
         const float u = static_cast<float>(code_at<F>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, lane, v));
         if constexpr (!Tr::k_quant) {
-          const float d = half_at(p + Tr::scales_at, lane);
-          y[v] = Tr::has_min ? d * u + half_at(p + Tr::scales_at + 2 * kGroup, lane) : d * (u - Tr::offset);
-        } else if constexpr (F == kQ6_K) {
-          const auto* sc = reinterpret_cast<const int8_t*>(p + Tr::scales_at);
-          y[v] = half_at(p + Tr::d_at, lane) * static_cast<float>(sc[(2 * j + v / 16) * kGroup + lane]) * (u - 32.f);
+          const float d = scale_at<F>(p + Tr::scales_at, lane);
+          y[v] = Tr::has_min ? d * u + scale_at<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup, lane)
+                             : d * (u - Tr::offset);
         } else {
-          const float scale = half_at(p + Tr::d_at, lane) * static_cast<float>(p[Tr::scales_at + j * kGroup + lane]);
-          const float minimum = half_at(p + Tr::d_at + 2 * kGroup, lane) * static_cast<float>(p[Tr::sub_min_at + j * kGroup + lane]);
-          y[v] = scale * u - minimum;
+          const float scale = half_at(p + Tr::d_at, lane) * static_cast<float>(sub_at<F>(p + Tr::scales_at, j, v / 16, lane));
+          if constexpr (Tr::signed_subs) {
+            y[v] = scale * (u - Tr::offset);
+          } else {
+            const float minimum = half_at(p + Tr::d_at + 2 * kGroup, lane) *
+                                  static_cast<float>(sub_at<F>(p + Tr::sub_min_at, j, v / 16, lane));
+            y[v] = scale * u - minimum;
+          }
         }
       }
     }

@@ -8,35 +8,47 @@ offset, per block of values along a row:
 |---|---|---|---|
 | Q4_0, Q5_0, Q8_0 | 4, 5, 8 | 32 | d (u - 8), d (u - 16), d (u - 128) (Q8_0's signed q as u = q + 128) |
 | Q4_1, Q5_1 | 4, 5 | 32 | d u + m |
+| IQ4_NL, MXFP4 | 4 | 32 | d T[u]: a 4-bit index into a table of 16 int8 values (MXFP4: e2m1 doubled, d = 2^(e-128)) |
 | Q4_K, Q5_K | 4, 5 | 256 = 8 x 32 | d sc_j u - dmin mn_j (sc, mn: 6-bit, one of each per 32) |
-| Q6_K | 6 | 256 = 16 x 16 | d sc_j (u - 32) (sc: int8, one per 16) |
+| Q2_K | 2 | 256 = 16 x 16 | d sc_j u - dmin mn_j (sc, mn: 4-bit, one of each per 16) |
+| Q6_K, Q3_K | 6, 3 | 256 = 16 x 16 | d sc_j (u - 32), d sc_j (u - 4) (sc: int8, one per 16) |
+| IQ4_XS | 4 | 256 = 8 x 32 | d sc_j T[u] (sc: 6-bit less 32, per 32; IQ4_NL's table) |
+| IQ3_S | 5 | 256 = 8 x 32 | d (1 + 2 s_j) (u - 15): grid points of 4 odd values to 15 and a sign each, as codes |
 
 `decode` reads a type's raw blocks into those fields (`Fields`), exactly (tested against the gguf
 package's own dequantizer). `pack` lays the fields out for the kernels (kernels/quant_linear.cpp):
 rows in groups of 16, and for each group, block after block, one record holding the group's codes
 so that one 32-bit lane of a 512-bit register holds 4 codes of one row, which VNNI's dpbusd
 multiplies with 4 int8 activations broadcast to every lane; 16 rows are summed at once, with no
-reduction across lanes. A record per (16 rows, block of 32) for the types of 32; per (16 rows,
-256 values) for the K types:
+reduction across lanes. A table's codes become T[u] + 128 as they are unpacked (one byte shuffle),
+8-bit codes with an offset of 128. A record per (16 rows, block of 32) for the types of 32; per
+(16 rows, 256 values) for the K types:
 
-    codes  4-5-6 bits: 256 bytes a 32-block, [step s 0..3][lane 0..15][4 bytes], byte i holding
+    codes  2-3 bits: 128 bytes a 32-block, [step s 0..1][lane 0..15][4 bytes], byte i holding
+           u[8c + 4s + i] in its bits 2c, 2c + 1 (c 0..3);
+           4-5-6 bits: 256 bytes a 32-block, [step s 0..3][lane 0..15][4 bytes], byte i holding
            u[4s + i] in its low and u[16 + 4s + i] in its high nibble;
            8 bits: 512 bytes, [step t 0..7][lane][4 bytes] = u[4t + i];
-    high   5 bits: 64 bytes a 32-block, byte 4 lane + i holding bit 4 of u[4t + i] as its bit t (t 0..7);
-           6 bits: 128 bytes, two such planes: plane t // 4 holds bits 4-5 of u[4t + i] as its bits
-           2 (t % 4) and 2 (t % 4) + 1;
-    scales Q4_0..Q8_0: d (and m) as 16 float16; Q4_K/Q5_K: sc and mn as [8][16] uint8, then d and
-           dmin as 16 float16 each; Q6_K: sc as [16][16] int8, then d as 16 float16.
+    high   3 and 5 bits: 64 bytes a 32-block, byte 4 lane + i holding bit 2 (bit 4) of u[4t + i] as
+           its bit t (t 0..7); 6 bits: 128 bytes, two such planes: plane t // 4 holds bits 4-5 of
+           u[4t + i] as its bits 2 (t % 4) and 2 (t % 4) + 1;
+    scales types of 32: d (and m) as 16 float16 (MXFP4: float32); K types: sc as [subs][16] (uint8,
+           or int8 for the types without minimums), mn as [subs][16] uint8 where there are
+           minimums, then d (and dmin) as 16 float16 each.
 
-The file's bytes are kept (the same bits a weight, to within 0.125), never expanded to floats.
-Activations are quantized to int8 with a float scale per record's values (`quantize_activations`):
-per 32 for the types of 32, per 256 for the K types, as llama.cpp quantizes them (its Q8_0 and Q8_K).
+The file's bytes are kept (the same bits a weight to within 0.125, but Q2_K's and Q3_K's
+sub-scales a byte each, MXFP4's scale as float32 and IQ3_S's grid points as codes of 5 bits),
+never expanded to floats. Activations are quantized to int8 with a float scale per record's values
+(`quantize_activations`): per 32 for the types of 32, per 256 for the K types, as llama.cpp
+quantizes them (its Q8_0 and Q8_K).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 import torch
 
@@ -44,34 +56,53 @@ GROUP = 16  # output rows a record holds, one per 32-bit lane of a 512-bit regis
 BLOCK = 32  # values an activation scale covers, and a code step's span
 
 
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled (d is halved)
+
+
 @dataclass(frozen=True)
 class Format:
     name: str
     format_id: int  # the kernels' number for it (quant_linear.cpp's Format)
-    bits: int
+    bits: int  # a code's bits in the records: 2, 3, 4, 5, 6 or 8
     block_values: int  # values in one GGUF block
     block_bytes: int  # bytes of one GGUF block
     offset: int = 0  # u - offset, for the types with no stored minimum
     has_min: bool = False  # Q4_1, Q5_1: a float minimum per block
-    k_quant: bool = False
+    k_quant: bool = False  # records of 256 values with sub-block scales
+    subs: int = 8  # a K record's sub-block scales a row: 8 (one per 32 values) or 16 (per 16)
+    signed_subs: bool = False  # int8 sub-scales (u - offset); else uint8 ones with uint8 sub-minimums
+    table: tuple[int, ...] | None = None  # 4-bit codes index it: u = table[code] + 128 (offset 128)
+    scale_f32: bool = False  # d as float32 (MXFP4's powers of two), else float16
 
     @property
     def record_values(self) -> int:
         return 256 if self.k_quant else BLOCK
 
     @property
+    def sub_min(self) -> bool:
+        return self.k_quant and not self.signed_subs
+
+    @property
+    def code_bytes(self) -> int:
+        """A 32-value block's codes (16 rows) in the records."""
+        return {2: 128, 3: 128, 8: 512}.get(self.bits, 256)
+
+    @property
+    def high_bytes(self) -> int:
+        """A 32-value block's planes of the bits past a code's low 2 (3 bits) or 4 (5, 6 bits)."""
+        return {3: 64, 5: 64, 6: 128}.get(self.bits, 0)
+
+    @property
     def used_bytes(self) -> int:
         """A record's codes, high bits and scales."""
         blocks = self.record_values // BLOCK
-        codes = (512 if self.bits == 8 else 256) * blocks
-        high = {5: 64, 6: 128}.get(self.bits, 0) * blocks
+        codes = (self.code_bytes + self.high_bytes) * blocks
+        d = (4 if self.scale_f32 else 2) * GROUP
         if not self.k_quant:
-            scales = 2 * GROUP * (2 if self.has_min else 1)
-        elif self.bits == 6:
-            scales = 16 * GROUP + 2 * GROUP
-        else:
-            scales = 2 * 8 * GROUP + 2 * 2 * GROUP
-        return codes + high + scales
+            return codes + d * (2 if self.has_min else 1)
+        subs = self.subs * GROUP * (1 if self.signed_subs else 2)
+        return codes + subs + d * (1 if self.signed_subs else 2)
 
     @property
     def record_padding(self) -> int:
@@ -97,7 +128,13 @@ FORMATS = {
         Format("Q8_0", 4, 8, 32, 34, offset=128),
         Format("Q4_K", 5, 4, 256, 144, k_quant=True),
         Format("Q5_K", 6, 5, 256, 176, k_quant=True),
-        Format("Q6_K", 7, 6, 256, 210, offset=32, k_quant=True),
+        Format("Q6_K", 7, 6, 256, 210, offset=32, k_quant=True, subs=16, signed_subs=True),
+        Format("Q2_K", 8, 2, 256, 84, k_quant=True, subs=16),
+        Format("Q3_K", 9, 3, 256, 110, offset=4, k_quant=True, subs=16, signed_subs=True),
+        Format("IQ4_NL", 10, 4, 32, 18, offset=128, table=IQ4_NL_VALUES),
+        Format("IQ4_XS", 11, 4, 256, 136, offset=128, k_quant=True, signed_subs=True, table=IQ4_NL_VALUES),
+        Format("MXFP4", 12, 4, 32, 17, offset=128, table=MXFP4_VALUES, scale_f32=True),
+        Format("IQ3_S", 13, 5, 256, 110, offset=15, k_quant=True, signed_subs=True),
     )
 }
 
@@ -200,6 +237,74 @@ def _decode_q6k(blocks: np.ndarray, fmt: Format) -> Fields:
     return Fields(fmt, _flat(codes), _f16(blocks, 208), None, np.ascontiguousarray(sub_scale))
 
 
+def _shifted(data: np.ndarray, width: int, count: int) -> np.ndarray:
+    """[.., n] bytes -> [.., count, n]: field c of each byte, `width` bits at bit width * c."""
+    shifts = (np.arange(count, dtype=np.uint8) * width)[:, None]
+    return (data[..., None, :] >> shifts) & ((1 << width) - 1)
+
+
+def _decode_q2k(blocks: np.ndarray, fmt: Format) -> Fields:
+    rows, nb = blocks.shape[:2]
+    scales = blocks[..., 0:16]  # sub-block j: sc in the low nibble, mn in the high one
+    qs = blocks[..., 16:80].reshape(rows, nb, 2, 32)  # value 128 n + 32 c + l: bits 2c of qs[n][l]
+    codes = _shifted(qs, 2, 4)  # [rows, nb, n, c, l]
+    return Fields(fmt, _flat(codes), _f16(blocks, 80), _f16(blocks, 82), _flat(scales & 0x0F), _flat(scales >> 4))
+
+
+def _decode_q3k(blocks: np.ndarray, fmt: Format) -> Fields:
+    rows, nb = blocks.shape[:2]
+    high = _shifted(blocks[..., 0:32], 1, 8)  # value 32 b + l: bit b of hmask[l]
+    low = _shifted(blocks[..., 32:96].reshape(rows, nb, 2, 32), 2, 4)  # value 128 n + 32 c + l
+    codes = low.reshape(rows, nb, 256) | (high.reshape(rows, nb, 256) << 2)  # u - 4 is the weight's
+    packed = blocks[..., 96:108]
+    low_sc = _shifted(packed[..., 0:8], 4, 2).reshape(rows, nb, 16)  # j: nibble j // 8 of byte j % 8
+    high_sc = _shifted(packed[..., 8:12], 2, 4).reshape(rows, nb, 16)  # j: bits 2 (j // 4) of byte 8 + j % 4
+    sub_scale = ((low_sc | (high_sc << 4)).astype(np.int16) - 32).astype(np.int8)
+    return Fields(fmt, _flat(codes), _f16(blocks, 108), None, _flat(sub_scale).view(np.int8))
+
+
+def _decode_iq4nl(blocks: np.ndarray, fmt: Format) -> Fields:
+    return Fields(fmt, _flat(_nibbles(blocks[..., 2:18])), _f16(blocks, 0))
+
+
+def _decode_mxfp4(blocks: np.ndarray, fmt: Format) -> Fields:
+    # E8M0's 2^(e - 127), halved for the doubled values: float32 bits (e - 1) << 23 (subnormal below 2)
+    e = blocks[..., 0].astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+    return Fields(fmt, _flat(_nibbles(blocks[..., 1:17])), bits.view(np.float32))
+
+
+def _decode_iq4xs(blocks: np.ndarray, fmt: Format) -> Fields:
+    rows, nb = blocks.shape[:2]
+    high = _shifted(blocks[..., 2:4].copy().view(np.uint16), 2, 8).reshape(rows, nb, 8).astype(np.uint8)
+    low = _nibbles_pairs(blocks[..., 4:8])  # sub-block j: nibble j % 2 of byte j // 2
+    sub_scale = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    codes = _nibbles(blocks[..., 8:136].reshape(rows, nb, 8, 16))
+    return Fields(fmt, _flat(codes), _f16(blocks, 0), None, _flat(sub_scale).view(np.int8))
+
+
+@functools.cache
+def _iq3s_grid() -> np.ndarray:
+    """IQ3_S's 512 grid points of 4 odd values each, as the gguf package holds them."""
+    gguf.quants.IQ3_S.init_grid()
+    return gguf.quants.IQ3_S.grid.reshape(512, 4).astype(np.int16)
+
+
+def _decode_iq3s(blocks: np.ndarray, fmt: Format) -> Fields:
+    rows, nb = blocks.shape[:2]
+    index = blocks[..., 2:66].astype(np.int64) | (_high_bits(blocks[..., 66:74], 64).astype(np.int64) << 8)
+    values = _iq3s_grid()[index].reshape(rows, nb, 256)  # grid point i: values 4i .. 4i + 3
+    signs = _high_bits(blocks[..., 74:106], 256).astype(bool)  # value 8 j + b: bit b of byte j
+    codes = np.where(signs, -values, values) + fmt.offset  # -15..15 -> 0..30
+    sub_scale = 1 + 2 * _nibbles_pairs(blocks[..., 106:110]).astype(np.int16)
+    return Fields(fmt, _flat(codes), _f16(blocks, 0), None, _flat(sub_scale.astype(np.int8)).view(np.int8))
+
+
+def _nibbles_pairs(data: np.ndarray) -> np.ndarray:
+    """[.., n] bytes -> [.., 2n]: each byte's low nibble, then its high one."""
+    return _shifted(data, 4, 2).swapaxes(-1, -2).reshape(*data.shape[:-1], -1)
+
+
 _DECODERS = {
     "Q4_0": _decode_legacy,
     "Q4_1": _decode_legacy,
@@ -209,13 +314,24 @@ _DECODERS = {
     "Q4_K": _decode_q45k,
     "Q5_K": _decode_q45k,
     "Q6_K": _decode_q6k,
+    "Q2_K": _decode_q2k,
+    "Q3_K": _decode_q3k,
+    "IQ4_NL": _decode_iq4nl,
+    "IQ4_XS": _decode_iq4xs,
+    "MXFP4": _decode_mxfp4,
+    "IQ3_S": _decode_iq3s,
 }
+
+
+def code_values(fmt: Format) -> np.ndarray:
+    """u for each stored code: itself, or a table's value + 128."""
+    return np.arange(256) if fmt.table is None else np.array(fmt.table) + 128
 
 
 def dequantize(fields: Fields) -> torch.Tensor:
     """The weights as float32 [rows, cols]: the reference every packed form is held to."""
     fmt = fields.format
-    u = torch.from_numpy(fields.codes).float()
+    u = torch.from_numpy(code_values(fmt)[fields.codes]).float()
     rows, cols = u.shape
 
     def per(values: np.ndarray, span: int) -> torch.Tensor:
@@ -224,10 +340,10 @@ def dequantize(fields: Fields) -> torch.Tensor:
     if not fmt.k_quant:
         d = per(fields.scale, BLOCK)
         return d * u + per(fields.minimum, BLOCK) if fmt.has_min else d * (u - fmt.offset)
-    d = per(fields.scale, 256)
-    if fmt.bits == 6:
-        return d * per(fields.sub_scale, 16) * (u - fmt.offset)
-    return d * per(fields.sub_scale, BLOCK) * u - per(fields.minimum, 256) * per(fields.sub_min, BLOCK)
+    d, span = per(fields.scale, 256), 256 // fmt.subs
+    if fmt.signed_subs:
+        return d * per(fields.sub_scale, span) * (u - fmt.offset)
+    return d * per(fields.sub_scale, span) * u - per(fields.minimum, 256) * per(fields.sub_min, span)
 
 
 # -- fields -> the kernels' records ----------------------------------------------------------------
@@ -241,7 +357,7 @@ def pack(fields: Fields) -> torch.Tensor:
     padded = -(-rows // GROUP) * GROUP
     codes = _pad_rows(fields.codes, padded).reshape(-1, GROUP, cols // BLOCK, BLOCK)  # [g, lane, block, 32]
     parts = [_pack_codes(codes, fmt.bits)]
-    if fmt.bits in (5, 6):
+    if fmt.high_bytes:
         parts.append(_pack_high(codes, fmt.bits))
     per_record = fmt.record_values // BLOCK
     parts = [p.reshape(p.shape[0], -1, per_record * p.shape[2]) for p in parts]
@@ -261,10 +377,14 @@ def _pad_rows(values: np.ndarray, rows: int) -> np.ndarray:
 
 
 def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """[g, lane, block, 32] codes -> [g, block, 256 or 512] bytes."""
+    """[g, lane, block, 32] codes -> [g, block, 128, 256 or 512] bytes."""
     g, _, blocks, _ = codes.shape
     if bits == 8:
         steps = codes.reshape(g, GROUP, blocks, 8, 4)  # [g, lane, block, t, i]
+    elif bits <= 3:
+        quarters = (codes & 3).reshape(g, GROUP, blocks, 4, 2, 4)  # [.., c, s, i]: u[8c + 4s + i]
+        shifts = (2 * np.arange(4, dtype=np.uint8))[:, None, None]
+        steps = (quarters << shifts).sum(axis=3, dtype=np.uint8)  # [g, lane, block, s, i]
     else:
         low, high = codes[..., :16] & 0x0F, codes[..., 16:] & 0x0F
         steps = (low | (high << 4)).reshape(g, GROUP, blocks, 4, 4)  # [g, lane, block, s, i]
@@ -272,12 +392,13 @@ def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _pack_high(codes: np.ndarray, bits: int) -> np.ndarray:
-    """The bits of each code past its low 4: [g, block, 64 or 128] bytes, byte 4 lane + i of a plane
-    holding, for each step t, the high bits of u[lane][4t + i]: 5 bits: bit t; 6 bits: plane t // 4,
-    bits 2 (t % 4) and 2 (t % 4) + 1."""
+    """The bits of each code past its low 2 (3 bits) or 4: [g, block, 64 or 128] bytes, byte 4 lane + i
+    of a plane holding, for each step t, the high bits of u[lane][4t + i]: 3 and 5 bits: bit t;
+    6 bits: plane t // 4, bits 2 (t % 4) and 2 (t % 4) + 1."""
     g, _, blocks, _ = codes.shape
-    per_byte = 8 if bits == 5 else 4  # steps a byte serves
-    high = ((codes >> 4) & (1 if bits == 5 else 3)).reshape(g, GROUP, blocks, 8 // per_byte, per_byte, 4)
+    per_byte = 4 if bits == 6 else 8  # steps a byte serves
+    high = (codes >> (2 if bits == 3 else 4)) & (3 if bits == 6 else 1)
+    high = high.reshape(g, GROUP, blocks, 8 // per_byte, per_byte, 4)
     width = 8 // per_byte  # bits a step takes
     shifts = (np.arange(per_byte, dtype=np.uint8) * width)[:, None]
     planes = (high.astype(np.uint16) << shifts).sum(axis=4).astype(np.uint8)  # [g, lane, block, plane, i]
@@ -297,10 +418,9 @@ def _pack_scales(fields: Fields, rows: int) -> list[np.ndarray]:
     fmt = fields.format
     if not fmt.k_quant:
         return [_by_lane(v, rows, 1) for v in (fields.scale, fields.minimum) if v is not None]
-    subs = 16 if fmt.bits == 6 else 8
-    parts = [_by_lane(fields.sub_scale, rows, subs)]
+    parts = [_by_lane(fields.sub_scale, rows, fmt.subs)]
     if fields.sub_min is not None:
-        parts.append(_by_lane(fields.sub_min, rows, subs))
+        parts.append(_by_lane(fields.sub_min, rows, fmt.subs))
     return parts + [_by_lane(v, rows, 1) for v in (fields.scale, fields.minimum) if v is not None]
 
 
