@@ -19,6 +19,9 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("type", help="a llama.cpp file type: Q8_0, Q4_K_M, Q4_0, Q5_K_M, Q6_K, ...")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--allow-requantize", action="store_true", help="a quantized source (a file of real weights in another type)"
+    )
     args = parser.parse_args()
     import llama_cpp
 
@@ -28,6 +31,7 @@ def main() -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = args.threads
+    params.allow_requantize = args.allow_requantize
     start = time.perf_counter()
     code = llama_cpp.llama_model_quantize(args.source.encode(), args.out.encode(), ctypes.byref(params))
     if code != 0:

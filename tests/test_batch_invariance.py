@@ -33,11 +33,18 @@ CASES = [
     ("Q5_1", "bfloat16"),
     ("Q4_K", "bfloat16"),
     ("Q5_K", "bfloat16"),
+    ("Q2_K", "bfloat16"),
+    ("IQ4_NL", "bfloat16"),
     ("Q4_1", "float32"),
     ("qwen3", "bfloat16"),
     ("qwen3", "float32"),
 ]
-Q6_K_PARTS = {"Q4_K": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}}  # as llama.cpp's Q4_K_M mixes them
+# Files of mixed types, as llama.cpp's Q4_K_M mixes Q4_K and Q6_K (the newer types two files among them)
+PARTS = {
+    "Q4_K": {"attn_v": "Q6_K", "ffn_down": "Q6_K"},
+    "Q2_K": {"attn_v": "Q3_K", "ffn_down": "IQ4_XS"},
+    "IQ4_NL": {"attn_v": "MXFP4", "ffn_down": "IQ3_S"},
+}
 MAX_TOKENS = 6
 MAX_MODEL_LEN = 160
 EXAMPLES = 5  # the default tier's; the slow tier runs 4x as many
@@ -89,7 +96,7 @@ def case(request, tmp_path_factory, wide_llama, tokenizer_dir) -> Case:
         return Case(path, tokenizer_dir, dtype, kv_heads=1)
     if checkpoint != "hf":
         path = str(tmp_path_factory.mktemp(checkpoint) / "model.gguf")
-        write_gguf(wide_llama, path, checkpoint, None, Q6_K_PARTS.get(checkpoint))
+        write_gguf(wide_llama, path, checkpoint, None, PARTS.get(checkpoint))
     return Case(path, tokenizer_dir, dtype)
 
 

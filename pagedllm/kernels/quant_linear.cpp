@@ -9,8 +9,11 @@
 // no reduction across lanes. A record's sums take their scales in float once a record: a K record's
 // sub-block scales (and minimums) go in as integers first, which keeps the per-block work of the
 // many-row case to the dot products and one multiply (the 4-row pass on Q4_K: 1.2x as fast as with
-// float sums per 32-value block); the minimums' term (and Q6_K's offset of 32) is one vpdpwssd a
-// block on int16 activation sums (Q4_K and Q6_K at 64 rows 4-10% faster than a multiply each).
+// float sums per 32-value block); the minimums' term (and the offset of the formats with int8
+// sub-scales: Q6_K's 32, Q3_K's 4, IQ3_S's 15, IQ4_XS's 128) is one vpdpwssd a block on int16
+// activation sums (Q4_K and Q6_K at 64 rows 4-10% faster than a multiply each). A table format's
+// 4-bit indices become its values + 128 as they are unpacked (one vpshufb a register), unsigned
+// 8-bit codes for dpbusd.
 // Every weight is read once a call and unpacked once for up to 4 rows of activations (8 for Q6_K,
 // whose unpacking costs most; a K record's float sums then wait in memory); where a layer is many
 // rows, a group's records (a few KiB) stay in L1 across the row passes.
@@ -91,15 +94,18 @@ struct Traits {
   static constexpr bool signed_subs = F == kQ6_K || F == kQ3_K || F == kIQ4_XS || F == kIQ3_S;
   static constexpr bool sub_min = k_quant && !signed_subs;
   static constexpr int subs = (F == kQ6_K || F == kQ2_K || F == kQ3_K) ? 16 : 8;
+  // Q2_K's 4-bit sub-scale and sub-minimum share a byte (scale in the low nibble), as in the file.
+  static constexpr bool paired = F == kQ2_K;
   static constexpr int64_t scale_bytes = F == kMXFP4 ? 4 : 2;  // d as float32 or float16
   static constexpr int blocks = k_quant ? 8 : 1;  // 32-value blocks a record
   static constexpr int64_t code_bytes = bits == 8 ? 512 : bits <= 3 ? 128 : 256;  // a block's
   static constexpr int64_t high_bytes = (bits == 3 || bits == 5) ? 64 : bits == 6 ? 128 : 0;  // a block's
   static constexpr int64_t high_at = code_bytes * blocks;
   static constexpr int64_t scales_at = high_at + high_bytes * blocks;
-  // K types: sub-scales [subs][16], then the sub-minimums [subs][16], then d (and dmin) as 16 float16.
-  static constexpr int64_t sub_min_at = scales_at + subs * kGroup;
-  static constexpr int64_t d_at = k_quant ? sub_min_at + (sub_min ? subs * kGroup : 0) : scales_at;
+  // K types: sub-scales [subs][16], then the sub-minimums [subs][16] (Q2_K: pairs of both in one
+  // table), then d (and dmin) as 16 float16.
+  static constexpr int64_t sub_min_at = paired ? scales_at : scales_at + subs * kGroup;
+  static constexpr int64_t d_at = k_quant ? scales_at + subs * kGroup * (sub_min && !paired ? 2 : 1) : scales_at;
   static constexpr int64_t used_bytes = d_at + scale_bytes * kGroup * ((k_quant ? sub_min : has_min) ? 2 : 1);
   // A K type's record ends on a cache line (formats.Format.record_padding): Q6_K's 3360 bytes are
   // padded to 3392, so that no record starts mid-line.
@@ -333,11 +339,13 @@ inline float scale_at(const uint8_t* p, int lane) {
   }
 }
 
-// A K record's sub-scale (or sub-minimum) of block j's half h, lane `lane`, from a [subs][16] table.
-template <int F>
-inline int sub_at(const uint8_t* table, int j, int h, int lane) {
-  const uint8_t byte = table[Traits<F>::sub(j, h) * kGroup + lane];
-  return Traits<F>::signed_subs ? static_cast<int8_t>(byte) : byte;
+// Record p's sub-scale (Min: sub-minimum) of block j's half h, lane `lane`.
+template <int F, bool Min = false>
+inline int sub_at(const uint8_t* p, int j, int h, int lane) {
+  using Tr = Traits<F>;
+  const uint8_t byte = p[(Min ? Tr::sub_min_at : Tr::scales_at) + Tr::sub(j, h) * kGroup + lane];
+  if constexpr (Tr::paired) return Min ? byte >> 4 : byte & 0x0F;
+  return Tr::signed_subs ? static_cast<int8_t>(byte) : byte;
 }
 
 template <int F>
@@ -371,12 +379,12 @@ void group_portable(const uint8_t* group, int64_t records, const Activations& a,
             }
           } else {
             for (int h = 0; h < 2; ++h) {
-              const int sc = sub_at<F>(p + Tr::scales_at, j, h, lane);
+              const int sc = sub_at<F>(p, j, h, lane);
               if constexpr (Tr::signed_subs) {
                 scaled += (dot[h] - Tr::offset * sum[h]) * sc;
               } else {
                 scaled += dot[h] * sc;
-                minimums += sum[h] * sub_at<F>(p + Tr::sub_min_at, j, h, lane);
+                minimums += sum[h] * sub_at<F, true>(p, j, h, lane);
               }
             }
           }
@@ -526,11 +534,17 @@ inline __m512i row_dot(const __m512i w[8], const int8_t* x) {
   }
 }
 
-// A [subs][16] table's row as int32 lanes, signed or not as the format's sub-scales are.
-template <int F>
-inline __m512i sub_lanes(const uint8_t* table, int j, int h) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table + Traits<F>::sub(j, h) * kGroup));
-  return Traits<F>::signed_subs ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+// Record p's sub-scales (Min: sub-minimums) of block j's half h as int32 lanes, signed or not as
+// the format's are.
+template <int F, bool Min = false>
+inline __m512i sub_lanes(const uint8_t* p, int j, int h) {
+  using Tr = Traits<F>;
+  const uint8_t* at = p + (Min ? Tr::sub_min_at : Tr::scales_at) + Tr::sub(j, h) * kGroup;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+  if constexpr (Tr::signed_subs) return _mm512_cvtepi8_epi32(bytes);
+  const __m512i v = _mm512_cvtepu8_epi32(bytes);
+  if constexpr (Tr::paired) return Min ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+  return v;
 }
 
 // A K record's int16 weight pairs of block j's activation sums per 16: the sub-minimums of its
@@ -539,8 +553,7 @@ inline __m512i sub_lanes(const uint8_t* table, int j, int h) {
 template <int F>
 inline __m512i sum_weights(const uint8_t* p, int j) {
   using Tr = Traits<F>;
-  const uint8_t* table = p + (Tr::sub_min ? Tr::sub_min_at : Tr::scales_at);
-  const __m512i lo = sub_lanes<F>(table, j, 0), hi = sub_lanes<F>(table, j, 1);
+  const __m512i lo = sub_lanes<F, Tr::sub_min>(p, j, 0), hi = sub_lanes<F, Tr::sub_min>(p, j, 1);
   return _mm512_mask_blend_epi16(0xAAAAAAAA, lo, _mm512_slli_epi32(hi, 16));
 }
 
@@ -574,7 +587,7 @@ inline void k_rows(__m512i (&scaled)[N], const __m512i w[8], const uint8_t* p, i
                    int64_t at) {
   using Tr = Traits<F>;
   if constexpr (Tr::subs == 16) {
-    const __m512i sc0 = sub_lanes<F>(p + Tr::scales_at, j, 0), sc1 = sub_lanes<F>(p + Tr::scales_at, j, 1);
+    const __m512i sc0 = sub_lanes<F>(p, j, 0), sc1 = sub_lanes<F>(p, j, 1);
     for (int r = 0; r < N; ++r) {
       __m512i low, high;
       if constexpr (R == 1)
@@ -584,7 +597,7 @@ inline void k_rows(__m512i (&scaled)[N], const __m512i w[8], const uint8_t* p, i
       scaled[r] = _mm512_add_epi32(scaled[r], _mm512_add_epi32(_mm512_mullo_epi32(low, sc0), _mm512_mullo_epi32(high, sc1)));
     }
   } else {
-    const __m512i sub_scale = sub_lanes<F>(p + Tr::scales_at, j, 0);
+    const __m512i sub_scale = sub_lanes<F>(p, j, 0);
     for (int r = 0; r < N; ++r)
       scaled[r] = _mm512_add_epi32(scaled[r], _mm512_mullo_epi32(row_dot<R>(w, xq[r] + at), sub_scale));
   }
@@ -651,7 +664,8 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
       }
     } else {
       // The record's block sums stay integers (one activation scale covers the record): at most
-      // 8 x 32 x 31 x 127 x 63 for Q5_K, 16 x 16 x 63 x 127 x 128 for Q6_K, well inside int32.
+      // 8 x 32 x 31 x 127 x 63 for Q5_K, 16 x 16 x 63 x 127 x 128 for Q6_K, 8 x 32 x 241 x 127 x 32
+      // for IQ4_XS, inside int32.
       // Rows in two arrays of at most 4 (k_rows'): GCC keeps such an array in registers, one of
       // 8 on the stack.
       constexpr int A = R < 4 ? R : 4, B = R - A;
@@ -820,19 +834,22 @@ inline __m256i pair16(__m256i lo, __m256i hi) {
 }
 inline __m256i twice16(__m256i v) { return pair16(v, v); }
 
-// Half `lanes` of a [subs][16] table's row for block j's half h, as int32 lanes.
-template <int F>
-inline __m256i sub_lanes8(const uint8_t* table, int j, int h, int64_t lanes) {
-  const uint8_t* at = table + Traits<F>::sub(j, h) * kGroup + lanes;
-  return Traits<F>::signed_subs ? i8x8(at) : u8x8(at);
+// Half `lanes` of sub_lanes.
+template <int F, bool Min = false>
+inline __m256i sub_lanes8(const uint8_t* p, int j, int h, int64_t lanes) {
+  using Tr = Traits<F>;
+  const uint8_t* at = p + (Min ? Tr::sub_min_at : Tr::scales_at) + Tr::sub(j, h) * kGroup + lanes;
+  if constexpr (Tr::signed_subs) return i8x8(at);
+  const __m256i v = u8x8(at);
+  if constexpr (Tr::paired) return Min ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0F));
+  return v;
 }
 
 // A K record's int16 pairs for block j's activation sums per 16 (half `lanes`), as sum_weights.
 template <int F>
 inline __m256i sum_weights8(const uint8_t* p, int j, int64_t lanes) {
   using Tr = Traits<F>;
-  const uint8_t* table = p + (Tr::sub_min ? Tr::sub_min_at : Tr::scales_at);
-  return pair16(sub_lanes8<F>(table, j, 0, lanes), sub_lanes8<F>(table, j, 1, lanes));
+  return pair16(sub_lanes8<F, Tr::sub_min>(p, j, 0, lanes), sub_lanes8<F, Tr::sub_min>(p, j, 1, lanes));
 }
 
 // v x the format's code offset, as int32 lanes.
@@ -876,8 +893,8 @@ inline void half_avx2(const uint8_t* p, int64_t rec, int half, const int8_t* con
   for (int j = 0; j < Tr::blocks; ++j) {
     const int64_t block = rec * Tr::blocks + j;
     unpack8<F>(p + j * Tr::code_bytes + at, p + Tr::high_at + j * Tr::high_bytes + at, w);
-    const __m256i lo = twice16(sub_lanes8<F>(p + Tr::scales_at, j, 0, lanes));
-    const __m256i hi = Tr::subs == 16 ? twice16(sub_lanes8<F>(p + Tr::scales_at, j, 1, lanes)) : lo;
+    const __m256i lo = twice16(sub_lanes8<F>(p, j, 0, lanes));
+    const __m256i hi = Tr::subs == 16 ? twice16(sub_lanes8<F>(p, j, 1, lanes)) : lo;
     for (int r = 0; r < R; ++r)
       scaled[r] = _mm256_add_epi32(scaled[r], scaled_dots8<Tr::wide>(w, xq[r] + block * kBlock, lo, hi));
   }
@@ -1200,12 +1217,12 @@ void dequantize_row(const uint8_t* group, int64_t records, int lane, float* out)
           y[v] = Tr::has_min ? d * u + scale_at<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup, lane)
                              : d * (u - Tr::offset);
         } else {
-          const float scale = half_at(p + Tr::d_at, lane) * static_cast<float>(sub_at<F>(p + Tr::scales_at, j, v / 16, lane));
+          const float scale = half_at(p + Tr::d_at, lane) * static_cast<float>(sub_at<F>(p, j, v / 16, lane));
           if constexpr (Tr::signed_subs) {
             y[v] = scale * (u - Tr::offset);
           } else {
             const float minimum = half_at(p + Tr::d_at + 2 * kGroup, lane) *
-                                  static_cast<float>(sub_at<F>(p + Tr::sub_min_at, j, v / 16, lane));
+                                  static_cast<float>(sub_at<F, true>(p, j, v / 16, lane));
             y[v] = scale * u - minimum;
           }
         }

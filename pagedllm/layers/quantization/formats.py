@@ -34,10 +34,11 @@ reduction across lanes. A table's codes become T[u] + 128 as they are unpacked (
            u[4t + i] as its bits 2 (t % 4) and 2 (t % 4) + 1;
     scales types of 32: d (and m) as 16 float16 (MXFP4: float32); K types: sc as [subs][16] (uint8,
            or int8 for the types without minimums), mn as [subs][16] uint8 where there are
-           minimums, then d (and dmin) as 16 float16 each.
+           minimums (Q2_K: sc | mn << 4 in one table, as the file pairs them), then d (and dmin)
+           as 16 float16 each.
 
-The file's bytes are kept (the same bits a weight to within 0.125, but Q2_K's and Q3_K's
-sub-scales a byte each, MXFP4's scale as float32 and IQ3_S's grid points as codes of 5 bits),
+The file's bytes are kept (the same bits a weight to within 0.125, but Q3_K's sub-scales a byte
+each, MXFP4's scale as float32 and IQ3_S's grid points as codes of 5 bits),
 never expanded to floats. Activations are quantized to int8 with a float scale per record's values
 (`quantize_activations`): per 32 for the types of 32, per 256 for the K types, as llama.cpp
 quantizes them (its Q8_0 and Q8_K).
@@ -74,6 +75,7 @@ class Format:
     signed_subs: bool = False  # int8 sub-scales (u - offset); else uint8 ones with uint8 sub-minimums
     table: tuple[int, ...] | None = None  # 4-bit codes index it: u = table[code] + 128 (offset 128)
     scale_f32: bool = False  # d as float32 (MXFP4's powers of two), else float16
+    paired_subs: bool = False  # Q2_K: 4-bit sub-scale and sub-minimum in one byte (scale low), as in the file
 
     @property
     def record_values(self) -> int:
@@ -101,7 +103,7 @@ class Format:
         d = (4 if self.scale_f32 else 2) * GROUP
         if not self.k_quant:
             return codes + d * (2 if self.has_min else 1)
-        subs = self.subs * GROUP * (1 if self.signed_subs else 2)
+        subs = self.subs * GROUP * (1 if self.signed_subs or self.paired_subs else 2)
         return codes + subs + d * (1 if self.signed_subs else 2)
 
     @property
@@ -129,7 +131,7 @@ FORMATS = {
         Format("Q4_K", 5, 4, 256, 144, k_quant=True),
         Format("Q5_K", 6, 5, 256, 176, k_quant=True),
         Format("Q6_K", 7, 6, 256, 210, offset=32, k_quant=True, subs=16, signed_subs=True),
-        Format("Q2_K", 8, 2, 256, 84, k_quant=True, subs=16),
+        Format("Q2_K", 8, 2, 256, 84, k_quant=True, subs=16, paired_subs=True),
         Format("Q3_K", 9, 3, 256, 110, offset=4, k_quant=True, subs=16, signed_subs=True),
         Format("IQ4_NL", 10, 4, 32, 18, offset=128, table=IQ4_NL_VALUES),
         Format("IQ4_XS", 11, 4, 256, 136, offset=128, k_quant=True, signed_subs=True, table=IQ4_NL_VALUES),
@@ -418,9 +420,12 @@ def _pack_scales(fields: Fields, rows: int) -> list[np.ndarray]:
     fmt = fields.format
     if not fmt.k_quant:
         return [_by_lane(v, rows, 1) for v in (fields.scale, fields.minimum) if v is not None]
-    parts = [_by_lane(fields.sub_scale, rows, fmt.subs)]
-    if fields.sub_min is not None:
-        parts.append(_by_lane(fields.sub_min, rows, fmt.subs))
+    if fmt.paired_subs:
+        parts = [_by_lane(fields.sub_scale | (fields.sub_min << 4), rows, fmt.subs)]
+    else:
+        parts = [_by_lane(fields.sub_scale, rows, fmt.subs)]
+        if fields.sub_min is not None:
+            parts.append(_by_lane(fields.sub_min, rows, fmt.subs))
     return parts + [_by_lane(v, rows, 1) for v in (fields.scale, fields.minimum) if v is not None]
 
 
