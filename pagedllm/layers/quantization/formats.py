@@ -82,10 +82,6 @@ class Format:
         return 256 if self.k_quant else BLOCK
 
     @property
-    def sub_min(self) -> bool:
-        return self.k_quant and not self.signed_subs
-
-    @property
     def code_bytes(self) -> int:
         """A 32-value block's codes (16 rows) in the records."""
         return {2: 128, 3: 128, 8: 512}.get(self.bits, 256)
