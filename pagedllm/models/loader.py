@@ -30,6 +30,8 @@ from pagedllm.config import (
 from pagedllm.distributed.parallel_state import TensorParallel, check_head_split, head_share
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.layers.quantization.checkpoint import METHODS as CHECKPOINT_METHODS
+from pagedllm.layers.quantization.checkpoint import checkpoint_quant_config
 from pagedllm.layers.quantization.formats import BLOCK
 from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
 from pagedllm.layers.quantization.online import SCHEMES, OnlineQuantConfig
@@ -102,14 +104,15 @@ def resolve_kv_cache_dtype(spec: str | None, dtype: str) -> str | None:
     return None if cache == dtype else cache
 
 
-def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | None:
-    """vLLM's --quantization: None (or "auto") takes a GGUF file's own types; "gguf" asks for them;
-    "none" dequantizes a GGUF file at load; int8, int4 and int4_g32 quantize a Hugging Face
-    checkpoint's linear layers as it loads (layers/quantization/online.py). Quantized weights need
-    the C++ kernels on the CPU: elsewhere a GGUF file is dequantized (the log says so) and online
-    quantization is refused."""
+def resolve_quantization(spec: str | None, is_gguf: bool, device: str, checkpoint: str | None = None) -> str | None:
+    """vLLM's --quantization: None (or "auto") takes a GGUF file's own types, or a checkpoint's own
+    quant_method (`checkpoint`: awq, gptq, compressed-tensors; layers/quantization/checkpoint.py);
+    "gguf" asks for a file's types, a method's name for a checkpoint's; "none" dequantizes a GGUF
+    file at load; int8, int4 and int4_g32 quantize an unquantized checkpoint's linear layers as it
+    loads (layers/quantization/online.py). Quantized weights need the C++ kernels on the CPU:
+    elsewhere a GGUF file is dequantized (the log says so), and the rest is refused."""
     if spec in (None, "auto"):
-        spec = "gguf" if is_gguf else "none"
+        spec = "gguf" if is_gguf else checkpoint or "none"
     if spec not in QUANTIZATION_CHOICES:
         raise ValueError(f"unknown quantization {spec!r}; choose from {', '.join(QUANTIZATION_CHOICES)}")
     if spec == "gguf" and not is_gguf:
@@ -119,16 +122,37 @@ def resolve_quantization(spec: str | None, is_gguf: bool, device: str) -> str | 
             f"quantization {spec!r} quantizes a Hugging Face checkpoint; a GGUF file keeps its own "
             "types (or --quantization none to dequantize it)"
         )
+    if checkpoint is not None and spec != checkpoint:
+        raise ValueError(
+            f"this checkpoint is {checkpoint}-quantized (its config.json's quantization_config); "
+            f"--quantization {spec} cannot load it: leave it auto or give {checkpoint}"
+        )
+    if spec in CHECKPOINT_METHODS and checkpoint is None:
+        raise ValueError(
+            f"quantization {spec!r} needs a checkpoint quantized by it (config.json's "
+            f"quantization_config with quant_method {spec!r})"
+        )
     if spec == "none":
         return None
     from pagedllm.kernels import cpu_ops
 
     if not device.startswith("cpu") or cpu_ops() is None:
-        if spec in SCHEMES:
+        if spec != "gguf":
             raise ValueError(f"quantization {spec!r} needs the C++ kernels on the CPU, which are unavailable here")
         logger.info("GGUF weights are dequantized at load: the quantized kernels need the C++ kernels on the CPU")
         return None
     return spec
+
+
+def checkpoint_quantization(hf_config) -> str | None:
+    """A Hugging Face config's own quant_method (None: unquantized); one pagedllm does not load is
+    refused here, by name, before any weight loads."""
+    spec = getattr(hf_config, "quantization_config", None)
+    if spec is None:
+        return None
+    spec = spec if isinstance(spec, dict) else spec.to_dict()
+    checkpoint_quant_config(spec)
+    return spec["quant_method"]
 
 
 def load_model_config(
@@ -175,7 +199,7 @@ def load_model_config(
         is_gguf,
         frozenset(eos),
         generation,
-        resolve_quantization(quantization, is_gguf, device),
+        resolve_quantization(quantization, is_gguf, device, None if is_gguf else checkpoint_quantization(hf_config)),
         resolve_kv_cache_dtype(kv_cache_dtype, resolved),
         resolve_tasks(runner, cls.is_causal, st_pooler is not None, cls.pooling_tasks),
         pooler,
@@ -328,6 +352,9 @@ def _quant_config(model_config: ModelConfig) -> QuantizationConfig | None:
         return GGUFConfig(gguf_file.tensor_types(model_config.path))
     if model_config.quantization in SCHEMES:
         return OnlineQuantConfig(model_config.quantization)
+    if model_config.quantization in CHECKPOINT_METHODS:
+        spec = model_config.hf_config.quantization_config
+        return checkpoint_quant_config(spec if isinstance(spec, dict) else spec.to_dict())
     return None
 
 
