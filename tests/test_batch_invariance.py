@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import make_model
 from gguf_writer import write_gguf
+from hf_checkpoints import awq, gptq, quantize_folder
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 
@@ -38,7 +39,17 @@ CASES = [
     ("Q4_1", "float32"),
     ("qwen3", "bfloat16"),
     ("qwen3", "float32"),
+    ("awq", "bfloat16"),  # Hugging Face quantized folders: AWQ as Q4_1 records, GPTQ act-order's permuted inputs
+    ("gptq-act-order", "bfloat16"),
 ]
+# The quantized folders' packers (tests/hf_checkpoints.py) and configs
+FOLDERS = {
+    "awq": (lambda w: awq(w), {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}),
+    "gptq-act-order": (
+        lambda w: gptq(w, 4, True, True),
+        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True},
+    ),
+}
 # Files of mixed types, as llama.cpp's Q4_K_M mixes Q4_K and Q6_K (the newer types two files among them)
 PARTS = {
     "Q4_K": {"attn_v": "Q6_K", "ffn_down": "Q6_K"},
@@ -94,6 +105,10 @@ def case(request, tmp_path_factory, wide_llama, tokenizer_dir) -> Case:
         one_kv_head = {**WIDE, "num_key_value_heads": 1}
         path = make_model("qwen3", tmp_path_factory.mktemp("qwen3"), tokenizer_dir, num_hidden_layers=2, **one_kv_head)
         return Case(path, tokenizer_dir, dtype, kv_heads=1)
+    if checkpoint in FOLDERS:
+        root = tmp_path_factory.mktemp(checkpoint)
+        quantize_folder(wide_llama, str(root / "q"), str(root / "d"), *FOLDERS[checkpoint])
+        return Case(str(root / "q"), tokenizer_dir, dtype)
     if checkpoint != "hf":
         path = str(tmp_path_factory.mktemp(checkpoint) / "model.gguf")
         write_gguf(wide_llama, path, checkpoint, None, PARTS.get(checkpoint))

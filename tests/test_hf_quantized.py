@@ -200,3 +200,29 @@ def test_quantization_flag_against_a_quantized_folder(tmp_path, wide_llama):
     llm = LLM(str(tmp_path / "q"), quantization="awq", kv_cache_memory="16MiB")
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+@needs_kernels
+def test_a_quantized_folder_splits_over_two_ranks(llama_dir, tmp_path):
+    """GPTQ 4-bit with zero points in groups of 32 on the tiny Llama: each rank's rows (q/k/v, gate/up)
+    and its input columns in whole blocks (o_proj: 2 heads of 16, down_proj: 64 features) give one
+    rank's greedy tokens; act-order is refused at start-up, before any rank starts."""
+    config = {**gptq_config(4, False, False), "group_size": 32}
+    quantize_folder(llama_dir, str(tmp_path / "q"), str(tmp_path / "d"), lambda w: gptq(w, 4, False, False, 32), config)
+    args = dict(dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    prompts = prompts_of_mixed_lengths(49152)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    llm = LLM(str(tmp_path / "q"), tensor_parallel_size=2, **args)
+    assert greedy(llm) == greedy(LLM(str(tmp_path / "q"), **args))
+    llm.engine.shutdown()
+    act_order = {**config, "desc_act": True}
+    quantize_folder(
+        llama_dir, str(tmp_path / "a"), str(tmp_path / "ad"), lambda w: gptq(w, 4, False, True, 32), act_order
+    )
+    with pytest.raises(ValueError, match="activation order .* does not split over tensor-parallel ranks"):
+        LLM(str(tmp_path / "a"), tensor_parallel_size=2, **args)

@@ -100,9 +100,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         choices=list(QUANTIZATION_CHOICES),
-        help="weights' format: auto (a GGUF file's own quantized types, computed on as they are), "
-        "gguf (the same, asked for), none (dequantized at load to --dtype); for a Hugging Face "
-        "checkpoint, int8 (per channel), int4 (groups of 128) or int4_g32 (groups of 32)",
+        help="weights' format: auto (a GGUF file's own quantized types, or a quantized checkpoint's "
+        "own method, computed on as they are), gguf, awq, gptq, compressed-tensors (the same, asked "
+        "for), none (dequantized at load to --dtype); for an unquantized Hugging Face checkpoint, "
+        "int8 (per channel), int4 (groups of 128) or int4_g32 (groups of 32)",
     )
     parser.add_argument(
         "--kv-cache-dtype",

@@ -31,7 +31,7 @@ from pagedllm.distributed.parallel_state import TensorParallel, check_head_split
 from pagedllm.layers.linear import Linear, process_linear_weights
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.quantization.checkpoint import METHODS as CHECKPOINT_METHODS
-from pagedllm.layers.quantization.checkpoint import checkpoint_quant_config
+from pagedllm.layers.quantization.checkpoint import CheckpointQuantConfig, checkpoint_quant_config
 from pagedllm.layers.quantization.formats import BLOCK
 from pagedllm.layers.quantization.gguf import GGUFConfig, TiedHead
 from pagedllm.layers.quantization.online import SCHEMES, OnlineQuantConfig
@@ -298,6 +298,11 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     check_head_split(hf.num_attention_heads, hf.num_key_value_heads, size)
     if config.quantization in SCHEMES:
         _check_quantized_shares(config, size, SCHEMES[config.quantization] or BLOCK)
+    if config.quantization in CHECKPOINT_METHODS and _checkpoint_config(config).scheme.act_order:
+        raise ValueError(
+            "this checkpoint's activation order (GPTQ's desc_act: its layers permute their inputs) "
+            "does not split over tensor-parallel ranks; use --tensor-parallel-size 1"
+        )
 
 
 def _check_quantized_shares(config: ModelConfig, size: int, block: int) -> None:
@@ -353,9 +358,13 @@ def _quant_config(model_config: ModelConfig) -> QuantizationConfig | None:
     if model_config.quantization in SCHEMES:
         return OnlineQuantConfig(model_config.quantization)
     if model_config.quantization in CHECKPOINT_METHODS:
-        spec = model_config.hf_config.quantization_config
-        return checkpoint_quant_config(spec if isinstance(spec, dict) else spec.to_dict())
+        return _checkpoint_config(model_config)
     return None
+
+
+def _checkpoint_config(model_config: ModelConfig) -> CheckpointQuantConfig:
+    spec = model_config.hf_config.quantization_config
+    return checkpoint_quant_config(spec if isinstance(spec, dict) else spec.to_dict())
 
 
 def describe_weights(model: torch.nn.Module) -> str:

@@ -169,6 +169,7 @@ class Scheme:
     label: str  # the start-up log's name for it: "GPTQ-int4", "AWQ-int4", "W8A8-int8"
     tensors: tuple[str, ...]  # a quantized module's tensors (without its name)
     unpack: functools.partial
+    act_order: bool = False  # each input column's group stored (g_idx): the layers may permute their inputs
 
 
 class CheckpointQuantConfig(QuantizationConfig):
@@ -249,11 +250,11 @@ def _gptq_config(spec: dict) -> CheckpointQuantConfig:
     _group_size("GPTQ", spec.get("group_size", 128))
     if spec.get("dynamic"):
         _refuse("GPTQ", "dynamic", "per-module overrides", "one scheme for every layer")
-    label = f"GPTQ-int{bits}" + ("-act-order" if spec.get("desc_act") else "")
+    act_order = bool(spec.get("desc_act"))
+    label = f"GPTQ-int{bits}" + ("-act-order" if act_order else "")
     unpack = functools.partial(unpack_gptq, bits=bits, v1=form == "gptq")
-    return CheckpointQuantConfig(
-        Scheme(label, ("qweight", "qzeros", "scales", "g_idx"), unpack), tuple(spec.get("modules_to_not_convert") or ())
-    )
+    scheme = Scheme(label, ("qweight", "qzeros", "scales", "g_idx"), unpack, act_order)
+    return CheckpointQuantConfig(scheme, tuple(spec.get("modules_to_not_convert") or ()))
 
 
 def _compressed_config(spec: dict) -> CheckpointQuantConfig:
@@ -272,7 +273,9 @@ def _compressed_config(spec: dict) -> CheckpointQuantConfig:
         _refuse("compressed-tensors", "weights' strategy", strategy, "group, channel or tensor")
     if weights.get("dynamic"):
         _refuse("compressed-tensors", "weights' dynamic", True, "static weights")
-    if inputs is not None and (inputs.get("type", "int") != "int" or not inputs.get("dynamic")):
+    if inputs is not None and (
+        inputs.get("type", "int") != "int" or inputs.get("num_bits") != 8 or not inputs.get("dynamic")
+    ):
         _refuse("compressed-tensors", "input_activations", inputs, "none, or dynamic int8")
     if group.get("output_activations") or spec.get("kv_cache_scheme") or spec.get("sparsity_config"):
         _refuse("compressed-tensors", "output/KV cache quantization or sparsity", "set", "weights and inputs")
@@ -281,11 +284,10 @@ def _compressed_config(spec: dict) -> CheckpointQuantConfig:
     names = ("weight_packed", "weight_shape") if form == "pack-quantized" else ("weight",)
     names += ("weight_scale",) + (() if symmetric else ("weight_zero_point",))
     names += ("weight_g_idx",) if weights.get("actorder") == "group" else ()
-    label = f"{'W8A8' if inputs is not None else f'W{bits}A16'}-int{bits}"
+    label = f"W{bits}A{16 if inputs is None else 8}-int{bits}"
     unpack = functools.partial(unpack_compressed, bits=bits, group_size=size)
-    return CheckpointQuantConfig(
-        Scheme(label, names, unpack), tuple(spec.get("ignore") or ()), tuple(group.get("targets") or ("Linear",))
-    )
+    scheme = Scheme(label, names, unpack, "weight_g_idx" in names)
+    return CheckpointQuantConfig(scheme, tuple(spec.get("ignore") or ()), tuple(group.get("targets") or ("Linear",)))
 
 
 # -- the linear method ------------------------------------------------------------------------------
