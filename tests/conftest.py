@@ -163,6 +163,33 @@ def prompt_logprobs(llm, prompts: list[list[int]]) -> list[list[float]]:
     return [[next(iter(entry.values())).logprob for entry in o.prompt_logprobs[1:]] for o in outputs]
 
 
+# Weights of real models' scale, rows of 256 (the K types' blocks), head size 64 (the bf16 stack's):
+# the quantized formats' models (the other tiny models' 0.2 amplifies rounding many times over).
+WIDE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    initializer_range=0.05,
+)
+
+
+def teacher_forced(llm, sequences: list[list[int]]) -> torch.Tensor:
+    """Each position's logprob of the sequence's next token, all sequences' end to end."""
+    from pagedllm import SamplingParams
+
+    outputs = llm.generate(
+        [{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
+    return torch.cat(
+        [
+            torch.tensor([entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], s[1:])])
+            for o, s in zip(outputs, sequences)
+        ]
+    )
+
+
 def prompts_of_mixed_lengths(vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 73)]

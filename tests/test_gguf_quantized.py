@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from conftest import hf_greedy, make_model, prompts_of_mixed_lengths
+from conftest import WIDE, hf_greedy, make_model, prompts_of_mixed_lengths
 from gguf_writer import write_gguf
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
@@ -20,16 +20,6 @@ from pagedllm.models import decoder
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="quantized weights need the C++ kernels")
-# K types need rows of 256 values; head size 64 lets the bf16 stack run.
-# Weights of real models' scale (the other tiny models' 0.2 amplifies rounding many times over).
-WIDE = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    initializer_range=0.05,
-)
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output.weight": "Q6_K"}  # as llama.cpp's Q4_K_M mixes them
 
 

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from conftest import make_model, prompts_of_mixed_lengths
+from conftest import WIDE, make_model, prompts_of_mixed_lengths, teacher_forced
 from hf_checkpoints import awq, compressed, compressed_config, compressed_scheme, gptq, quantize_folder
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
@@ -19,15 +19,6 @@ from pagedllm.layers.quantization.formats import dequantize
 
 pytest.importorskip("compressed_tensors")
 needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="quantized weights need the C++ kernels")
-WIDE = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    initializer_range=0.05,
-    num_hidden_layers=2,
-)
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
 
@@ -154,18 +145,6 @@ def folders(request, tmp_path_factory, wide_llama) -> tuple[str, str, str, str]:
     root = tmp_path_factory.mktemp(request.param)
     quantize_folder(wide_llama, str(root / "quantized"), str(root / "dequantized"), quantize, config)
     return request.param, str(root / "quantized"), str(root / "dequantized"), label
-
-
-def teacher_forced(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
-    outputs = llm.generate(
-        [{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
-    )
-    return torch.cat(
-        [
-            torch.tensor([entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], s[1:])])
-            for o, s in zip(outputs, sequences)
-        ]
-    )
 
 
 @needs_kernels

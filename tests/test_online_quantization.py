@@ -6,21 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_model, prompts_of_mixed_lengths
+from conftest import WIDE, make_model, prompts_of_mixed_lengths, teacher_forced
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.quantization.formats import dequantize, quantize_int4_groups, quantize_int8_rows
 
 ops = cpu_ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="quantized weights need the C++ kernels")
-WIDE = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    initializer_range=0.05,
-)
 
 
 def test_int8_per_channel():
@@ -52,18 +44,6 @@ def test_int4_groups(group):
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory, tokenizer_dir) -> str:
     return make_model("llama", tmp_path_factory.mktemp("wide-llama"), tokenizer_dir, **WIDE)
-
-
-def teacher_forced(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
-    outputs = llm.generate(
-        [{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
-    )
-    return torch.cat(
-        [
-            torch.tensor([entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], s[1:])])
-            for o, s in zip(outputs, sequences)
-        ]
-    )
 
 
 @needs_kernels
