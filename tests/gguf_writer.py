@@ -26,6 +26,14 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
     "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,  # as llama.cpp writes Mixtral: a llama with experts
+    "GraniteForCausalLM": gguf.MODEL_ARCH.GRANITE,  # llama's layout (Q/K interleaved) and four multipliers
+}
+# Granite's multipliers: its config's name -> the GGUFWriter method llama.cpp's converter writes it with
+_GRANITE_SCALES = {
+    "embedding_multiplier": "add_embedding_scale",
+    "residual_multiplier": "add_residual_scale",
+    "attention_multiplier": "add_attention_scale",
+    "logits_scaling": "add_logit_scale",
 }
 # Kept F32 whatever the file's type, as llama.cpp keeps them: the routers.
 _KEEP_F32 = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.")
@@ -234,8 +242,12 @@ def write_gguf(
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    if arch == gguf.MODEL_ARCH.LLAMA:
+    llama_layout = arch in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.GRANITE)
+    if llama_layout:
         w.add_rope_dimension_count(head_dim)  # llama.cpp's llama reads head size from here
+    if arch == gguf.MODEL_ARCH.GRANITE:
+        for key, method in _GRANITE_SCALES.items():
+            getattr(w, method)(float(cfg[key]))
     if arch == gguf.MODEL_ARCH.PHI3:  # the rotated dims; LongRoPE's factors as tensors, as llama.cpp writes them
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         if rope.get("rope_type") == "longrope":
@@ -289,9 +301,9 @@ def write_gguf(
             data = data.reshape(-1)  # llama.cpp's shared-expert gate is one row, stored 1-D ({n_embd})
         if arch in (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3) and hf_name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's converter stores Gemma's norms as the scale itself
-        if arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_q." in name:
+        if llama_layout and name.startswith("blk.") and ".attn_q." in name:
             data = _permute(data, n_head)
-        elif arch == gguf.MODEL_ARCH.LLAMA and name.startswith("blk.") and ".attn_k." in name:
+        elif llama_layout and name.startswith("blk.") and ".attn_k." in name:
             data = _permute(data, n_kv)
         tensor_qt = next((_Q[t] for part, t in overrides.items() if part in name), qt)
         if any(part in name for part in _KEEP_F32):

@@ -16,12 +16,13 @@ def test_greedy_and_logprobs_match_transformers(arch, tiny_models):
     assert_matches_transformers(tiny_models[arch])
 
 
-def assert_matches_transformers(path: str) -> None:
-    """Greedy tokens equal, token and prompt logprobs within fp32 tolerance, on prompts of mixed lengths."""
+def assert_matches_transformers(path: str, ours: str | None = None) -> None:
+    """Greedy tokens equal, token and prompt logprobs within fp32 tolerance, on prompts of mixed
+    lengths: transformers on the folder `path`, pagedllm on `ours` (a file made of it) or the same."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory="64MiB")
+    llm = LLM(ours or path, dtype="float32", block_size=4, kv_cache_memory="64MiB")
     prompts = prompts_of_mixed_lengths(hf.config.vocab_size, seed=1)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     outputs = llm.generate(prompts, params, use_tqdm=False)

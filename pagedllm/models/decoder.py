@@ -208,6 +208,9 @@ MakeMLP = Callable[[int, str], nn.Module]
 
 
 class DecoderLayer(nn.Module):
+    # Each sublayer's output times this before it joins the residual (Granite's residual_multiplier).
+    residual_multiplier = 1.0
+
     def __init__(
         self,
         cfg: DecoderConfig,
@@ -227,6 +230,8 @@ class DecoderLayer(nn.Module):
         kernel_spec: qkv, o, gate/up and down ops, q and k norms, window, fp8 scales), or why it
         has none."""
         mlp_spec = getattr(self.mlp, "kernel_spec", None)
+        if self.residual_multiplier != 1.0:
+            return "the C++ decoder stack adds sublayer outputs to the residual unscaled (a residual multiplier)"
         if mlp_spec is None:
             return f"{type(self.mlp).__name__} has no kernel in the C++ decoder stack"
         attn, mlp = self.self_attn.kernel_spec(), mlp_spec()
@@ -251,8 +256,11 @@ class DecoderLayer(nn.Module):
         else:
             residual, x = self.input_layernorm.add_and_norm(residual, x)
         x = self.self_attn(x, rope, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         residual, x = self.post_attention_layernorm.add_and_norm(residual, x)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (x if self.residual_multiplier == 1.0 else x * self.residual_multiplier), residual
 
 
 class DecoderModel(nn.Module):

@@ -27,6 +27,7 @@ _MODELS = {
     "Phi3ForCausalLM": Family("phi3", "phi3", "phi3"),
     "Qwen2MoeForCausalLM": Family("qwen2_moe", "qwen2_moe", "qwen2moe"),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "qwen3_moe", "qwen3moe"),
+    "GraniteForCausalLM": Family("granite", "granite", "granite"),
     "MixtralForCausalLM": Family("mixtral", "mixtral"),  # (llama.cpp writes Mixtral as "llama" with experts)
     "LlavaForConditionalGeneration": Family("llava", "llava"),
     "Qwen2VLForConditionalGeneration": Family("qwen2_vl", "qwen2_vl", "qwen2vl"),  # (a text file: Qwen2's)

@@ -1,0 +1,70 @@
+"""Granite, OLMo 2 and SmolLM3 against transformers on tiny random models: greedy tokens equal and
+logprobs within fp32 tolerance (test_model_correctness's check), on the op-by-op path and, where the
+family runs in it, the C++ decoder stack."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import teacher_forced
+from test_model_correctness import assert_matches_transformers
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    initializer_range=0.2,
+)
+
+
+def make(config_class: str, path, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = getattr(transformers, config_class)(**{"vocab_size": len(tokenizer), **TINY, **overrides})
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# Granite 3's multipliers, of the sizes its 2B model's config gives them
+GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03, logits_scaling=8.0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_granite_matches_transformers(tmp_path, tokenizer_dir, tied):
+    assert_matches_transformers(make("GraniteConfig", tmp_path, tokenizer_dir, tie_word_embeddings=tied, **GRANITE))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_granite_gguf_loads_as_its_hf_folder(tmp_path, tokenizer_dir, qtype):
+    """Written as llama.cpp writes Granite (architecture "granite": llama's interleaved Q/K rows, the
+    multipliers as metadata): F32 gives transformers' greedy tokens and logprobs on the folder it came
+    from; Q8_0, computed on quantized, runs as Q8_0 with each position's logprob within the
+    activations' int8 rounding of the same file dequantized."""
+    from gguf_writer import write_gguf
+    from pagedllm import LLM
+
+    folder = make("GraniteConfig", tmp_path / "hf", tokenizer_dir, **GRANITE)
+    path = str(tmp_path / "granite.gguf")
+    write_gguf(folder, path, qtype, tokenizer_dir)
+    if qtype == "F32":
+        assert_matches_transformers(folder, path)
+        return
+    engine = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
+    ours = LLM(path, **engine)
+    assert ours.engine.model_runner.model.model.layers[0].self_attn.qkv_proj.formats == ("Q8_0",)
+    sequences = [list(range(7, 7 + n)) for n in (4, 19, 40)]
+    delta = (
+        teacher_forced(ours, sequences) - teacher_forced(LLM(path, quantization="none", **engine), sequences)
+    ).abs()
+    assert delta.mean() < 0.04 and delta.max() < 0.3, (delta.mean(), delta.max())
