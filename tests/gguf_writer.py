@@ -27,6 +27,8 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
     "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,  # as llama.cpp writes Mixtral: a llama with experts
     "GraniteForCausalLM": gguf.MODEL_ARCH.GRANITE,  # llama's layout (Q/K interleaved) and four multipliers
+    "SmolLM3ForCausalLM": gguf.MODEL_ARCH.SMOLLM3,  # llama's layout; its NoPE layers fixed by llama.cpp, no key
+    "Olmo2ForCausalLM": gguf.MODEL_ARCH.OLMO2,  # transformers' Q/K rows (NeoX rotary)
 }
 # Granite's multipliers: its config's name -> the GGUFWriter method llama.cpp's converter writes it with
 _GRANITE_SCALES = {
@@ -242,7 +244,7 @@ def write_gguf(
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    llama_layout = arch in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.GRANITE)
+    llama_layout = arch in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.GRANITE, gguf.MODEL_ARCH.SMOLLM3)
     if llama_layout:
         w.add_rope_dimension_count(head_dim)  # llama.cpp's llama reads head size from here
     if arch == gguf.MODEL_ARCH.GRANITE:

@@ -45,17 +45,40 @@ def test_granite_matches_transformers(tmp_path, tokenizer_dir, tied):
     assert_matches_transformers(make("GraniteConfig", tmp_path, tokenizer_dir, tie_word_embeddings=tied, **GRANITE))
 
 
+def test_olmo2_matches_transformers(tmp_path, tokenizer_dir):
+    assert_matches_transformers(make("Olmo2Config", tmp_path, tokenizer_dir))
+
+
+@pytest.mark.parametrize("interval", [2, 4])
+def test_smollm3_matches_transformers(tmp_path, tokenizer_dir, interval):
+    """Layers without rotary (NoPE) every `interval` layers: 4 layers, so at least one of each kind."""
+    folder = make("SmolLM3Config", tmp_path, tokenizer_dir, num_hidden_layers=4, no_rope_layer_interval=interval)
+    assert_matches_transformers(folder)
+
+
+# Each family as llama.cpp's converter writes it (tests/gguf_writer.py): Granite a llama layout (Q/K
+# interleaved) with its multipliers as metadata; SmolLM3 a llama layout with no key for its NoPE
+# layers (llama.cpp fixes them at every fourth, its config's default); OLMo 2 with transformers' Q/K
+# rows and its post-norms and full-width q/k norms as tensors of their own.
+GGUF_FAMILIES = {
+    "granite": ("GraniteConfig", GRANITE),
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4}),
+    "olmo2": ("Olmo2Config", {}),
+}
+
+
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-def test_granite_gguf_loads_as_its_hf_folder(tmp_path, tokenizer_dir, qtype):
-    """Written as llama.cpp writes Granite (architecture "granite": llama's interleaved Q/K rows, the
-    multipliers as metadata): F32 gives transformers' greedy tokens and logprobs on the folder it came
-    from; Q8_0, computed on quantized, runs as Q8_0 with each position's logprob within the
-    activations' int8 rounding of the same file dequantized."""
+def test_gguf_file_loads_as_its_hf_folder(tmp_path, tokenizer_dir, family, qtype):
+    """F32: transformers' greedy tokens and logprobs on the folder the file came from. Q8_0, computed
+    on quantized: each position's logprob within the activations' int8 rounding of the same file
+    dequantized at load."""
     from gguf_writer import write_gguf
     from pagedllm import LLM
 
-    folder = make("GraniteConfig", tmp_path / "hf", tokenizer_dir, **GRANITE)
-    path = str(tmp_path / "granite.gguf")
+    config_class, overrides = GGUF_FAMILIES[family]
+    folder = make(config_class, tmp_path / "hf", tokenizer_dir, **overrides)
+    path = str(tmp_path / f"{family}.gguf")
     write_gguf(folder, path, qtype, tokenizer_dir)
     if qtype == "F32":
         assert_matches_transformers(folder, path)

@@ -125,6 +125,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = self.head_dim**-0.5
         self.logit_softcap: float | None = None  # Gemma 2's attention scores: tanh(s / cap) * cap
+        self.use_rope = True  # False: no rotary embedding in this layer (SmolLM3's NoPE layers)
         self.kv_group = 0  # the group of layers whose block tables it reads (config.KVCacheGroups)
         # Of an fp8 KV cache: 1.0, as vLLM takes them where the checkpoint gives none.
         self.kv_scales = KVScales()
@@ -134,6 +135,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.qk_norm:
             self._norm_qk(qkv)
+        if not self.use_rope:  # cos 1, sin 0: q and k as they are, through the same kernel
+            rope = RopeTables(torch.ones_like(rope.cos), torch.zeros_like(rope.sin))
         q, _, _ = rotary_and_write_kv(
             qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads, self.kv_scales
         )
@@ -148,6 +151,8 @@ class Attention(nn.Module):
         None, window, fp8 scales), or why it has none. Its linear layers' ops come from their methods."""
         if self.logit_softcap is not None:
             return "soft-capped attention scores have no kernel in the C++ decoder stack"
+        if not self.use_rope:
+            return "the C++ decoder stack rotates every layer's q and k (this model has layers without rotary)"
         norms = (self.q_norm.weight.detach(), self.k_norm.weight.detach()) if self.qk_norm else (None, None)
         ops = (self.qkv_proj.kernel_spec(), self.o_proj.kernel_spec())
         return (*ops, *norms, self.sliding_window or 0, self.kv_scales.k, self.kv_scales.v)
@@ -210,6 +215,7 @@ MakeMLP = Callable[[int, str], nn.Module]
 class DecoderLayer(nn.Module):
     # Each sublayer's output times this before it joins the residual (Granite's residual_multiplier).
     residual_multiplier = 1.0
+    attention_class: ClassVar[type[Attention]] = Attention
 
     def __init__(
         self,
@@ -220,7 +226,7 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, sliding_window, quant, f"{prefix}.self_attn")
+        self.self_attn = self.attention_class(cfg, sliding_window, quant, f"{prefix}.self_attn")
         self.mlp = mlp if mlp is not None else GatedMLP(cfg, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -273,12 +279,13 @@ class DecoderModel(nn.Module):
         max_positions: int,
         quant: QuantizationConfig | None,
         make_mlp: MakeMLP | None = None,
+        layer_class: type[DecoderLayer] = DecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = token_embedding(quant, "model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(config, cfg.head_dim, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            layer_class(
                 cfg, window, quant, f"model.layers.{i}", make_mlp(i, f"model.layers.{i}.mlp") if make_mlp else None
             )
             for i, window in enumerate(cfg.sliding_windows)
@@ -297,6 +304,8 @@ class DecoderForCausalLM(CausalLM):
     qk_norm: ClassVar[bool] = False
     # The checkpoint holds q/k/v and gate/up fused already (Phi-3), loaded whole.
     fused_checkpoint: ClassVar[bool] = False
+    # The layer the body is made of (OLMo 2: norms after each sublayer, not before).
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
     # (our fused parameter, the checkpoint's name for one shard of it, that shard's id).
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
         ("qkv_proj", "q_proj", "q"),
@@ -349,7 +358,7 @@ class DecoderForCausalLM(CausalLM):
         self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None
     ) -> nn.Module:
         """The body (embeddings, layers, final norm); a family with other layers builds its own."""
-        return DecoderModel(config, cfg, max_positions, quant)
+        return DecoderModel(config, cfg, max_positions, quant, layer_class=self.decoder_layer)
 
     def forward(
         self,

@@ -208,6 +208,16 @@ def _config_values(reader, arch: str, fmt: GGUFFormat) -> dict:
     return values
 
 
+def family_config(config_class: str, architecture: str, values: dict, **fields):
+    """A family's transformers config (transformers' `config_class`) from the shared GGUF values
+    (read under llama's keys: its transformers_key) and the family's own `fields`."""
+    import transformers
+
+    values = {k: v for k, v in values.items() if k != "model_type"}
+    rope = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta", 10000.0))}
+    return getattr(transformers, config_class)(**values, **fields, rope_parameters=rope, architectures=[architecture])
+
+
 def field_value(reader, key: str):
     """A metadata field's value (None where the file has none)."""
     return _field(reader, key)

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import DecoderForCausalLM
-from pagedllm.models.gguf import GGUFFormat, field_value
+from pagedllm.models.gguf import GGUFFormat, family_config, field_value
 
 # config field -> its GGUF key (after "granite.")
 GGUF_MULTIPLIERS = {
@@ -23,16 +23,9 @@ GGUF_MULTIPLIERS = {
 
 
 def granite_gguf_config(reader, values: dict):
-    from transformers import GraniteConfig
-
-    values = {k: v for k, v in values.items() if k != "model_type"}
-    rope = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta", 10000.0))}
-    multipliers = {}
-    for name, key in GGUF_MULTIPLIERS.items():
-        value = field_value(reader, f"granite.{key}")
-        if value is not None:
-            multipliers[name] = float(value)
-    return GraniteConfig(**values, **multipliers, rope_parameters=rope, architectures=["GraniteForCausalLM"])
+    multipliers = {name: field_value(reader, f"granite.{key}") for name, key in GGUF_MULTIPLIERS.items()}
+    present = {name: float(value) for name, value in multipliers.items() if value is not None}
+    return family_config("GraniteConfig", "GraniteForCausalLM", values, **present)
 
 
 class GraniteForCausalLM(DecoderForCausalLM):
