@@ -36,11 +36,11 @@ def test_the_four_classes_are_distinct():
 def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones():
     supported = (
         "BertForSequenceClassification, BertModel, Gemma2ForCausalLM, Gemma3ForCausalLM, "
-        "Gemma3ForConditionalGeneration, LlamaForCausalLM, "
+        "Gemma3ForConditionalGeneration, GraniteForCausalLM, LlamaForCausalLM, "
         "LlavaForConditionalGeneration, "
-        "MistralForCausalLM, MixtralForCausalLM, "
+        "MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, "
         "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen2VLForConditionalGeneration, Qwen3ForCausalLM, "
-        "Qwen3MoeForCausalLM"
+        "Qwen3MoeForCausalLM, SmolLM3ForCausalLM"
     )
     with pytest.raises(
         ValueError,
