@@ -91,3 +91,29 @@ def test_gguf_file_loads_as_its_hf_folder(tmp_path, tokenizer_dir, family, qtype
         teacher_forced(ours, sequences) - teacher_forced(LLM(path, quantization="none", **engine), sequences)
     ).abs()
     assert delta.mean() < 0.04 and delta.max() < 0.3, (delta.mean(), delta.max())
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["granite", "smollm3"])
+def test_two_ranks_give_one_rank_greedy_tokens(tmp_path, tokenizer_dir, family):
+    from pagedllm import LLM, SamplingParams
+
+    config_class, overrides = GGUF_FAMILIES[family]
+    folder = make(config_class, tmp_path, tokenizer_dir, **overrides)
+    args = dict(dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    split = LLM(folder, tensor_parallel_size=2, **args)
+    assert greedy(split) == greedy(LLM(folder, **args))
+    split.engine.shutdown()
+
+
+def test_olmo2_refuses_tensor_parallelism_at_start_up(tmp_path, tokenizer_dir):
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="Olmo2ForCausalLM does not split over tensor-parallel ranks"):
+        LLM(make("Olmo2Config", tmp_path, tokenizer_dir), tensor_parallel_size=2)
