@@ -45,6 +45,12 @@ def test_granite_matches_transformers(tmp_path, tokenizer_dir, tied):
     assert_matches_transformers(make("GraniteConfig", tmp_path, tokenizer_dir, tie_word_embeddings=tied, **GRANITE))
 
 
+def test_granite_moe_matches_transformers(tmp_path, tokenizer_dir):
+    """Top-2 of 4 experts on every layer, Granite's multipliers."""
+    experts = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    assert_matches_transformers(make("GraniteMoeConfig", tmp_path, tokenizer_dir, **GRANITE, **experts))
+
+
 def test_olmo2_matches_transformers(tmp_path, tokenizer_dir):
     assert_matches_transformers(make("Olmo2Config", tmp_path, tokenizer_dir))
 

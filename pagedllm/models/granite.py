@@ -7,7 +7,10 @@ granite.embedding_scale, .residual_scale, .attention.scale and .logit_scale."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import DecoderForCausalLM
@@ -28,8 +31,11 @@ def granite_gguf_config(reader, values: dict):
     return family_config("GraniteConfig", "GraniteForCausalLM", values, **present)
 
 
-class GraniteForCausalLM(DecoderForCausalLM):
-    gguf = GGUFFormat(permuted_qk=True, transformers_key="llama", config=granite_gguf_config)
+class GraniteMultipliers:
+    """Granite's four multipliers on a causal LM of the shared decoder (Granite-MoE's too)."""
+
+    config: Any
+    model: nn.Module
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__(config, max_positions, quant_config)
@@ -42,3 +48,7 @@ class GraniteForCausalLM(DecoderForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.config.logits_scaling
+
+
+class GraniteForCausalLM(GraniteMultipliers, DecoderForCausalLM):
+    gguf = GGUFFormat(permuted_qk=True, transformers_key="llama", config=granite_gguf_config)

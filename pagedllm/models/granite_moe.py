@@ -1,0 +1,52 @@
+"""Granite-MoE (IBM's Granite 3 MoE models): Granite's layers and multipliers (granite.py) with every
+MLP a mixture of experts, its top-k weights a softmax over the k chosen logits (the full softmax's
+top-k renormalized). The checkpoint stacks the experts: block_sparse_moe.input_linear [experts,
+2 x intermediate (gate, then up), hidden], output_linear [experts, hidden, intermediate] and
+router.layer; each expert's rows load as its own gate, up and down projections."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from pagedllm.models.granite import GraniteMultipliers
+from pagedllm.models.moe import SparseMoEForCausalLM
+
+
+class GraniteMoeForCausalLM(GraniteMultipliers, SparseMoEForCausalLM):
+    always_renormalize = True
+
+    @staticmethod
+    def is_sparse(config, index: int) -> bool:
+        return True
+
+    @staticmethod
+    def num_experts(config) -> int:
+        return config.num_local_experts
+
+    @staticmethod
+    def expert_size(config) -> int:
+        return config.intermediate_size
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_per_expert(weights))
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        prefix, found, part = name.partition(".block_sparse_moe.")
+        if not found:
+            yield name, tensor
+        elif part == "router.layer.weight":
+            yield f"{prefix}.mlp.gate.weight", tensor
+        elif part == "input_linear.weight":
+            for e, rows in enumerate(tensor):
+                gate, up = rows.chunk(2)
+                yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", gate
+                yield f"{prefix}.mlp.experts.{e}.up_proj.weight", up
+        elif part == "output_linear.weight":
+            for e, rows in enumerate(tensor):
+                yield f"{prefix}.mlp.experts.{e}.down_proj.weight", rows
+        else:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in GraniteMoeForCausalLM")
