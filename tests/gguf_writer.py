@@ -27,6 +27,7 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
     "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,  # as llama.cpp writes Mixtral: a llama with experts
     "GraniteForCausalLM": gguf.MODEL_ARCH.GRANITE,  # llama's layout (Q/K interleaved) and four multipliers
+    "GraniteMoeForCausalLM": gguf.MODEL_ARCH.GRANITE_MOE,  # the same, its stacked experts split gate from up
     "SmolLM3ForCausalLM": gguf.MODEL_ARCH.SMOLLM3,  # llama's layout; its NoPE layers fixed by llama.cpp, no key
     "Olmo2ForCausalLM": gguf.MODEL_ARCH.OLMO2,  # transformers' Q/K rows (NeoX rotary)
 }
@@ -159,6 +160,24 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = t
     for name, by_expert in stacks.items():
         out[name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return _granite_moe_experts(out)
+
+
+def _granite_moe_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Granite-MoE's stacked experts (already [experts, rows, columns]: its input_linear gate and up
+    together) under the names above, gate split from up as llama.cpp's converter splits them."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        prefix, found, part = name.partition(".mlp.")
+        if found and part == "input_linear.weight":
+            gate, up = t.chunk(2, dim=1)
+            out[f"{prefix}.mlp.experts.gate_proj.weight"], out[f"{prefix}.mlp.experts.up_proj.weight"] = gate, up
+        elif found and part == "output_linear.weight":
+            out[f"{prefix}.mlp.experts.down_proj.weight"] = t
+        elif found and part == "router.layer.weight":
+            out[f"{prefix}.mlp.gate.weight"] = t
+        else:
+            out[name] = t
     return out
 
 
@@ -244,10 +263,11 @@ def write_gguf(
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    llama_layout = arch in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.GRANITE, gguf.MODEL_ARCH.SMOLLM3)
+    granite = arch in (gguf.MODEL_ARCH.GRANITE, gguf.MODEL_ARCH.GRANITE_MOE)
+    llama_layout = granite or arch in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.SMOLLM3)
     if llama_layout:
         w.add_rope_dimension_count(head_dim)  # llama.cpp's llama reads head size from here
-    if arch == gguf.MODEL_ARCH.GRANITE:
+    if granite:
         for key, method in _GRANITE_SCALES.items():
             getattr(w, method)(float(cfg[key]))
     if arch == gguf.MODEL_ARCH.PHI3:  # the rotated dims; LongRoPE's factors as tensors, as llama.cpp writes them

@@ -38,6 +38,7 @@ def make(config_class: str, path, tokenizer_dir: str, seed: int = 0, **overrides
 
 # Granite 3's multipliers, of the sizes its 2B model's config gives them
 GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03, logits_scaling=8.0)
+EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)  # Granite-MoE's: top-2 of 4
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -47,8 +48,7 @@ def test_granite_matches_transformers(tmp_path, tokenizer_dir, tied):
 
 def test_granite_moe_matches_transformers(tmp_path, tokenizer_dir):
     """Top-2 of 4 experts on every layer, Granite's multipliers."""
-    experts = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
-    assert_matches_transformers(make("GraniteMoeConfig", tmp_path, tokenizer_dir, **GRANITE, **experts))
+    assert_matches_transformers(make("GraniteMoeConfig", tmp_path, tokenizer_dir, **GRANITE, **EXPERTS))
 
 
 def test_olmo2_matches_transformers(tmp_path, tokenizer_dir):
@@ -68,6 +68,7 @@ def test_smollm3_matches_transformers(tmp_path, tokenizer_dir, interval):
 # rows and its post-norms and full-width q/k norms as tensors of their own.
 GGUF_FAMILIES = {
     "granite": ("GraniteConfig", GRANITE),
+    "granite-moe": ("GraniteMoeConfig", {**GRANITE, **EXPERTS}),
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4}),
     "olmo2": ("Olmo2Config", {}),
 }

@@ -25,10 +25,14 @@ GGUF_MULTIPLIERS = {
 }
 
 
-def granite_gguf_config(reader, values: dict):
-    multipliers = {name: field_value(reader, f"granite.{key}") for name, key in GGUF_MULTIPLIERS.items()}
+def granite_gguf_config(reader, values: dict, arch: str = "granite", **fields):
+    """Granite's config from a granite (or granitemoe) file: the multipliers where it has them."""
+    multipliers = {name: field_value(reader, f"{arch}.{key}") for name, key in GGUF_MULTIPLIERS.items()}
     present = {name: float(value) for name, value in multipliers.items() if value is not None}
-    return family_config("GraniteConfig", "GraniteForCausalLM", values, **present)
+    config_class, architecture = (
+        ("GraniteConfig", "GraniteForCausalLM") if arch == "granite" else ("GraniteMoeConfig", "GraniteMoeForCausalLM")
+    )
+    return family_config(config_class, architecture, values, **present, **fields)
 
 
 class GraniteMultipliers:

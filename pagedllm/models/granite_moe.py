@@ -2,7 +2,8 @@
 MLP a mixture of experts, its top-k weights a softmax over the k chosen logits (the full softmax's
 top-k renormalized). The checkpoint stacks the experts: block_sparse_moe.input_linear [experts,
 2 x intermediate (gate, then up), hidden], output_linear [experts, hidden, intermediate] and
-router.layer; each expert's rows load as its own gate, up and down projections."""
+router.layer; each expert's rows load as its own gate, up and down projections. llama.cpp's
+granitemoe files stack them as the other MoE files do (ffn_gate_exps, ffn_up_exps, ffn_down_exps)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,22 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pagedllm.models.granite import GraniteMultipliers
+from pagedllm.models.gguf import GGUFFormat, field_value
+from pagedllm.models.granite import GraniteMultipliers, granite_gguf_config
 from pagedllm.models.moe import SparseMoEForCausalLM
 
 
+def granite_moe_gguf_config(reader, values: dict):
+    """llama.cpp's granitemoe file: Granite's, with its experts' count and top-k."""
+    experts = {
+        "num_local_experts": int(field_value(reader, "granitemoe.expert_count")),
+        "num_experts_per_tok": int(field_value(reader, "granitemoe.expert_used_count")),
+    }
+    return granite_gguf_config(reader, values, "granitemoe", **experts)
+
+
 class GraniteMoeForCausalLM(GraniteMultipliers, SparseMoEForCausalLM):
+    gguf = GGUFFormat(permuted_qk=True, transformers_key="llama", config=granite_moe_gguf_config)
     always_renormalize = True
 
     @staticmethod

@@ -28,7 +28,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": Family("qwen2_moe", "qwen2_moe", "qwen2moe"),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "qwen3_moe", "qwen3moe"),
     "GraniteForCausalLM": Family("granite", "granite", "granite"),
-    "GraniteMoeForCausalLM": Family("granite_moe", "granitemoe"),
+    "GraniteMoeForCausalLM": Family("granite_moe", "granitemoe", "granitemoe"),
     "Olmo2ForCausalLM": Family("olmo2", "olmo2", "olmo2"),
     "SmolLM3ForCausalLM": Family("smollm3", "smollm3", "smollm3"),
     "MixtralForCausalLM": Family("mixtral", "mixtral"),  # (llama.cpp writes Mixtral as "llama" with experts)
