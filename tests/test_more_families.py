@@ -51,6 +51,20 @@ def test_granite_moe_matches_transformers(tmp_path, tokenizer_dir):
     assert_matches_transformers(make("GraniteMoeConfig", tmp_path, tokenizer_dir, **GRANITE, **EXPERTS))
 
 
+def test_gpt_oss_matches_transformers(tmp_path, tokenizer_dir):
+    """Top-2 of 4 experts (clamped SwiGLU, biases), attention sinks, a window of 8 on every other layer,
+    YaRN; sinks drawn away from 0, so that they matter."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make("GptOssConfig", tmp_path, tokenizer_dir, head_dim=16, sliding_window=8, **EXPERTS)
+    weights = load_file(f"{folder}/model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in weights if n.endswith("sinks") or n.endswith("_bias") or n.endswith("router.bias")]:
+        weights[name] = torch.randn(weights[name].shape, generator=g)
+    save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    assert_matches_transformers(folder)
+
+
 def test_olmo2_matches_transformers(tmp_path, tokenizer_dir):
     assert_matches_transformers(make("Olmo2Config", tmp_path, tokenizer_dir))
 

@@ -114,17 +114,19 @@ def paged_attention(
     sliding_window: int | None,
     scales: KVScales = KVScales(),
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> same shape; this step's keys and values are already
     in the cache, which the kernel reads for every token.
 
     Every query token attends by one fixed order of operations, whatever its step holds (a
     decode, a prefill chunk, a recompute, a verification), so outputs are batch- and
-    cache-invariant. Scores soft-capped (Gemma 2: tanh(s / cap) * cap) go the torch reference's
-    way: the kernels have no cap."""
+    cache-invariant. Scores soft-capped (Gemma 2: tanh(s / cap) * cap) and attention sinks (gpt-oss:
+    a learned logit per head in each softmax's denominator, `sinks` [num_heads]) go the torch
+    reference's way: the kernels have neither."""
     ops = cpu_ops() if q.device.type == "cpu" else None
-    if ops is None or softcap:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales, softcap)
+    if ops is None or softcap or sinks is not None:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales, softcap, sinks)
     out = torch.empty_like(q)
     ops.paged_attention(
         out,
@@ -151,6 +153,7 @@ def paged_attention_reference(
     sliding_window: int | None,
     scales: KVScales = KVScales(),
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch attention, one sequence at a time: the oracle for the kernel and its fallback."""
     outputs = []
@@ -162,7 +165,8 @@ def paged_attention_reference(
         if sliding_window:
             mask &= k_pos > q_pos - sliding_window
         rows = q[start : start + q_len]
-        outputs.append(_attend(rows, k_cache, v_cache, meta.block_tables[b], seq_len, mask, scale, scales, softcap))
+        table = meta.block_tables[b]
+        outputs.append(_attend(rows, k_cache, v_cache, table, seq_len, mask, scale, scales, softcap, sinks))
         start += q_len
     return torch.cat(outputs, dim=0)
 
@@ -177,6 +181,7 @@ def image_attention(
     sliding_window: int | None,
     scales: KVScales = KVScales(),
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Over `out` (the causal attention's), each of meta.image_spans' rows attends as transformers'
     Gemma 3 has it: to every key up to its image's last token (those after it in the same image
@@ -189,7 +194,8 @@ def image_attention(
         if sliding_window:
             q_pos = torch.arange(first + lo - starts[b], end, device=q.device)[:, None]
             mask = torch.arange(end, device=q.device)[None, :] > q_pos - sliding_window
-        out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, meta.block_tables[b], end, mask, scale, scales, softcap)
+        table = meta.block_tables[b]
+        out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, table, end, mask, scale, scales, softcap, sinks)
 
 
 def _attend(
@@ -202,9 +208,11 @@ def _attend(
     scale: float,
     scales: KVScales,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [rows, heads, head_dim] over a sequence's first `num_keys` cached keys where `mask`
-    ([rows, num_keys]; None: all) allows -> [rows, heads, head_dim]."""
+    ([rows, num_keys]; None: all) allows -> [rows, heads, head_dim]. `sinks`: one more logit per
+    head in each softmax, attending to nothing."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
     blocks = block_table[: -(-num_keys // block_size)].long()
@@ -213,11 +221,18 @@ def _attend(
     qs = q.transpose(0, 1)  # [H, rows, D]
     ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
     vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
-    if softcap:
-        scores = torch.tanh(qs @ ks.transpose(1, 2) * scale / softcap) * softcap
+    if softcap or sinks is not None:
+        scores = qs @ ks.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1, dtype=torch.float).to(vs.dtype) @ vs
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float)
+        else:
+            sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float)[..., :-1]
+        out = probs.to(vs.dtype) @ vs
     else:
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)

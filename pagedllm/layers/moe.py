@@ -6,6 +6,8 @@ Optionally a shared expert every token goes through, scaled by a sigmoid gate (Q
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,9 @@ class Expert(nn.Module):
 
 class SparseMoE(nn.Module):
     """`renormalize`: the top-k probabilities rescaled to sum to 1 (Qwen3-MoE's norm_topk_prob,
-    Mixtral); else the full softmax's values are kept (Qwen2-MoE's default)."""
+    Mixtral); else the full softmax's values are kept (Qwen2-MoE's default). `router_bias`: the
+    router's logits have a bias (gpt-oss); `expert`: what an expert is made by (hidden,
+    intermediate, quant, prefix), Expert's gated MLP unless a family has its own."""
 
     def __init__(
         self,
@@ -46,12 +50,14 @@ class SparseMoE(nn.Module):
         quant: QuantizationConfig | None,
         prefix: str,
         shared_intermediate: int = 0,
+        router_bias: bool = False,
+        expert: Callable[[int, int, QuantizationConfig | None, str], nn.Module] = Expert,
     ) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = Linear(hidden, num_experts, bias=False)  # the router, unquantized as llama.cpp keeps it
+        self.gate = Linear(hidden, num_experts, bias=router_bias)  # the router, unquantized as llama.cpp keeps it
         self.experts = nn.ModuleList(
-            Expert(hidden, intermediate, quant, f"{prefix}.experts.{e}") for e in range(num_experts)
+            expert(hidden, intermediate, quant, f"{prefix}.experts.{e}") for e in range(num_experts)
         )
         self.shared_expert = (
             Expert(hidden, shared_intermediate, quant, f"{prefix}.shared_expert") if shared_intermediate else None

@@ -125,6 +125,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = self.head_dim**-0.5
         self.logit_softcap: float | None = None  # Gemma 2's attention scores: tanh(s / cap) * cap
+        self.sinks: torch.Tensor | None = None  # gpt-oss's: a logit per head in each softmax
         self.use_rope = True  # False: no rotary embedding in this layer (SmolLM3's NoPE layers)
         self.kv_group = 0  # the group of layers whose block tables it reads (config.KVCacheGroups)
         # Of an fp8 KV cache: 1.0, as vLLM takes them where the checkpoint gives none.
@@ -140,7 +141,8 @@ class Attention(nn.Module):
         q, _, _ = rotary_and_write_kv(
             qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads, self.kv_scales
         )
-        args = (kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.kv_scales, self.logit_softcap)
+        cache = (kv_cache[0], kv_cache[1], meta)
+        args = (*cache, self.scale, self.sliding_window, self.kv_scales, self.logit_softcap, self.sinks)
         out = paged_attention(q, *args)
         if meta.image_spans:
             image_attention(out, q, *args)
@@ -149,8 +151,8 @@ class Attention(nn.Module):
     def kernel_spec(self) -> tuple | str:
         """Its part of a C++ decoder-stack layer (add_layer's qkv and o ops, q and k norm weights or
         None, window, fp8 scales), or why it has none. Its linear layers' ops come from their methods."""
-        if self.logit_softcap is not None:
-            return "soft-capped attention scores have no kernel in the C++ decoder stack"
+        if self.logit_softcap is not None or self.sinks is not None:
+            return "soft-capped attention scores and attention sinks have no kernel in the C++ decoder stack"
         if not self.use_rope:
             return "the C++ decoder stack rotates every layer's q and k (this model has layers without rotary)"
         norms = (self.q_norm.weight.detach(), self.k_norm.weight.detach()) if self.qk_norm else (None, None)

@@ -4,11 +4,12 @@ set its options and their checkpoint's names."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from torch import nn
 
-from pagedllm.layers.moe import SparseMoE
+from pagedllm.layers.moe import Expert, SparseMoE
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderModel, GatedMLP
 
@@ -19,6 +20,8 @@ class SparseMoEForCausalLM(DecoderForCausalLM):
     shared_expert: ClassVar[bool] = False
     # Top-k probabilities rescaled to sum to 1 whatever the config says (Mixtral).
     always_renormalize: ClassVar[bool] = False
+    # The router's logits have a bias (gpt-oss).
+    router_bias: ClassVar[bool] = False
 
     def build_model(
         self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None
@@ -36,9 +39,16 @@ class SparseMoEForCausalLM(DecoderForCausalLM):
                 quant,
                 prefix,
                 shared,
+                self.router_bias,
+                self.make_expert(config),
             )
 
-        return DecoderModel(config, cfg, max_positions, quant, make_mlp)
+        return DecoderModel(config, cfg, max_positions, quant, make_mlp, self.decoder_layer)
+
+    @staticmethod
+    def make_expert(config) -> Callable[[int, int, QuantizationConfig | None, str], nn.Module]:
+        """What the family's experts are made by (layers/moe.py's SparseMoE `expert`)."""
+        return Expert
 
     @staticmethod
     def is_sparse(config, index: int) -> bool:

@@ -1,0 +1,100 @@
+"""gpt-oss (OpenAI): a mixture of experts on every layer, attention with sinks (a learned logit per
+head in each softmax's denominator), sliding and full layers alternating (layer_types), q/k/v/o
+biases, YaRN rotary; its router has a bias and softmaxes the top-k logits (the full softmax's top-k
+renormalized), and its experts' activation is a clamped SwiGLU: (up + 1) * gate * sigmoid(alpha
+gate), gate clamped above at `swiglu_limit`, up within +-limit. The checkpoint stacks the experts,
+gate_up_proj [experts, hidden, 2 x intermediate] with gate and up interleaved column by column,
+down_proj [experts, intermediate, hidden], each with a bias: each expert's rows load as its own
+gate, up and down projections. Op by op (the C++ stack has no sinks), on one rank."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import GateUpLinear, Linear
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.models.decoder import Attention, DecoderConfig, DecoderLayer, linear_method
+from pagedllm.models.moe import SparseMoEForCausalLM
+
+
+class GptOssAttention(Attention):
+    def __init__(
+        self, cfg: DecoderConfig, sliding_window: int | None, quant: QuantizationConfig | None, prefix: str
+    ) -> None:
+        super().__init__(cfg, sliding_window, quant, prefix)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads))
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    attention_class = GptOssAttention
+
+
+class GptOssExpert(nn.Module):
+    """down((up + 1) * glu(gate)), with biases; the clamped SwiGLU on the gate/up product."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str, alpha: float, limit: float
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(
+            hidden, 2 * intermediate, True, linear_method(quant, prefix, "gate_proj", "up_proj")
+        )
+        self.down_proj = Linear(intermediate, hidden, True, linear_method(quant, prefix, "down_proj"))
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+
+class GptOssForCausalLM(SparseMoEForCausalLM):
+    decoder_layer = GptOssDecoderLayer
+    always_renormalize = True
+    router_bias = True
+
+    @staticmethod
+    def is_sparse(config, index: int) -> bool:
+        return True
+
+    @staticmethod
+    def num_experts(config) -> int:
+        return config.num_local_experts
+
+    @staticmethod
+    def expert_size(config) -> int:
+        return config.intermediate_size
+
+    @staticmethod
+    def make_expert(config) -> Callable[[int, int, QuantizationConfig | None, str], nn.Module]:
+        return functools.partial(GptOssExpert, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_per_expert(weights))
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's stacked experts as each expert's own tensors; the router as mlp.gate."""
+    for name, tensor in weights:
+        prefix, found, part = name.partition(".mlp.")
+        if not found:
+            yield name, tensor
+        elif part.startswith("router."):
+            yield f"{prefix}.mlp.gate.{part.removeprefix('router.')}", tensor
+        elif part in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+            kind = "weight" if part.endswith("proj") else "bias"
+            for e, rows in enumerate(tensor):
+                rows = rows.T if kind == "weight" else rows  # [2 x intermediate (interleaved), hidden]
+                yield f"{prefix}.mlp.experts.{e}.gate_proj.{kind}", rows[0::2]
+                yield f"{prefix}.mlp.experts.{e}.up_proj.{kind}", rows[1::2]
+        elif part in ("experts.down_proj", "experts.down_proj_bias"):
+            kind = "weight" if part.endswith("proj") else "bias"
+            for e, rows in enumerate(tensor):
+                yield f"{prefix}.mlp.experts.{e}.down_proj.{kind}", rows.T if kind == "weight" else rows
+        else:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in GptOssForCausalLM")
