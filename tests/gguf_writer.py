@@ -30,6 +30,7 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "GraniteMoeForCausalLM": gguf.MODEL_ARCH.GRANITE_MOE,  # the same, its stacked experts split gate from up
     "SmolLM3ForCausalLM": gguf.MODEL_ARCH.SMOLLM3,  # llama's layout; its NoPE layers fixed by llama.cpp, no key
     "Olmo2ForCausalLM": gguf.MODEL_ARCH.OLMO2,  # transformers' Q/K rows (NeoX rotary)
+    "GptOssForCausalLM": gguf.MODEL_ARCH.GPT_OSS,  # its stacked experts de-interleaved and transposed
 }
 # Granite's multipliers: its config's name -> the GGUFWriter method llama.cpp's converter writes it with
 _GRANITE_SCALES = {
@@ -160,7 +161,27 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = t
     for name, by_expert in stacks.items():
         out[name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
-    return _granite_moe_experts(out)
+    return _gpt_oss_experts(_granite_moe_experts(out))
+
+
+def _gpt_oss_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts as llama.cpp's converter writes them: gate_up_proj [experts, hidden, 2 x
+    intermediate] transposed and split by columns (gate the even ones, up the odd), down_proj
+    transposed; their biases likewise."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        prefix, found, part = name.partition(".mlp.experts.")
+        if found and part in ("gate_up_proj", "gate_up_proj_bias"):
+            kind = "weight" if part == "gate_up_proj" else "bias"
+            rows = t.transpose(-1, -2) if kind == "weight" else t
+            out[f"{prefix}.mlp.experts.gate_proj.{kind}"] = rows[:, 0::2].contiguous()
+            out[f"{prefix}.mlp.experts.up_proj.{kind}"] = rows[:, 1::2].contiguous()
+        elif found and part in ("down_proj", "down_proj_bias"):
+            kind = "weight" if part == "down_proj" else "bias"
+            out[f"{prefix}.mlp.experts.down_proj.{kind}"] = t.transpose(-1, -2).contiguous() if kind == "weight" else t
+        else:
+            out[name] = t
+    return out
 
 
 def _granite_moe_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -286,6 +307,11 @@ def write_gguf(
     if arch == gguf.MODEL_ARCH.GEMMA2:
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == gguf.MODEL_ARCH.GPT_OSS:  # its expert size, and YaRN's factor and original context
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:
         w.add_expert_count(experts)
@@ -318,6 +344,8 @@ def write_gguf(
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"cannot map tensor {hf_name}")
+        if hf_name.endswith("self_attn.sinks"):
+            name += ".weight"  # as llama.cpp names its sinks
         data = t.to(torch.float32).numpy()
         if name.endswith("ffn_gate_inp_shexp.weight"):
             data = data.reshape(-1)  # llama.cpp's shared-expert gate is one row, stored 1-D ({n_embd})
@@ -328,7 +356,7 @@ def write_gguf(
         elif llama_layout and name.startswith("blk.") and ".attn_k." in name:
             data = _permute(data, n_kv)
         tensor_qt = next((_Q[t] for part, t in overrides.items() if part in name), qt)
-        if any(part in name for part in _KEEP_F32):
+        if any(part in name for part in _KEEP_F32) or name.endswith(".bias"):
             tensor_qt = _Q.F32
         data, dtype = _encode(data, tensor_qt)
         w.add_tensor(name, data, raw_dtype=dtype)

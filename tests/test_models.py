@@ -36,7 +36,8 @@ def test_the_four_classes_are_distinct():
 def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones():
     supported = (
         "BertForSequenceClassification, BertModel, Gemma2ForCausalLM, Gemma3ForCausalLM, "
-        "Gemma3ForConditionalGeneration, GptOssForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, LlamaForCausalLM, "
+        "Gemma3ForConditionalGeneration, GptOssForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, "
+        "LlamaForCausalLM, "
         "LlavaForConditionalGeneration, "
         "MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, "
         "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen2VLForConditionalGeneration, Qwen3ForCausalLM, "

@@ -51,18 +51,22 @@ def test_granite_moe_matches_transformers(tmp_path, tokenizer_dir):
     assert_matches_transformers(make("GraniteMoeConfig", tmp_path, tokenizer_dir, **GRANITE, **EXPERTS))
 
 
-def test_gpt_oss_matches_transformers(tmp_path, tokenizer_dir):
-    """Top-2 of 4 experts (clamped SwiGLU, biases), attention sinks, a window of 8 on every other layer,
-    YaRN; sinks drawn away from 0, so that they matter."""
+def make_gpt_oss(path, tokenizer_dir: str) -> str:
+    """Top-2 of 4 experts (clamped SwiGLU, biases), attention sinks, a window of 8 on every other
+    layer, YaRN; sinks and biases drawn away from 0, so that they matter."""
     from safetensors.torch import load_file, save_file
 
-    folder = make("GptOssConfig", tmp_path, tokenizer_dir, head_dim=16, sliding_window=8, **EXPERTS)
+    folder = make("GptOssConfig", path, tokenizer_dir, head_dim=16, sliding_window=8, **EXPERTS)
     weights = load_file(f"{folder}/model.safetensors")
     g = torch.Generator().manual_seed(0)
-    for name in [n for n in weights if n.endswith("sinks") or n.endswith("_bias") or n.endswith("router.bias")]:
+    for name in [n for n in weights if n.endswith(("sinks", "_bias", "router.bias"))]:
         weights[name] = torch.randn(weights[name].shape, generator=g)
     save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
-    assert_matches_transformers(folder)
+    return folder
+
+
+def test_gpt_oss_matches_transformers(tmp_path, tokenizer_dir):
+    assert_matches_transformers(make_gpt_oss(tmp_path, tokenizer_dir))
 
 
 def test_olmo2_matches_transformers(tmp_path, tokenizer_dir):
@@ -81,10 +85,11 @@ def test_smollm3_matches_transformers(tmp_path, tokenizer_dir, interval):
 # layers (llama.cpp fixes them at every fourth, its config's default); OLMo 2 with transformers' Q/K
 # rows and its post-norms and full-width q/k norms as tensors of their own.
 GGUF_FAMILIES = {
-    "granite": ("GraniteConfig", GRANITE),
-    "granite-moe": ("GraniteMoeConfig", {**GRANITE, **EXPERTS}),
-    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4}),
-    "olmo2": ("Olmo2Config", {}),
+    "granite": lambda path, tok: make("GraniteConfig", path, tok, **GRANITE),
+    "granite-moe": lambda path, tok: make("GraniteMoeConfig", path, tok, **GRANITE, **EXPERTS),
+    "smollm3": lambda path, tok: make("SmolLM3Config", path, tok, num_hidden_layers=4),
+    "olmo2": lambda path, tok: make("Olmo2Config", path, tok),
+    "gpt-oss": make_gpt_oss,  # its quantized file's experts in MXFP4, as llama.cpp keeps gpt-oss's
 }
 
 
@@ -97,16 +102,19 @@ def test_gguf_file_loads_as_its_hf_folder(tmp_path, tokenizer_dir, family, qtype
     from gguf_writer import write_gguf
     from pagedllm import LLM
 
-    config_class, overrides = GGUF_FAMILIES[family]
-    folder = make(config_class, tmp_path / "hf", tokenizer_dir, **overrides)
+    folder = GGUF_FAMILIES[family](tmp_path / "hf", tokenizer_dir)
     path = str(tmp_path / f"{family}.gguf")
-    write_gguf(folder, path, qtype, tokenizer_dir)
+    experts = {"_exps.": "MXFP4"} if family == "gpt-oss" and qtype != "F32" else None
+    write_gguf(folder, path, qtype, tokenizer_dir, experts)
     if qtype == "F32":
         assert_matches_transformers(folder, path)
         return
     engine = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
     ours = LLM(path, **engine)
-    assert ours.engine.model_runner.model.model.layers[0].self_attn.qkv_proj.formats == ("Q8_0",)
+    layer = ours.engine.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.formats == ("Q8_0",)
+    if experts:
+        assert layer.mlp.experts[0].gate_up_proj.formats == ("MXFP4",)
     sequences = [list(range(7, 7 + n)) for n in (4, 19, 40)]
     delta = (
         teacher_forced(ours, sequences) - teacher_forced(LLM(path, quantization="none", **engine), sequences)
@@ -119,8 +127,7 @@ def test_gguf_file_loads_as_its_hf_folder(tmp_path, tokenizer_dir, family, qtype
 def test_two_ranks_give_one_rank_greedy_tokens(tmp_path, tokenizer_dir, family):
     from pagedllm import LLM, SamplingParams
 
-    config_class, overrides = GGUF_FAMILIES[family]
-    folder = make(config_class, tmp_path, tokenizer_dir, **overrides)
+    folder = GGUF_FAMILIES[family](tmp_path, tokenizer_dir)
     args = dict(dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]

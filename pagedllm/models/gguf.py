@@ -208,13 +208,14 @@ def _config_values(reader, arch: str, fmt: GGUFFormat) -> dict:
     return values
 
 
-def family_config(config_class: str, architecture: str, values: dict, **fields):
+def family_config(config_class: str, architecture: str, values: dict, rope: dict | None = None, **fields):
     """A family's transformers config (transformers' `config_class`) from the shared GGUF values
-    (read under llama's keys: its transformers_key) and the family's own `fields`."""
+    (read under its transformers_key's names), its rope parameters over the default, and its own
+    `fields`."""
     import transformers
 
     values = {k: v for k, v in values.items() if k != "model_type"}
-    rope = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta", 10000.0))}
+    rope = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta", 10000.0)), **(rope or {})}
     return getattr(transformers, config_class)(**values, **fields, rope_parameters=rope, architectures=[architecture])
 
 
@@ -349,12 +350,13 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
 
 
 def _expert_names(gguf_name: str, shape: tuple[int, ...]) -> list[str] | None:
-    """The per-expert Hugging Face names of a stacked expert tensor; None for any other tensor."""
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    """The per-expert Hugging Face names of a stacked expert tensor (or of its biases, gpt-oss's);
+    None for any other tensor."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if not match or match.group(2) not in _EXPERT_NAMES:
         return None
-    layer, projection = match.group(1), _EXPERT_NAMES[match.group(2)]
-    return [f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight" for e in range(shape[0])]
+    layer, projection, kind = match.group(1), _EXPERT_NAMES[match.group(2)], match.group(3)
+    return [f"model.layers.{layer}.mlp.experts.{e}.{projection}.{kind}" for e in range(shape[0])]
 
 
 def _heads(config, name: str) -> int:

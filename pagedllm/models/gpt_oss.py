@@ -5,7 +5,9 @@ renormalized), and its experts' activation is a clamped SwiGLU: (up + 1) * gate 
 gate), gate clamped above at `swiglu_limit`, up within +-limit. The checkpoint stacks the experts,
 gate_up_proj [experts, hidden, 2 x intermediate] with gate and up interleaved column by column,
 down_proj [experts, intermediate, hidden], each with a bias: each expert's rows load as its own
-gate, up and down projections. Op by op (the C++ stack has no sinks), on one rank."""
+gate, up and down projections. Op by op (the C++ stack has no sinks), on one rank. llama.cpp's
+gpt-oss files hold the experts de-interleaved, stacked (ffn_gate_exps, ...; MXFP4 as its converter
+keeps the released weights), with their biases, and the sinks as attn_sinks."""
 
 from __future__ import annotations
 
@@ -18,7 +20,25 @@ from torch import nn
 from pagedllm.layers.linear import GateUpLinear, Linear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import Attention, DecoderConfig, DecoderLayer, linear_method
+from pagedllm.models.gguf import GGUFFormat, family_config, field_value
 from pagedllm.models.moe import SparseMoEForCausalLM
+
+GGUF_LAYER_NAMES = {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"}
+
+
+def gpt_oss_gguf_config(reader, values: dict):
+    """llama.cpp's gpt-oss file: YaRN's factor and original context from its rope.scaling keys
+    (beta_fast and beta_slow at llama.cpp's and transformers' defaults); the SwiGLU's limit and
+    alpha, which no key holds, at gpt-oss's own (transformers' defaults)."""
+    rope = {
+        "rope_type": "yarn",
+        "factor": float(field_value(reader, "gpt-oss.rope.scaling.factor")),
+        "original_max_position_embeddings": int(field_value(reader, "gpt-oss.rope.scaling.original_context_length")),
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    }
+    return family_config("GptOssConfig", "GptOssForCausalLM", values, rope)
 
 
 class GptOssAttention(Attention):
@@ -54,6 +74,7 @@ class GptOssExpert(nn.Module):
 
 
 class GptOssForCausalLM(SparseMoEForCausalLM):
+    gguf = GGUFFormat(GGUF_LAYER_NAMES, transformers_key="gpt_oss", config=gpt_oss_gguf_config)
     decoder_layer = GptOssDecoderLayer
     always_renormalize = True
     router_bias = True
@@ -82,8 +103,8 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
     """The checkpoint's stacked experts as each expert's own tensors; the router as mlp.gate."""
     for name, tensor in weights:
         prefix, found, part = name.partition(".mlp.")
-        if not found:
-            yield name, tensor
+        if not found:  # (a GGUF file names the sinks as a weight)
+            yield name.replace("self_attn.sinks.weight", "self_attn.sinks"), tensor
         elif part.startswith("router."):
             yield f"{prefix}.mlp.gate.{part.removeprefix('router.')}", tensor
         elif part in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
@@ -96,5 +117,5 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
             kind = "weight" if part.endswith("proj") else "bias"
             for e, rows in enumerate(tensor):
                 yield f"{prefix}.mlp.experts.{e}.down_proj.{kind}", rows.T if kind == "weight" else rows
-        else:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in GptOssForCausalLM")
+        else:  # a GGUF file's: each expert's own already
+            yield name, tensor

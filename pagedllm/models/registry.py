@@ -29,7 +29,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "qwen3_moe", "qwen3moe"),
     "GraniteForCausalLM": Family("granite", "granite", "granite"),
     "GraniteMoeForCausalLM": Family("granite_moe", "granitemoe", "granitemoe"),
-    "GptOssForCausalLM": Family("gpt_oss", "gpt_oss"),
+    "GptOssForCausalLM": Family("gpt_oss", "gpt_oss", "gpt-oss"),
     "Olmo2ForCausalLM": Family("olmo2", "olmo2", "olmo2"),
     "SmolLM3ForCausalLM": Family("smollm3", "smollm3", "smollm3"),
     "MixtralForCausalLM": Family("mixtral", "mixtral"),  # (llama.cpp writes Mixtral as "llama" with experts)
