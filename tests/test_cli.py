@@ -26,6 +26,11 @@ def test_generate_reports_bad_model_clearly(tmp_path):
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 
+def test_a_checkpoint_method_on_an_unquantized_folder_fails_at_start_up(llama_dir):
+    result = _cli("generate", "hi", "--model", llama_dir, "--quantization", "gptq")
+    assert result.returncode == 2 and "needs a checkpoint quantized by it" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -97,6 +97,7 @@ def test_compressed_tensors_layout(bits, symmetric, strategy, group, activations
 def test_unsupported_configs_are_refused_by_name():
     cases = [
         ({"quant_method": "bitsandbytes"}, "quantized by 'bitsandbytes'"),
+        ({"quant_method": "mxfp4"}, "quantized by 'mxfp4'"),  # gpt-oss's release
         ({**AWQ_CONFIG, "version": "gemv"}, "version 'gemv'"),
         ({**AWQ_CONFIG, "group_size": 100}, "group_size 100"),
         ({**gptq_config(3, True, False)}, "bits 3"),
