@@ -16,6 +16,7 @@ from gguf_writer import write_gguf
 from hf_checkpoints import awq, gptq, quantize_folder
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
+from test_more_families import make
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the kernels under test are the C++ ones")
 
@@ -41,7 +42,15 @@ CASES = [
     ("qwen3", "float32"),
     ("awq", "bfloat16"),  # Hugging Face quantized folders: AWQ as Q4_1 records, GPTQ act-order's permuted inputs
     ("gptq-act-order", "bfloat16"),
+    ("gpt-oss", "bfloat16"),  # families op by op: attention sinks and experts; norms after each sublayer
+    ("olmo2", "bfloat16"),
 ]
+# The op-by-op families' folders (tests/test_more_families.py's configs), of WIDE's shapes
+FAMILIES = {
+    # (full attention on both layers, so that the busy engine's pool, sized for that, preempts)
+    "gpt-oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)),
+    "olmo2": ("Olmo2Config", {}),
+}
 # The quantized folders' packers (tests/hf_checkpoints.py) and configs
 FOLDERS = {
     "awq": (lambda w: awq(w), {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}),
@@ -105,6 +114,10 @@ def case(request, tmp_path_factory, wide_llama, tokenizer_dir) -> Case:
         one_kv_head = {**WIDE, "num_key_value_heads": 1}
         path = make_model("qwen3", tmp_path_factory.mktemp("qwen3"), tokenizer_dir, num_hidden_layers=2, **one_kv_head)
         return Case(path, tokenizer_dir, dtype, kv_heads=1)
+    if checkpoint in FAMILIES:
+        config_class, overrides = FAMILIES[checkpoint]
+        path = make(config_class, tmp_path_factory.mktemp(checkpoint), tokenizer_dir, **{**WIDE, **overrides})
+        return Case(path, tokenizer_dir, dtype)
     if checkpoint in FOLDERS:
         root = tmp_path_factory.mktemp(checkpoint)
         quantize_folder(wide_llama, str(root / "q"), str(root / "d"), *FOLDERS[checkpoint])
