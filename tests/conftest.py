@@ -30,23 +30,25 @@ def tokenizer_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+# The tiny random models' shape (tiny_models' and the other families' tests)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    initializer_range=0.2,
+)
+
+
 def _config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.2,
-    )
-    common.update(overrides)
+    common = {"vocab_size": vocab_size, **TINY, **overrides}
     if arch == "llama":  # Llama-3 rope scaling, tied embeddings
         return LlamaConfig(
             **common,

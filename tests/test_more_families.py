@@ -7,21 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import teacher_forced
+from conftest import TINY, teacher_forced
 from test_model_correctness import assert_matches_transformers
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-    initializer_range=0.2,
-)
 
 
 def make(config_class: str, path, tokenizer_dir: str, seed: int = 0, **overrides) -> str:

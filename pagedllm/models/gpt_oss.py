@@ -21,7 +21,7 @@ from pagedllm.layers.linear import GateUpLinear, Linear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import Attention, DecoderConfig, DecoderLayer, linear_method
 from pagedllm.models.gguf import GGUFFormat, family_config, field_value
-from pagedllm.models.moe import SparseMoEForCausalLM
+from pagedllm.models.moe import AllSparseMoEForCausalLM
 
 GGUF_LAYER_NAMES = {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"}
 
@@ -73,23 +73,11 @@ class GptOssExpert(nn.Module):
         return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
-class GptOssForCausalLM(SparseMoEForCausalLM):
+class GptOssForCausalLM(AllSparseMoEForCausalLM):
     gguf = GGUFFormat(GGUF_LAYER_NAMES, transformers_key="gpt_oss", config=gpt_oss_gguf_config)
     decoder_layer = GptOssDecoderLayer
     always_renormalize = True
     router_bias = True
-
-    @staticmethod
-    def is_sparse(config, index: int) -> bool:
-        return True
-
-    @staticmethod
-    def num_experts(config) -> int:
-        return config.num_local_experts
-
-    @staticmethod
-    def expert_size(config) -> int:
-        return config.intermediate_size
 
     @staticmethod
     def make_expert(config) -> Callable[[int, int, QuantizationConfig | None, str], nn.Module]:

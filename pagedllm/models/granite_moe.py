@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.models.gguf import GGUFFormat, field_value
 from pagedllm.models.granite import GraniteMultipliers, granite_gguf_config
-from pagedllm.models.moe import SparseMoEForCausalLM
+from pagedllm.models.moe import AllSparseMoEForCausalLM
 
 
 def granite_moe_gguf_config(reader, values: dict):
@@ -25,21 +25,9 @@ def granite_moe_gguf_config(reader, values: dict):
     return granite_gguf_config(reader, values, "granitemoe", **experts)
 
 
-class GraniteMoeForCausalLM(GraniteMultipliers, SparseMoEForCausalLM):
+class GraniteMoeForCausalLM(GraniteMultipliers, AllSparseMoEForCausalLM):
     gguf = GGUFFormat(permuted_qk=True, transformers_key="llama", config=granite_moe_gguf_config)
     always_renormalize = True
-
-    @staticmethod
-    def is_sparse(config, index: int) -> bool:
-        return True
-
-    @staticmethod
-    def num_experts(config) -> int:
-        return config.num_local_experts
-
-    @staticmethod
-    def expert_size(config) -> int:
-        return config.intermediate_size
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_per_expert(weights))

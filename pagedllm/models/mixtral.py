@@ -3,24 +3,12 @@ checkpoint names its block `block_sparse_moe` and each expert's projections w1 (
 
 from __future__ import annotations
 
-from pagedllm.models.moe import SparseMoEForCausalLM
+from pagedllm.models.moe import AllSparseMoEForCausalLM
 
 
-class MixtralForCausalLM(SparseMoEForCausalLM):
+class MixtralForCausalLM(AllSparseMoEForCausalLM):
     always_renormalize = True
-    stacked_params = SparseMoEForCausalLM.stacked_params + (("gate_up_proj", "w1", 0), ("gate_up_proj", "w3", 1))
-
-    @staticmethod
-    def is_sparse(config, index: int) -> bool:
-        return True
-
-    @staticmethod
-    def num_experts(config) -> int:
-        return config.num_local_experts
-
-    @staticmethod
-    def expert_size(config) -> int:
-        return config.intermediate_size
+    stacked_params = AllSparseMoEForCausalLM.stacked_params + (("gate_up_proj", "w1", 0), ("gate_up_proj", "w3", 1))
 
     def _target(self, name: str) -> tuple[str, str | int | None]:
         name = name.replace(".block_sparse_moe.", ".mlp.").replace(".w2.", ".down_proj.")

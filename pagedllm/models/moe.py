@@ -63,3 +63,20 @@ class SparseMoEForCausalLM(DecoderForCausalLM):
     @staticmethod
     def expert_size(config) -> int:
         return config.moe_intermediate_size
+
+
+class AllSparseMoEForCausalLM(SparseMoEForCausalLM):
+    """Experts on every layer, as Mixtral's config names them: num_local_experts of
+    intermediate_size each (Mixtral, Granite-MoE, gpt-oss)."""
+
+    @staticmethod
+    def is_sparse(config, index: int) -> bool:
+        return True
+
+    @staticmethod
+    def num_experts(config) -> int:
+        return config.num_local_experts
+
+    @staticmethod
+    def expert_size(config) -> int:
+        return config.intermediate_size
