@@ -166,9 +166,56 @@ def paged_attention_reference(
             mask &= k_pos > q_pos - sliding_window
         rows = q[start : start + q_len]
         table = meta.block_tables[b]
-        outputs.append(_attend(rows, k_cache, v_cache, table, seq_len, mask, scale, scales, softcap, sinks))
+        if sinks is not None:
+            ks, vs = _gathered(k_cache, v_cache, table, seq_len, q.shape[1], q.dtype, scales)
+            outputs.append(_attend_rows_with_sinks(rows, ks, vs, seq_len - q_len, sliding_window, scale, sinks))
+        else:
+            outputs.append(_attend(rows, k_cache, v_cache, table, seq_len, mask, scale, scales, softcap))
         start += q_len
     return torch.cat(outputs, dim=0)
+
+
+def _gathered(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    num_heads: int,
+    dtype: torch.dtype,
+    scales: KVScales,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first `num_keys` cached keys and values in `dtype`, [num_heads, keys, head_dim]
+    each (a KV head's repeated for its query heads)."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    blocks = block_table[: -(-num_keys // block_size)].long()
+    k = from_cache(k_cache[blocks], dtype, scales.k).reshape(-1, num_kv_heads, head_dim)[:num_keys]
+    v = from_cache(v_cache[blocks], dtype, scales.v).reshape(-1, num_kv_heads, head_dim)[:num_keys]
+    group = num_heads // num_kv_heads
+    return k.transpose(0, 1).repeat_interleave(group, dim=0), v.transpose(0, 1).repeat_interleave(group, dim=0)
+
+
+def _attend_rows_with_sinks(
+    q: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    first: int,
+    sliding_window: int | None,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """q: [rows, heads, head_dim] at positions first, first + 1, ...; each row over its own keys
+    (up to its position, within its window) with one more logit a head, `sinks`, attending to
+    nothing. Row by row, each row's products of a shape its position alone sets: the same numbers
+    whatever else its step holds (a matmul's sums over several rows may be ordered otherwise)."""
+    out = torch.empty_like(q)
+    sink = sinks.to(torch.float)[:, None, None]
+    for i in range(q.shape[0]):
+        end = first + i + 1
+        begin = max(0, end - sliding_window) if sliding_window else 0
+        scores = (q[i][:, None, :] @ ks[:, begin:end].transpose(1, 2)).float() * scale  # [heads, 1, keys]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out[i] = (probs.to(vs.dtype) @ vs[:, begin:end])[:, 0]
+    return out
 
 
 def image_attention(
@@ -185,7 +232,10 @@ def image_attention(
 ) -> None:
     """Over `out` (the causal attention's), each of meta.image_spans' rows attends as transformers'
     Gemma 3 has it: to every key up to its image's last token (those after it in the same image
-    too), within its window. Each image is computed alone, whatever else its step holds."""
+    too), within its window. Each image is computed alone, whatever else its step holds. (No model
+    with attention sinks takes images.)"""
+    if sinks is not None:
+        raise ValueError("image attention with attention sinks: no model has both")
     starts = meta.query_start_loc.tolist()
     for b, lo, hi in meta.image_spans:
         first = meta.seq_lens_list[b] - meta.query_lens_list[b]  # the position of the sequence's row starts[b]
@@ -194,8 +244,7 @@ def image_attention(
         if sliding_window:
             q_pos = torch.arange(first + lo - starts[b], end, device=q.device)[:, None]
             mask = torch.arange(end, device=q.device)[None, :] > q_pos - sliding_window
-        table = meta.block_tables[b]
-        out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, table, end, mask, scale, scales, softcap, sinks)
+        out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, meta.block_tables[b], end, mask, scale, scales, softcap)
 
 
 def _attend(
@@ -208,31 +257,16 @@ def _attend(
     scale: float,
     scales: KVScales,
     softcap: float | None,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [rows, heads, head_dim] over a sequence's first `num_keys` cached keys where `mask`
-    ([rows, num_keys]; None: all) allows -> [rows, heads, head_dim]. `sinks`: one more logit per
-    head in each softmax, attending to nothing."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = q.shape[1] // num_kv_heads
-    blocks = block_table[: -(-num_keys // block_size)].long()
-    k = from_cache(k_cache[blocks], q.dtype, scales.k).reshape(-1, num_kv_heads, head_dim)[:num_keys]
-    v = from_cache(v_cache[blocks], q.dtype, scales.v).reshape(-1, num_kv_heads, head_dim)[:num_keys]
+    ([rows, num_keys]; None: all) allows -> [rows, heads, head_dim]."""
+    ks, vs = _gathered(k_cache, v_cache, block_table, num_keys, q.shape[1], q.dtype, scales)
     qs = q.transpose(0, 1)  # [H, rows, D]
-    ks = k.transpose(0, 1).repeat_interleave(group, dim=0)
-    vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
-    if softcap or sinks is not None:
-        scores = qs @ ks.transpose(1, 2) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(qs @ ks.transpose(1, 2) * scale / softcap) * softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        if sinks is None:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float)
-        else:
-            sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
-            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float)[..., :-1]
-        out = probs.to(vs.dtype) @ vs
+        out = torch.softmax(scores, dim=-1, dtype=torch.float).to(vs.dtype) @ vs
     else:
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
