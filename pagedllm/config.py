@@ -348,6 +348,29 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+@dataclass(frozen=True)
+class KVCacheShape:
+    """What a layer caches per token: `heads` (the whole model's; a rank holds its share) of
+    `head_dim` each, as a K and a V tensor; or, `latent` (DeepSeek's multi-head latent attention),
+    one tensor read as both: the compressed KV and the rotary key, one head shared by every query
+    head, stored once."""
+
+    heads: int
+    head_dim: int
+    latent: bool = False
+
+    @property
+    def tensors(self) -> int:
+        return 1 if self.latent else 2
+
+
+def kv_cache_shape(hf_config) -> KVCacheShape:
+    hf_config = text_config(hf_config)
+    if getattr(hf_config, "kv_lora_rank", None):
+        return KVCacheShape(1, hf_config.kv_lora_rank + hf_config.qk_rope_head_dim, latent=True)
+    return KVCacheShape(hf_config.num_key_value_heads, head_dim(hf_config))
+
+
 def sliding_windows(hf_config) -> tuple[int | None, ...]:
     """Each layer's attention window (None: full attention), from a config's sliding_window and,
     where it has them, its layer_types."""

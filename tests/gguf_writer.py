@@ -31,6 +31,7 @@ _ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "SmolLM3ForCausalLM": gguf.MODEL_ARCH.SMOLLM3,  # llama's layout; its NoPE layers fixed by llama.cpp, no key
     "Olmo2ForCausalLM": gguf.MODEL_ARCH.OLMO2,  # transformers' Q/K rows (NeoX rotary)
     "GptOssForCausalLM": gguf.MODEL_ARCH.GPT_OSS,  # its stacked experts de-interleaved and transposed
+    "DeepseekV2ForCausalLM": gguf.MODEL_ARCH.DEEPSEEK2,  # one latent K/V head; kv_b_proj split in k_b and v_b
 }
 # Granite's multipliers: its config's name -> the GGUFWriter method llama.cpp's converter writes it with
 _GRANITE_SCALES = {
@@ -202,6 +203,49 @@ def _granite_moe_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+def _write_deepseek2_keys(w: gguf.GGUFWriter, cfg: dict, rope: dict) -> None:
+    """DeepSeek-V2's keys as llama.cpp's converter writes them: the latent's sizes as the one K/V
+    head's (key: latent + rotary key, value: latent), the MLA head sizes, the experts' options,
+    YaRN's log multiplier (0.1 x mscale_all_dim)."""
+    rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    w.add_key_length(rank + rope_dim)
+    w.add_value_length(rank)
+    w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dim)
+    w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    if cfg.get("topk_method") == "group_limited_greedy":
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_rope_dimension_count(rope_dim)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _split_kv_b(tensors: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """kv_b_proj [heads x (nope + v), latent] as llama.cpp's converter splits it: k_b_proj [heads,
+    latent, nope] (each head's key half transposed) and v_b_proj [heads, v, latent]."""
+    out: dict[str, torch.Tensor] = {}
+    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for name, t in tensors.items():
+        if name.endswith("kv_b_proj.weight"):
+            k_b, v_b = t.view(cfg["num_attention_heads"], nope + v, -1).split([nope, v], dim=1)
+            out[name.replace("kv_b_proj", "k_b_proj")] = k_b.transpose(1, 2).contiguous()
+            out[name.replace("kv_b_proj", "v_b_proj")] = v_b.contiguous()
+        else:
+            out[name] = t
+    return out
+
+
 def _pre_tokenizer_name(tok_json: dict) -> str:
     # llama.cpp picks tokenizer.ggml.pre by hashing tokenizer output; we instead match the split
     # regex against the names transformers' GGUF tokenizer loader knows, so a round trip is exact.
@@ -280,7 +324,8 @@ def write_gguf(
     w.add_block_count(n_layer)
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
+    deepseek = arch == gguf.MODEL_ARCH.DEEPSEEK2
+    w.add_head_count_kv(1 if deepseek else n_kv)
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -299,7 +344,9 @@ def write_gguf(
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if arch == gguf.MODEL_ARCH.QWEN2VL:  # M-RoPE's sections, four as llama.cpp keeps them
         w.add_rope_dimension_sections([*rope["mrope_section"], 0, 0, 0][:4])
-    if cfg.get("head_dim"):  # explicit head_dim (e.g. Qwen3) may differ from hidden/heads
+    if deepseek:
+        _write_deepseek2_keys(w, cfg, rope)
+    elif cfg.get("head_dim"):  # explicit head_dim (e.g. Qwen3) may differ from hidden/heads
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if cfg.get("sliding_window"):
@@ -312,7 +359,7 @@ def write_gguf(
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -335,7 +382,7 @@ def write_gguf(
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
-    tensors = _stack_experts(tensors)
+    tensors = _split_kv_b(_stack_experts(tensors), cfg) if deepseek else _stack_experts(tensors)
     for hf_name, t in tensors.items():
         if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue  # tied: llama.cpp omits output.weight and reuses token_embd

@@ -18,6 +18,11 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_ops
 from test_more_families import make
 
+# DeepSeek-V2's heads at WIDE's 64 dims: latent 64 and rotary key 64; top-2 of 4 experts beside one shared
+MLA = dict(num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64)
+MLA.update(v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1)
+MLA.update(first_k_dense_replace=1)
+
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the kernels under test are the C++ ones")
 
 # Head size 64 and groups of 2: the AVX512-BF16 attention walks; rows of 256 for the K types.
@@ -44,12 +49,19 @@ CASES = [
     ("gptq-act-order", "bfloat16"),
     ("gpt-oss", "bfloat16"),  # families op by op: attention sinks and experts; norms after each sublayer
     ("olmo2", "bfloat16"),
+    ("deepseek-v2", "bfloat16"),  # latent attention (one cached row a token, read as K and V), shared experts
 ]
-# The op-by-op families' folders (tests/test_more_families.py's configs), of WIDE's shapes
+# The op-by-op families' folders (tests/test_more_families.py's configs), of WIDE's shapes, and
+# their K/V heads of 64 (DeepSeek's latent row, 64 + 64 wide and one a token, counts as one head's K and V)
 FAMILIES = {
     # (full attention on both layers, so that the busy engine's pool, sized for that, preempts)
-    "gpt-oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)),
-    "olmo2": ("Olmo2Config", {}),
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2),
+        2,
+    ),
+    "olmo2": ("Olmo2Config", {}, 2),
+    "deepseek-v2": ("DeepseekV2Config", {**MLA, "num_hidden_layers": 2, "initializer_range": 0.05}, 1),
 }
 # The quantized folders' packers (tests/hf_checkpoints.py) and configs
 FOLDERS = {
@@ -115,9 +127,9 @@ def case(request, tmp_path_factory, wide_llama, tokenizer_dir) -> Case:
         path = make_model("qwen3", tmp_path_factory.mktemp("qwen3"), tokenizer_dir, num_hidden_layers=2, **one_kv_head)
         return Case(path, tokenizer_dir, dtype, kv_heads=1)
     if checkpoint in FAMILIES:
-        config_class, overrides = FAMILIES[checkpoint]
+        config_class, overrides, kv_heads = FAMILIES[checkpoint]
         path = make(config_class, tmp_path_factory.mktemp(checkpoint), tokenizer_dir, **{**WIDE, **overrides})
-        return Case(path, tokenizer_dir, dtype)
+        return Case(path, tokenizer_dir, dtype, kv_heads)
     if checkpoint in FOLDERS:
         root = tmp_path_factory.mktemp(checkpoint)
         quantize_folder(wide_llama, str(root / "q"), str(root / "d"), *FOLDERS[checkpoint])

@@ -85,11 +85,16 @@ def write_kv(
     slot_mapping: torch.Tensor,
     scales: KVScales = KVScales(),
 ) -> None:
-    for cache, x, scale in ((k_cache, k, scales.k), (v_cache, v, scales.v)):
-        rows = cache.view(-1, *cache.shape[2:])
-        if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernels: copy the bytes
-            rows, x = rows.view(torch.uint8), to_fp8(x, cache.dtype, scale).view(torch.uint8)
-        rows.index_copy_(0, slot_mapping, x.to(rows.dtype))
+    write_rows(k_cache, k, slot_mapping, scales.k)
+    write_rows(v_cache, v, slot_mapping, scales.v)
+
+
+def write_rows(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
+    """x [num_tokens, heads, head_dim] into the cache's slots (a latent cache's only write)."""
+    rows = cache.view(-1, *cache.shape[2:])
+    if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernels: copy the bytes
+        rows, x = rows.view(torch.uint8), to_fp8(x, cache.dtype, scale).view(torch.uint8)
+    rows.index_copy_(0, slot_mapping, x.to(rows.dtype))
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -329,7 +329,7 @@ class DecoderForCausalLM(CausalLM):
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        cfg = self.decoder_config = DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm, self.fused_checkpoint)
+        cfg = self.decoder_config = self.make_decoder_config(config)
         self.model = self.build_model(config, cfg, max_positions, quant_config)
         self.kv_groups = kv_cache_groups(config)
         for layer, group in zip(self.model.layers, self.kv_groups.layer_group):
@@ -355,6 +355,10 @@ class DecoderForCausalLM(CausalLM):
                 else linear_method(quant_config, "", "lm_head")
             )
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, method=head_method, parallel="column")
+
+    def make_decoder_config(self, config) -> DecoderConfig:
+        """What the layers are built from; a family whose layers need more says it (DeepSeek's MLA)."""
+        return DecoderConfig.of(config, self.always_qkv_bias, self.qk_norm, self.fused_checkpoint)
 
     def build_model(
         self, config, cfg: DecoderConfig, max_positions: int, quant: QuantizationConfig | None

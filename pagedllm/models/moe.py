@@ -30,6 +30,7 @@ class SparseMoEForCausalLM(DecoderForCausalLM):
             if not self.is_sparse(config, index):
                 return GatedMLP(cfg, quant, prefix)
             shared = getattr(config, "shared_expert_intermediate_size", 0) if self.shared_expert else 0
+            options = {"shared_intermediate": shared, "router_bias": self.router_bias, **self.moe_options(config)}
             return SparseMoE(
                 cfg.hidden_size,
                 self.expert_size(config),
@@ -38,9 +39,8 @@ class SparseMoEForCausalLM(DecoderForCausalLM):
                 self.always_renormalize or bool(getattr(config, "norm_topk_prob", False)),
                 quant,
                 prefix,
-                shared,
-                self.router_bias,
-                self.make_expert(config),
+                expert=self.make_expert(config),
+                **options,
             )
 
         return DecoderModel(config, cfg, max_positions, quant, make_mlp, self.decoder_layer)
@@ -49,6 +49,11 @@ class SparseMoEForCausalLM(DecoderForCausalLM):
     def make_expert(config) -> Callable[[int, int, QuantizationConfig | None, str], nn.Module]:
         """What the family's experts are made by (layers/moe.py's SparseMoE `expert`)."""
         return Expert
+
+    @staticmethod
+    def moe_options(config) -> dict:
+        """The family's SparseMoE options beyond the shared expert and the router's bias (DeepSeek's)."""
+        return {}
 
     @staticmethod
     def is_sparse(config, index: int) -> bool:

@@ -32,6 +32,7 @@ _MODELS = {
     "GptOssForCausalLM": Family("gpt_oss", "gpt_oss", "gpt-oss"),
     "Olmo2ForCausalLM": Family("olmo2", "olmo2", "olmo2"),
     "SmolLM3ForCausalLM": Family("smollm3", "smollm3", "smollm3"),
+    "DeepseekV2ForCausalLM": Family("deepseek_v2", "deepseek_v2", "deepseek2"),
     "MixtralForCausalLM": Family("mixtral", "mixtral"),  # (llama.cpp writes Mixtral as "llama" with experts)
     "LlavaForConditionalGeneration": Family("llava", "llava"),
     "Qwen2VLForConditionalGeneration": Family("qwen2_vl", "qwen2_vl", "qwen2vl"),  # (a text file: Qwen2's)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm import heap
-from pagedllm.config import ModelConfig, head_dim, kv_cache_groups, text_config
+from pagedllm.config import ModelConfig, head_dim, kv_cache_groups, kv_cache_shape, text_config
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.rejection_sampler import draw
@@ -65,6 +65,11 @@ def check_draft(target: ModelConfig, draft: ModelConfig) -> None:
         raise ValueError(
             "speculative_config: the draft model mixes sliding and full attention layers; "
             "a draft's layers must be alike"
+        )
+    if kv_cache_shape(draft.hf_config).latent:
+        raise ValueError(
+            f"speculative_config: the draft model {draft.path} caches latent K/V (multi-head latent "
+            "attention); a draft's cache must be plain K and V"
         )
     if draft.max_model_len < target.max_model_len:
         raise ValueError(

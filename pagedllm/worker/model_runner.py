@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pagedllm import heap
-from pagedllm.config import ModelConfig, head_dim, kv_cache_groups, text_config
+from pagedllm.config import KVCacheShape, ModelConfig, kv_cache_groups, kv_cache_shape, text_config
 from pagedllm.core.messages import TokenLogprobs
 from pagedllm.core.step import KVStoreReport, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.distributed import parallel_state
@@ -40,10 +40,21 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, tensor_parall
         return 0
     hf = text_config(config.hf_config)
     # A block id is a block of each cache tensor: one a layer, or (several groups) one a layer of a group.
-    num_slots = kv_cache_groups(hf).num_slots
-    kv_heads = max_kv_heads_per_rank(hf.num_key_value_heads, tensor_parallel_size)
-    per_token = 2 * num_slots * kv_heads * head_dim(hf) * getattr(torch, config.cache_dtype).itemsize
+    num_slots, shape = kv_cache_groups(hf).num_slots, kv_cache_shape(hf)
+    kv_heads = max_kv_heads_per_rank(shape.heads, tensor_parallel_size)
+    per_token = shape.tensors * num_slots * kv_heads * shape.head_dim * getattr(torch, config.cache_dtype).itemsize
     return per_token * block_size
+
+
+def kv_pair(
+    shape: KVCacheShape, blocks: tuple[int, int], dtype: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's (K, V) cache tensors [blocks, block_size, this rank's heads, head_dim]; a latent
+    cache's one tensor twice."""
+    heads = head_share(shape.heads, shape.heads).kv_count  # (which does not depend on the query heads)
+    size = (*blocks, heads, shape.head_dim)
+    k = heap.kv_zeros(size, getattr(torch, dtype), device)
+    return (k, k) if shape.latent else (k, heap.kv_zeros(size, getattr(torch, dtype), device))
 
 
 class ModelRunner:
@@ -64,15 +75,11 @@ class ModelRunner:
         hf = text_config(model_config.hf_config)
         # One (K, V) pair of tensors a slot; each layer uses its slot's (config.KVCacheGroups: one
         # a layer where all layers are alike; shared by one layer of each group otherwise). An
-        # encoder has none.
+        # encoder has none. A latent cache (config.KVCacheShape) is one tensor, as K and as V.
         slots = kv_cache_groups(hf).layer_slot if model_config.is_causal else ()
-        kv_heads = head_share(hf.num_attention_heads, hf.num_key_value_heads).kv_count if slots else 0
-        shape = (num_blocks, block_size, kv_heads, head_dim(hf)) if slots else ()
+        kv = kv_cache_shape(hf)
         self.kv_slots = [
-            (
-                heap.kv_zeros(shape, getattr(torch, model_config.cache_dtype), self.device),
-                heap.kv_zeros(shape, getattr(torch, model_config.cache_dtype), self.device),
-            )
+            kv_pair(kv, (num_blocks, block_size), model_config.cache_dtype, self.device)
             for _ in range(max(slots, default=-1) + 1)
         ]
         self.kv_caches = [self.kv_slots[slot] for slot in slots]
@@ -146,7 +153,7 @@ class ModelRunner:
 
     def _block_tensors(self) -> list[torch.Tensor]:
         """The cache tensors a block id indexes, in the store's order: K then V of each slot."""
-        return [t for pair in self.kv_slots for t in pair]
+        return [t for pair in self.kv_slots for t in dict.fromkeys(pair)]  # (a latent slot's one tensor once)
 
     def _read_blocks(self, loads: list[tuple[int, int]]) -> list[bool]:
         """Read blocks from the store into the cache; whether each was whole (one that is not is
