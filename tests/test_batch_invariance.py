@@ -22,6 +22,9 @@ from test_more_families import make
 MLA = dict(num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64)
 MLA.update(v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1)
 MLA.update(first_k_dense_replace=1)
+# Gemma 2's soft-caps, of its 2B model's sizes; full attention on both layers (as gpt-oss's below)
+GEMMA2 = dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, layer_types=["full_attention"] * 2)
+GEMMA2.update(query_pre_attn_scalar=64)
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the kernels under test are the C++ ones")
 
@@ -50,6 +53,7 @@ CASES = [
     ("gpt-oss", "bfloat16"),  # families op by op: attention sinks and experts; norms after each sublayer
     ("olmo2", "bfloat16"),
     ("deepseek-v2", "bfloat16"),  # latent attention (one cached row a token, read as K and V), shared experts
+    ("gemma2", "bfloat16"),  # soft-capped attention scores (the torch path) and final logits
 ]
 # The op-by-op families' folders (tests/test_more_families.py's configs), of WIDE's shapes, and
 # their K/V heads of 64 (DeepSeek's latent row, 64 + 64 wide and one a token, counts as one head's K and V)
@@ -62,6 +66,7 @@ FAMILIES = {
     ),
     "olmo2": ("Olmo2Config", {}, 2),
     "deepseek-v2": ("DeepseekV2Config", {**MLA, "num_hidden_layers": 2, "initializer_range": 0.05}, 1),
+    "gemma2": ("Gemma2Config", GEMMA2, 2),
 }
 # The quantized folders' packers (tests/hf_checkpoints.py) and configs
 FOLDERS = {

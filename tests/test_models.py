@@ -35,7 +35,7 @@ def test_the_four_classes_are_distinct():
 
 def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones():
     supported = (
-        "BertForSequenceClassification, BertModel, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+        "BertForSequenceClassification, BertModel, DeepseekV2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
         "Gemma3ForConditionalGeneration, GptOssForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, "
         "LlamaForCausalLM, "
         "LlavaForConditionalGeneration, "
