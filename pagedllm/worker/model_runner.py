@@ -77,9 +77,8 @@ class ModelRunner:
         # a layer where all layers are alike; shared by one layer of each group otherwise). An
         # encoder has none. A latent cache (config.KVCacheShape) is one tensor, as K and as V.
         slots = kv_cache_groups(hf).layer_slot if model_config.is_causal else ()
-        kv = kv_cache_shape(hf)
         self.kv_slots = [
-            kv_pair(kv, (num_blocks, block_size), model_config.cache_dtype, self.device)
+            kv_pair(kv_cache_shape(hf), (num_blocks, block_size), model_config.cache_dtype, self.device)
             for _ in range(max(slots, default=-1) + 1)
         ]
         self.kv_caches = [self.kv_slots[slot] for slot in slots]
