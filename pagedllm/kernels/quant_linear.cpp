@@ -953,13 +953,12 @@ template <int F>
 void group_rows(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows, float* sums,
                 bool stream) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  // Q6_K's unpacking is the costliest: shared by up to 8 rows. The others take a call's rows in
-  // passes of 4 where there are more than 8 (no faster in passes of 8 there, Q8_0 slower: the
-  // group's records stay in L1 for the second pass), but 5 to 8 rows (a verification of
-  // speculative drafts) in one pass as they stream from memory, where two passes of 4 took about
-  // as long as memory and arithmetic one after the other (benchmarks/quant_kernels.py --stream
-  // --stream-rows 5 8, Q4_1 at 8 rows: 8.3 ms in two passes, 6.5 in one; BENCHMARKS.md).
-  if (F == kQ6_K || stream) {
+  // A record's unpacking is shared by the rows of a pass: up to 8 rows a pass (BENCHMARKS.md). Q8_0's
+  // codes need no unpacking: it takes more rows in passes of 4 (no faster in 8), the group's records
+  // staying in L1 for the next pass, but 5 to 8 rows (a verification of speculative drafts) in one
+  // pass as they stream from memory, where two passes of 4 took about as long as memory and
+  // arithmetic one after the other.
+  if (F != kQ8_0 || stream) {
     switch (rows) {
       case 5: return group_vnni<F, 5>(group, records, a, row0, sums, stream);
       case 6: return group_vnni<F, 6>(group, records, a, row0, sums, stream);
