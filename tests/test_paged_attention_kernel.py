@@ -67,7 +67,7 @@ def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim, head
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def _run_kernel(q, k, v, meta, window: int = 0, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+def _run_kernel(q, k, v, meta, window: int = 0, kv_scales=(1.0, 1.0), sinks=None) -> torch.Tensor:
     out = torch.empty_like(q)
     cpu_ops().paged_attention(
         out,
@@ -80,6 +80,7 @@ def _run_kernel(q, k, v, meta, window: int = 0, kv_scales=(1.0, 1.0)) -> torch.T
         q.shape[-1] ** -0.5,
         window,
         *kv_scales,
+        sinks,
     )
     return out
 
@@ -222,3 +223,55 @@ def test_walk_shapes_are_their_decodes_and_the_reference(dtype, heads, kv_heads,
     want = paged_attention_reference(q.float(), k.float(), v.float(), meta, head_dim**-0.5, None)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(together.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize(
+    "dtype, cache, head_dim, heads, kv_heads",
+    [
+        ("bf16", "bf16", 64, 8, 2),  # the AVX-512 BF16 walk
+        ("bf16", "bf16", 128, 8, 1),
+        ("bf16", "fp8", 64, 4, 2),
+        ("fp32", "fp32", 64, 9, 3),  # attention_walk.h's walk, the long decode split by partitions
+        ("fp32", "fp8", 32, 4, 2),
+        ("fp32", "bf16", 64, 4, 1),
+    ],
+)
+@pytest.mark.parametrize("window", [0, 50])
+def test_sinks_match_reference_and_decodes(dtype, cache, head_dim, heads, kv_heads, window):
+    """Attention sinks (gpt-oss: a logit per query head in each softmax's denominator): the kernel's
+    rows match the torch reference, differ from the rows without sinks, and each row of a step is
+    bit for bit its decode alone."""
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    seq_lens, query_lens = [1300, 300, 77, 1], [1, 300, 5, 1]
+    q, k, v, meta = _case(seq_lens, query_lens, 16, heads, kv_heads, head_dim, torch_dtype, seed=3)
+    scales = (1.0, 1.0)
+    if cache == "fp8":
+        k, v, scales = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), (0.5, 2.0)
+    elif cache != dtype:
+        k, v = k.bfloat16(), v.bfloat16()
+    # Sinks around the scores' own size and above them, so that they take a real share.
+    sinks = torch.linspace(-2.0, 4.0, heads, dtype=torch.float32)
+    got = _run_kernel(q, k, v, meta, window, scales, sinks)
+    want = paged_attention_reference(
+        q.float(), k, v, meta, head_dim**-0.5, window or None, KVScales(*scales), sinks=sinks
+    )
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    without = _run_kernel(q, k, v, meta, window, scales)
+    assert (without.float() - want).abs().max() > 20 * tol
+    row = 0
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        for t in range(0, q_len, 11):
+            pos = seq_len - q_len + t
+            decode = AttentionMetadata(
+                meta.slot_mapping,
+                meta.block_tables[b : b + 1],
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([pos + 1], dtype=torch.int32),
+                [pos + 1],
+                [1],
+            )
+            alone = _run_kernel(q[row + t : row + t + 1].contiguous(), k, v, decode, window, scales, sinks)
+            assert torch.equal(got[row + t], alone[0]), (b, t)
+        row += q_len

@@ -570,9 +570,12 @@ __attribute__((noinline)) inline void fold(float* total, const float* part, int6
   total[dd] = top;
 }
 
+// out = the state's accumulator / its denominator; a sink (gpt-oss: a logit that joins the
+// softmax's denominator and attends to nothing) adds exp(sink - max) to that denominator.
 template <typename T>
-__attribute__((noinline)) void finish(T* out, const float* state, int64_t d, int64_t dd, float out_scale) {
-  const float inv = out_scale / state[dd + 1];
+__attribute__((noinline)) void finish(T* out, const float* state, int64_t d, int64_t dd, float out_scale,
+                                      const float* sink) {
+  const float inv = out_scale / (state[dd + 1] + (sink != nullptr ? std::exp(*sink - state[dd]) : 0.f));
   for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(state[i] * inv);
 }
 
@@ -585,6 +588,7 @@ struct Call {
   float scale;      // the query's: 1 / sqrt(d), and for fp8 caches its share of K's factor and scale
   Factors factors;  // the scores' and probabilities' (1 but for fp8 caches)
   float out_scale;  // the result's: 1, and for fp8 caches its share of V's factor and scale
+  const float* sinks;  // a logit per query head (gpt-oss), or null
   const int32_t* tables;
   float* partials;            // split units' states: [slot][query head] (state_stride(dd) floats each)
   const int64_t* first_slot;  // a query row's first slot, or -1 (its unit finishes it)
@@ -728,7 +732,8 @@ void walk_unit(const Call& c, const Unit& u, const T* q, const CacheT<K, T>* k_c
     for (int64_t h = 0; h < u.kv_count; ++h)
       for (int64_t g = 0; g < G; ++g)
         finish(out + ((u.token0 + r) * c.num_heads + query_head(h, g)) * c.d,
-               s.total_states.data() + at(h, r, g) * S, c.d, dd, c.out_scale);
+               s.total_states.data() + at(h, r, g) * S, c.d, dd, c.out_scale,
+               c.sinks != nullptr ? c.sinks + query_head(h, g) : nullptr);
 }
 
 // A split token's query head: its partitions' states folded in order, then finished.
@@ -738,7 +743,8 @@ void fold_partials(const Call& c, int64_t token, int64_t head, int64_t slots, T*
   const float* first = c.partials + (c.first_slot[token] * c.num_heads + head) * S;
   std::memcpy(total, first, S * sizeof(float));
   for (int64_t p = 1; p < slots; ++p) fold(total, first + p * c.num_heads * S, c.dd);
-  finish(out + (token * c.num_heads + head) * c.d, total, c.d, c.dd, c.out_scale);
+  finish(out + (token * c.num_heads + head) * c.d, total, c.d, c.dd, c.out_scale,
+         c.sinks != nullptr ? c.sinks + head : nullptr);
 }
 
 }  // namespace attention_walk

@@ -21,7 +21,7 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
                       torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, double k_scale, double v_scale);
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                     int64_t sliding_window, double k_scale, double v_scale);
+                     int64_t sliding_window, double k_scale, double v_scale, c10::optional<torch::Tensor> sinks);
 void packed_linear_rows(torch::Tensor out, torch::Tensor x, int64_t weight_ptr, int64_t n_padded,
                         int64_t k_padded, c10::optional<torch::Tensor> bias, bool silu_mul);
 
@@ -143,7 +143,7 @@ class DecoderStack {
     q.copy_(qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}));
     const torch::Tensor heads = buffer(kHeads, normed, tokens, q_size);
     paged_attention(heads.view({tokens, num_heads_, head_dim_}), q, k_cache, v_cache, block_tables, query_start_loc,
-                    seq_lens, scale_, layer.sliding_window, layer.k_scale, layer.v_scale);
+                    seq_lens, scale_, layer.sliding_window, layer.k_scale, layer.v_scale, c10::nullopt);
     layer.o->forward(heads, out);
   }
 

@@ -274,14 +274,17 @@ struct Bf16Walk {
     }
   }
 
-  // Lane i of acc[g][c] holds dim dim_of(c, i); out = acc / denom x v_scale, as bf16.
+  // Lane i of acc[g][c] holds dim dim_of(c, i); out = acc / denom x v_scale, as bf16. With sinks
+  // (gpt-oss: a logit per query head that joins each softmax's denominator and attends to
+  // nothing), the denominator gains exp(sink - max).
   // bf16 rows: acc[g][2c] lane 4L + m holds dim 32c + 8L + m, acc[g][2c + 1] the dim 4 further.
   // fp8 rows (widen64): acc[g][4c + s] lane 4L + m holds dim 64c + 16L + 4s + m.
   template <KvKind K>
-  void finish(at::BFloat16* out, float v_scale) {
+  void finish(at::BFloat16* out, float v_scale, const float* sinks) {
     for (int64_t g = 0; g < G; ++g) {
       alignas(64) float lanes[kLanes][16];
-      const __m512 inv = _mm512_set1_ps(v_scale / denom[g]);
+      const float sink = sinks != nullptr ? std::exp(sinks[g] - running_max[g]) : 0.f;
+      const __m512 inv = _mm512_set1_ps(v_scale / (denom[g] + sink));
       for (int64_t c = 0; c < kLanes; ++c) _mm512_store_ps(lanes[c], _mm512_mul_ps(acc[g][c], inv));
       alignas(64) float row[D];
       for (int64_t c = 0; c < kLanes; ++c)
@@ -335,7 +338,7 @@ template <int64_t D, int64_t G, KvKind K>
 void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFloat16>* k_cache,
                const CacheT<K, at::BFloat16>* v_cache, const int32_t* blocks, int64_t pos, int64_t first,
                int64_t kv_count, int64_t tokens, int64_t q_stride, int64_t block_size, int64_t token_stride,
-               float scale, KvScales kv, Scratch& scratch) {
+               float scale, KvScales kv, const float* sinks, Scratch& scratch) {
   const int64_t n = context_rows(scratch.rows, blocks, first, pos + tokens - 1, block_size, token_stride);
   const int64_t row_bytes = kv_count * D * static_cast<int64_t>(sizeof(*k_cache));
   Bf16Walk<D, G> walks[kMaxWalkHeads];  // [token][head]: tokens x kv_count <= kMaxWalkHeads
@@ -371,14 +374,15 @@ void walk_bf16(at::BFloat16* out, const at::BFloat16* q, const CacheT<K, at::BFl
   }
   for (int64_t r = 0; r < tokens; ++r)
     for (int64_t h = 0; h < kv_count; ++h)
-      walks[r * kv_count + h].template finish<K>(out + r * q_stride + h * G * D, K == KvKind::kSame ? 1.f : kv.v);
+      walks[r * kv_count + h].template finish<K>(out + r * q_stride + h * G * D, K == KvKind::kSame ? 1.f : kv.v,
+                                                 sinks != nullptr ? sinks + h * G : nullptr);
 }
 
 #endif
 
 template <typename T, KvKind K>
 using WalkFn = void (*)(T*, const T*, const CacheT<K, T>*, const CacheT<K, T>*, const int32_t*, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, int64_t, int64_t, float, KvScales, Scratch&);
+                        int64_t, int64_t, int64_t, int64_t, int64_t, float, KvScales, const float*, Scratch&);
 
 #define WALK_G(DD)                                \
   switch (group) {                                \
@@ -454,7 +458,7 @@ struct Bf16Unit {
 template <KvKind K>
 void run_bf16(const WalkFn<at::BFloat16, K> walk_fn, torch::Tensor& out, const torch::Tensor& q,
               const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-              const Shapes& sh, double scale, int64_t sliding_window, KvScales kv) {
+              const Shapes& sh, double scale, int64_t sliding_window, KvScales kv, const float* sinks) {
   using C = CacheT<K, at::BFloat16>;
   const int64_t num_heads = sh.num_heads, group = sh.group, num_kv_heads = sh.num_kv_heads, threads = sh.threads;
   // A walk serves every KV head of its token when there are enough tokens to keep the threads
@@ -508,7 +512,8 @@ void run_bf16(const WalkFn<at::BFloat16, K> walk_fn, torch::Tensor& out, const t
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
       const int64_t offset = (unit.token0 * num_heads + unit.h0) * d;
       walk_fn(op + offset, qp + offset, kp + kv_head * d, vp + kv_head * d, table, pos, first, unit.kv_count,
-              unit.tokens, num_heads * d, sh.block_size, sh.token_stride, static_cast<float>(scale), kv, scratch);
+              unit.tokens, num_heads * d, sh.block_size, sh.token_stride, static_cast<float>(scale), kv,
+              sinks != nullptr ? sinks + unit.h0 : nullptr, scratch);
     }
   }
 }
@@ -526,7 +531,8 @@ constexpr int64_t kRunTokens = 64;
 // partition of each token a unit; the others walk all their partitions in one unit.
 template <typename T, KvKind K>
 void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-               const torch::Tensor& block_tables, const Shapes& sh, double scale, int64_t window, KvScales kv) {
+               const torch::Tensor& block_tables, const Shapes& sh, double scale, int64_t window, KvScales kv,
+               const float* sinks) {
   namespace aw = attention_walk;
   using C = CacheT<K, T>;
   std::vector<int64_t> first_slot(sh.num_tokens, -1);
@@ -549,6 +555,7 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
     c.factors = {std::ldexp(1.f, aw::kFp8ScoreShare), std::ldexp(1.f, aw::kFp8ProbShare)};
     c.out_scale = kv.v * std::ldexp(1.f, E - aw::kFp8ProbShare);
   }
+  c.sinks = sinks;
   c.tables = block_tables.data_ptr<int32_t>();
   c.first_slot = first_slot.data();
 
@@ -642,24 +649,26 @@ void run_split(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
 template <typename T, KvKind K>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-         double scale, int64_t sliding_window, KvScales kv) {
+         double scale, int64_t sliding_window, KvScales kv, const float* sinks) {
   const Shapes sh(q, k_cache, block_tables, query_start_loc, seq_lens);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     const WalkFn<T, K> walk_fn = pick_walk<T, K>(sh.d, sh.group);
-    if (walk_fn != nullptr) return run_bf16<K>(walk_fn, out, q, k_cache, v_cache, block_tables, sh, scale, sliding_window, kv);
+    if (walk_fn != nullptr)
+      return run_bf16<K>(walk_fn, out, q, k_cache, v_cache, block_tables, sh, scale, sliding_window, kv, sinks);
   }
 #endif
-  run_split<T, K>(out, q, k_cache, v_cache, block_tables, sh, scale, sliding_window, kv);
+  run_split<T, K>(out, q, k_cache, v_cache, block_tables, sh, scale, sliding_window, kv, sinks);
 }
 
 }  // namespace
 
 // The caches hold q's dtype, bf16 (fp32 queries), or fp8 (fp32 and bf16 queries) whose values
-// are scaled by k_scale and v_scale.
+// are scaled by k_scale and v_scale. sinks: fp32 [num_heads], a logit per query head in each
+// softmax's denominator (gpt-oss), or none.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                     int64_t sliding_window, double k_scale, double v_scale) {
+                     int64_t sliding_window, double k_scale, double v_scale, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs expected");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
@@ -667,8 +676,12 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   const KvKind kind = kv_kind(k_cache, q.scalar_type());
   TORCH_CHECK(kv_kind(v_cache, q.scalar_type()) == kind, "K and V caches of one dtype expected");
   const KvScales kv{static_cast<float>(k_scale), static_cast<float>(v_scale)};
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == q.size(1), "sinks: contiguous fp32 [num_heads] expected");
+  const float* sink_logits = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
 #define RUN(T, K) return run<T, K>(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, \
-                                   sliding_window, kv)
+                                   sliding_window, kv, sink_logits)
   switch (q.scalar_type()) {
     case torch::kFloat:
       if (kind == KvKind::kE4M3) RUN(float, KvKind::kE4M3);
@@ -713,7 +726,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as PyTorch's own operators do, so that a server's
   // HTTP thread can work meanwhile.
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)", release());
+  m.def("paged_attention", &paged_attention, "paged attention over a block-table KV cache (CPU)", py::arg("out"),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("sinks") = py::none(), release());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding delta into x (in place)", release());
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma's RMSNorm: the weight an offset from 1, scaled in fp32", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [.., 2n] -> [.., n]", release());

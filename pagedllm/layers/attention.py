@@ -126,11 +126,11 @@ def paged_attention(
 
     Every query token attends by one fixed order of operations, whatever its step holds (a
     decode, a prefill chunk, a recompute, a verification), so outputs are batch- and
-    cache-invariant. Scores soft-capped (Gemma 2: tanh(s / cap) * cap) and attention sinks (gpt-oss:
-    a learned logit per head in each softmax's denominator, `sinks` [num_heads]) go the torch
-    reference's way: the kernels have neither."""
+    cache-invariant. Attention sinks (gpt-oss: a learned logit per head in each softmax's
+    denominator, `sinks` [num_heads]) the kernel takes; scores soft-capped (Gemma 2:
+    tanh(s / cap) * cap) go the torch reference's way."""
     ops = cpu_ops() if q.device.type == "cpu" else None
-    if ops is None or softcap or sinks is not None:
+    if ops is None or softcap:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales, softcap, sinks)
     out = torch.empty_like(q)
     ops.paged_attention(
@@ -145,6 +145,7 @@ def paged_attention(
         sliding_window or 0,
         scales.k,
         scales.v,
+        None if sinks is None else sinks.detach().float().contiguous(),
     )
     return out
 

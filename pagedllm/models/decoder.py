@@ -152,7 +152,7 @@ class Attention(nn.Module):
         """Its part of a C++ decoder-stack layer (add_layer's qkv and o ops, q and k norm weights or
         None, window, fp8 scales), or why it has none. Its linear layers' ops come from their methods."""
         if self.logit_softcap is not None or self.sinks is not None:
-            return "soft-capped attention scores and attention sinks have no kernel in the C++ decoder stack"
+            return "the C++ decoder stack's layers take no soft-capped attention scores or attention sinks"
         if not self.use_rope:
             return "the C++ decoder stack rotates every layer's q and k (this model has layers without rotary)"
         norms = (self.q_norm.weight.detach(), self.k_norm.weight.detach()) if self.qk_norm else (None, None)
