@@ -67,6 +67,18 @@ def test_kernel_matches_reference(dtype, tol, block_size, window, head_dim, head
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+def _decode_at(meta: AttentionMetadata, b: int, pos: int) -> AttentionMetadata:
+    """Sequence b's decode alone at position pos (its context pos + 1 tokens)."""
+    return AttentionMetadata(
+        meta.slot_mapping,
+        meta.block_tables[b : b + 1],
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([pos + 1], dtype=torch.int32),
+        [pos + 1],
+        [1],
+    )
+
+
 def _run_kernel(q, k, v, meta, window: int = 0, kv_scales=(1.0, 1.0), sinks=None) -> torch.Tensor:
     out = torch.empty_like(q)
     cpu_ops().paged_attention(
@@ -122,14 +134,7 @@ def test_every_query_token_is_its_decode(head_dim, heads, kv_heads, seq_lens, qu
     row = 0
     for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         for t in range(q_len):
-            decode = AttentionMetadata(
-                meta.slot_mapping,
-                meta.block_tables[b : b + 1],
-                torch.tensor([0, 1], dtype=torch.int32),
-                torch.tensor([seq_len - q_len + t + 1], dtype=torch.int32),
-                [seq_len - q_len + t + 1],
-                [1],
-            )
+            decode = _decode_at(meta, b, seq_len - q_len + t)
             assert torch.equal(together[row], run(q[row : row + 1].contiguous(), k, v, decode)[0]), (b, t)
             row += 1
 
@@ -167,15 +172,7 @@ def test_long_decodes_same_bits_on_any_threads(block_size, cache):
 
 
 def _one_seq(meta: AttentionMetadata, b: int) -> AttentionMetadata:
-    n = int(meta.seq_lens[b])
-    return AttentionMetadata(
-        meta.slot_mapping,
-        meta.block_tables[b : b + 1],
-        torch.tensor([0, 1], dtype=torch.int32),
-        torch.tensor([n], dtype=torch.int32),
-        [n],
-        [1],
-    )
+    return _decode_at(meta, b, int(meta.seq_lens[b]) - 1)
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason="no C++ toolchain")
@@ -210,14 +207,7 @@ def test_walk_shapes_are_their_decodes_and_the_reference(dtype, heads, kv_heads,
     for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         for t in range(0, q_len, 7):  # every seventh row, its decode alone
             pos = seq_len - q_len + t
-            decode = AttentionMetadata(
-                meta.slot_mapping,
-                meta.block_tables[b : b + 1],
-                torch.tensor([0, 1], dtype=torch.int32),
-                torch.tensor([pos + 1], dtype=torch.int32),
-                [pos + 1],
-                [1],
-            )
+            decode = _decode_at(meta, b, pos)
             assert torch.equal(together[row + t], _run_kernel(q[row + t : row + t + 1].contiguous(), k, v, decode)[0])
         row += q_len
     want = paged_attention_reference(q.float(), k.float(), v.float(), meta, head_dim**-0.5, None)
@@ -264,14 +254,7 @@ def test_sinks_match_reference_and_decodes(dtype, cache, head_dim, heads, kv_hea
     for b, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         for t in range(0, q_len, 11):
             pos = seq_len - q_len + t
-            decode = AttentionMetadata(
-                meta.slot_mapping,
-                meta.block_tables[b : b + 1],
-                torch.tensor([0, 1], dtype=torch.int32),
-                torch.tensor([pos + 1], dtype=torch.int32),
-                [pos + 1],
-                [1],
-            )
+            decode = _decode_at(meta, b, pos)
             alone = _run_kernel(q[row + t : row + t + 1].contiguous(), k, v, decode, window, scales, sinks)
             assert torch.equal(got[row + t], alone[0]), (b, t)
         row += q_len
