@@ -10,7 +10,7 @@
 // sub-block scales (and minimums) go in as integers first, which keeps the per-block work of the
 // many-row case to the dot products and one multiply (the 4-row pass on Q4_K: 1.2x as fast as with
 // float sums per 32-value block); the minimums' term (and the offset of the formats with int8
-// sub-scales: Q6_K's 32, Q3_K's 4, IQ3_S's 15, IQ4_XS's 128) is one vpdpwssd a block on int16
+// sub-scales: Q6_K's 32, Q3_K's 4, IQ4_XS's and IQ3_S's 128) is one vpdpwssd a block on int16
 // activation sums (Q4_K and Q6_K at 64 rows 4-10% faster than a multiply each). A table format's
 // 4-bit indices become its values + 128 as they are unpacked (one vpshufb a register), unsigned
 // 8-bit codes for dpbusd.
@@ -63,8 +63,10 @@ enum Format : int {
   kNumFormats
 };
 
-// The value tables that IQ4_NL's, IQ4_XS's and MXFP4's 4-bit codes index (MXFP4's e2m1 doubled).
+// The value tables that IQ4_NL's, IQ4_XS's, MXFP4's and IQ3_S's 4-bit codes index (MXFP4's e2m1
+// doubled; IQ3_S's: a grid point's odd values with their signs).
 constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kIQ3SValues[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15};
 constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // A format's constants, as formats.Format computes them.
@@ -72,22 +74,21 @@ template <int F>
 struct Traits {
   static constexpr int bits = F == kQ8_0                                                ? 8
                               : F == kQ6_K                                              ? 6
-                              : (F == kQ5_0 || F == kQ5_1 || F == kQ5_K || F == kIQ3_S) ? 5
+                              : (F == kQ5_0 || F == kQ5_1 || F == kQ5_K)                ? 5
                               : F == kQ3_K                                              ? 3
                               : F == kQ2_K                                              ? 2
                                                                                         : 4;
   static constexpr bool k_quant = F >= kQ4_K && F != kIQ4_NL && F != kMXFP4;
   static constexpr bool has_min = F == kQ4_1 || F == kQ5_1;
   // 4-bit codes that index a table: once unpacked, u = value + 128, 8-bit codes (wide).
-  static constexpr bool lookup = F == kIQ4_NL || F == kIQ4_XS || F == kMXFP4;
-  static constexpr const int8_t* table = F == kMXFP4 ? kMXFP4Values : kIQ4NLValues;
+  static constexpr bool lookup = F == kIQ4_NL || F == kIQ4_XS || F == kMXFP4 || F == kIQ3_S;
+  static constexpr const int8_t* table = F == kMXFP4 ? kMXFP4Values : F == kIQ3_S ? kIQ3SValues : kIQ4NLValues;
   static constexpr int wide = lookup ? 8 : bits;
   static constexpr int offset = F == kQ4_0                 ? 8
                                 : F == kQ5_0               ? 16
                                 : (F == kQ8_0 || lookup)   ? 128
                                 : F == kQ6_K               ? 32
                                 : F == kQ3_K               ? 4
-                                : F == kIQ3_S              ? 15
                                                            : 0;
   // K types: int8 sub-scales of u - offset (Q6_K, Q3_K, IQ4_XS, IQ3_S), or uint8 ones with uint8
   // sub-minimums and a dmin (Q4_K, Q5_K, Q2_K); one a 16 values or one a 32.

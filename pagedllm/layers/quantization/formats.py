@@ -13,7 +13,7 @@ offset, per block of values along a row:
 | Q2_K | 2 | 256 = 16 x 16 | d sc_j u - dmin mn_j (sc, mn: 4-bit, one of each per 16) |
 | Q6_K, Q3_K | 6, 3 | 256 = 16 x 16 | d sc_j (u - 32), d sc_j (u - 4) (sc: int8, one per 16) |
 | IQ4_XS | 4 | 256 = 8 x 32 | d sc_j T[u] (sc: 6-bit less 32, per 32; IQ4_NL's table) |
-| IQ3_S | 5 | 256 = 8 x 32 | d (1 + 2 s_j) (u - 15): grid points of 4 odd values to 15 and a sign each, as codes |
+| IQ3_S | 4 | 256 = 8 x 32 | d (1 + 2 s_j) T[u]: grid points of 4 odd values to 15 and a sign each, each value a 4-bit index into the 16 odd values -15..15 |
 
 `decode` reads a type's raw blocks into those fields (`Fields`), exactly (tested against the gguf
 package's own dequantizer). `pack` lays the fields out for the kernels (kernels/quant_linear.cpp):
@@ -38,7 +38,7 @@ reduction across lanes. A table's codes become T[u] + 128 as they are unpacked (
            as 16 float16 each.
 
 The file's bytes are kept (the same bits a weight to within 0.125, but Q3_K's sub-scales a byte
-each, MXFP4's scale as float32 and IQ3_S's grid points as codes of 5 bits),
+each, MXFP4's scale as float32 and IQ3_S's grid points as 4-bit codes a value),
 never expanded to floats. Activations are quantized to int8 with a float scale per record's values
 (`quantize_activations`): per 32 for the types of 32, per 256 for the K types, as llama.cpp
 quantizes them (its Q8_0 and Q8_K).
@@ -58,6 +58,7 @@ BLOCK = 32  # values an activation scale covers, and a code step's span
 
 
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ3_S_VALUES = tuple(range(-15, 16, 2))  # a grid point's values with their signs: the odd -15..15
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled (d is halved)
 
 
@@ -132,7 +133,7 @@ FORMATS = {
         Format("IQ4_NL", 10, 4, 32, 18, offset=128, table=IQ4_NL_VALUES),
         Format("IQ4_XS", 11, 4, 256, 136, offset=128, k_quant=True, signed_subs=True, table=IQ4_NL_VALUES),
         Format("MXFP4", 12, 4, 32, 17, offset=128, table=MXFP4_VALUES, scale_f32=True),
-        Format("IQ3_S", 13, 5, 256, 110, offset=15, k_quant=True, signed_subs=True),
+        Format("IQ3_S", 13, 4, 256, 110, offset=128, k_quant=True, signed_subs=True, table=IQ3_S_VALUES),
     )
 }
 
@@ -293,7 +294,7 @@ def _decode_iq3s(blocks: np.ndarray, fmt: Format) -> Fields:
     index = blocks[..., 2:66].astype(np.int64) | (_high_bits(blocks[..., 66:74], 64).astype(np.int64) << 8)
     values = _iq3s_grid()[index].reshape(rows, nb, 256)  # grid point i: values 4i .. 4i + 3
     signs = _high_bits(blocks[..., 74:106], 256).astype(bool)  # value 8 j + b: bit b of byte j
-    codes = np.where(signs, -values, values) + fmt.offset  # -15..15 -> 0..30
+    codes = (np.where(signs, -values, values) + 15) // 2  # the odd -15..15 -> their index 0..15
     sub_scale = 1 + 2 * _nibbles_pairs(blocks[..., 106:110]).astype(np.int16)
     return Fields(fmt, _flat(codes), _f16(blocks, 0), None, _flat(sub_scale.astype(np.int8)).view(np.int8))
 
