@@ -13,7 +13,7 @@ offset, per block of values along a row:
 | Q2_K | 2 | 256 = 16 x 16 | d sc_j u - dmin mn_j (sc, mn: 4-bit, one of each per 16) |
 | Q6_K, Q3_K | 6, 3 | 256 = 16 x 16 | d sc_j (u - 32), d sc_j (u - 4) (sc: int8, one per 16) |
 | IQ4_XS | 4 | 256 = 8 x 32 | d sc_j T[u] (sc: 6-bit less 32, per 32; IQ4_NL's table) |
-| IQ3_S | 4 | 256 = 8 x 32 | d (1 + 2 s_j) T[u]: grid points of 4 odd values to 15 and a sign each, each value a 4-bit index into the 16 odd values -15..15 |
+| IQ3_S | 4 | 256 = 8 x 32 | d (1 + 2 s_j) T[u]: T the 16 odd values -15..15 (grid points and signs folded) |
 
 `decode` reads a type's raw blocks into those fields (`Fields`), exactly (tested against the gguf
 package's own dequantizer). `pack` lays the fields out for the kernels (kernels/quant_linear.cpp):
