@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xgrammar as xgr
 
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import (
@@ -19,6 +20,17 @@ from pagedllm.structured_output.backend import (
     InvalidConstraintError,
     StructuredOutputBackend,
 )
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgr() -> ModuleType:
+    """xgrammar, imported on the first constrained request: at start-up it would cost every engine
+    0.6 s and 45 MiB resident (it brings in its tokenizer and testing machinery)."""
+    import xgrammar
+
+    return xgrammar
 
 
 class XgrammarMatcher(GrammarMatcher):
@@ -63,14 +75,15 @@ class XgrammarBackend(StructuredOutputBackend):
         return self._get_compiler().compile_grammar(_grammar(*key))
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarMatcher:
-        return XgrammarMatcher(xgr.GrammarMatcher(compiled))  # any number of tokens can be rolled back
+        return XgrammarMatcher(_xgr().GrammarMatcher(compiled))  # any number of tokens can be rolled back
 
     def allocate_bitmask(self, rows: int) -> np.ndarray:
-        return np.full((rows, xgr.get_bitmask_shape(1, self.vocab_size)[1]), -1, dtype=np.int32)
+        return np.full((rows, _xgr().get_bitmask_shape(1, self.vocab_size)[1]), -1, dtype=np.int32)
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         # Built on first use, in the compiling thread: the tokenizer's vocabulary takes ~0.1 s to index.
         if self._compiler is None:
+            xgr = _xgr()
             info = xgr.TokenizerInfo.from_huggingface(
                 self._get_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
@@ -81,6 +94,7 @@ class XgrammarBackend(StructuredOutputBackend):
 
 def _grammar(kind: str, text: str, compact: bool) -> xgr.Grammar:
     """The constraint as an xgrammar Grammar (no vocabulary needed: this is also the check)."""
+    xgr = _xgr()
     if kind == "json":
         json.loads(text)  # a clear "not JSON" before xgrammar's own message
         return _json_grammar(text, compact)
@@ -104,6 +118,7 @@ _JSON_CHARACTER = r'\1 ::= (([^\\0-\\x1f\\"\\\\]))'
 
 
 def _json_grammar(schema: str, compact: bool) -> xgr.Grammar:
+    xgr = _xgr()
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not compact)
     text, count = _BOUNDED_STRING_ITEM.subn(_JSON_CHARACTER, str(grammar))
     return xgr.Grammar.from_ebnf(text) if count else grammar
