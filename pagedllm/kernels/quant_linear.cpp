@@ -14,9 +14,9 @@
 // activation sums (Q4_K and Q6_K at 64 rows 4-10% faster than a multiply each). A table format's
 // 4-bit indices become its values + 128 as they are unpacked (one vpshufb a register), unsigned
 // 8-bit codes for dpbusd.
-// Every weight is read once a call and unpacked once for up to 4 rows of activations (8 for Q6_K,
-// whose unpacking costs most; a K record's float sums then wait in memory); where a layer is many
-// rows, a group's records (a few KiB) stay in L1 across the row passes.
+// Every weight is read once a call and unpacked once for a pass of up to 8 rows of activations (a
+// K record's float sums wait in memory); where a call is more rows than a pass, the AVX-512 path
+// keeps a group's unpacked codes (16 bytes an input) from its first pass for the others (Kept).
 // Batch invariance: a row's sums are the same whatever rows share its call (the integer sums are
 // exact and each row's float sums run in record order, in a pass of any size), and there is one
 // path per format whatever the step's rows (bf16 dot products on dequantized tiles, once taken
@@ -165,6 +165,23 @@ struct Activations {
 
 int64_t activation_block(int format) { return record_values(format); }
 
+// A group's codes as its first row pass unpacked them, kept for the passes after it (a call of
+// more rows than a pass): they load from this scratch (L1 or L2) instead of being unpacked again.
+// The AVX-512 path keeps them for every type but Q8_0 (whose codes are bytes already); the others
+// unpack every pass. Loads or unpacking, the same codes: the sums do not change.
+struct Kept {
+  uint8_t* codes;  // [records x blocks][8][64], 64-byte aligned
+  bool filled;     // by the first pass
+};
+
+// This thread's scratch for the kept codes of `jobs` groups of k inputs (512 bytes a 32-value block).
+uint8_t* kept_scratch(int64_t k, int jobs) {
+  thread_local std::vector<uint8_t> buffer;
+  const size_t bytes = static_cast<size_t>(k) * 16 * jobs + 64;
+  if (buffer.size() < bytes) buffer.resize(bytes);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+}
+
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* s) {
   for (int64_t b = 0; b < k / block; ++b) {
@@ -193,6 +210,32 @@ inline __m512 load16(const at::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 64 values' codes, the first 32 scaled by lo and the others by hi, and their sums per 16. The
+// packs interleave 128-bit lanes (lane L: 4 codes of each vector in turn): one permute of 32-bit
+// words puts the bytes back in order. The sums: psadbw's sums per 8 of the codes + 128, paired,
+// less 16 x 128 (no code is past +-127, so the bytes' sums are the codes').
+template <typename T>
+inline void codes64(const T* x, __m512 lo, __m512 hi, int8_t* q, int16_t* s) {
+  __m512i c[4];
+  for (int i = 0; i < 4; ++i) c[i] = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + 16 * i), i < 2 ? lo : hi));
+  const __m512i packed = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
+  const __m512i codes =
+      _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), packed);
+  _mm512_storeu_si512(q, codes);
+  const __m512i eights =
+      _mm512_sad_epu8(_mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80))), _mm512_setzero_si512());
+  const __m128i words = _mm512_cvtepi64_epi16(eights);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(s), _mm_sub_epi16(_mm_hadd_epi16(words, words), _mm_set1_epi16(2048)));
+}
+
+// 16 values' codes and their sum (a row's last 32 values where it is not whole 64s).
+template <typename T>
+inline void codes16(const T* x, __m512 inv, int8_t* q, int16_t* s) {
+  const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x), inv));  // to nearest, half to even
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(c));
+  *s = static_cast<int16_t>(_mm512_reduce_add_epi32(c));
+}
+
 template <typename T>
 void quantize_row_avx512(const T* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* s) {
   const __m512 sign = _mm512_set1_ps(-0.f);
@@ -200,17 +243,14 @@ void quantize_row_avx512(const T* x, int64_t k, int64_t block, int8_t* q, float*
     const T* xb = x + b * block;
     __m512 m = _mm512_setzero_ps();
     for (int64_t i = 0; i < block; i += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, load16(xb + i)));
-    const float amax = _mm512_reduce_max_ps(m);
-    const float scale = amax / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
-    const __m512 inv = _mm512_set1_ps(inverse);
-    for (int64_t i = 0; i < block; i += 16) {
-      // Conversion under the default rounding mode: to nearest, half to even.
-      const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb + i), inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * block + i), _mm512_cvtsepi32_epi8(c));
-      s[(b * block + i) / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(c));
-    }
-    d[b] = scale;
+    d[b] = _mm512_reduce_max_ps(m) / 127.f;
   }
+  // Each code under its block's inverse scale, converted under the default rounding mode (to
+  // nearest, half to even), as the portable path's nearbyint.
+  auto inverse = [&](int64_t i) { return _mm512_set1_ps(d[i / block] > 0.f ? 1.f / d[i / block] : 0.f); };
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64) codes64(x + i, inverse(i), inverse(i + 32), q + i, s + i / 16);
+  for (; i < k; i += 16) codes16(x + i, inverse(i), q + i, s + i / 16);
 }
 #elif defined(__AVX2__)
 inline float max8(__m256 v) {
@@ -351,7 +391,7 @@ inline int sub_at(const uint8_t* p, int j, int h, int lane) {
 
 template <int F>
 void group_portable(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows,
-                    float* sums, bool /*stream*/) {
+                    float* sums, bool /*stream*/, Kept* /*kept*/) {
   using Tr = Traits<F>;
   for (int r = 0; r < rows; ++r) {
     const int8_t* xq = a.q(row0 + r);
@@ -413,12 +453,14 @@ void group_portable(const uint8_t* group, int64_t records, const Activations& a,
 // against 33.0; a second, far prefetch into L2 did not help).
 constexpr int64_t kStreamAhead = 4096;
 
-// Part j of `Parts` of a record's cache lines, kStreamAhead bytes on, non-temporal.
-template <int64_t Bytes, int Parts>
+// Part j of `Parts` of a record's cache lines, kStreamAhead bytes on: non-temporal for a lone pass,
+// into every level (Reused) for the first of several, whose later passes read the records' scales
+// again.
+template <int64_t Bytes, int Parts, bool Reused = false>
 inline void prefetch_part(const uint8_t* record, int j) {
   constexpr int64_t lines = (Bytes + 63) / 64, per_part = (lines + Parts - 1) / Parts;
   for (int64_t line = j * per_part; line < std::min<int64_t>((j + 1) * per_part, lines); ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(record + kStreamAhead + 64 * line), _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(record + kStreamAhead + 64 * line), Reused ? _MM_HINT_T0 : _MM_HINT_NTA);
 }
 #endif
 
@@ -473,6 +515,24 @@ inline void unpack(const uint8_t* codes, const uint8_t* high, __m512i w[8]) {
     const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(values, _mm_set1_epi8(static_cast<char>(0x80))));
     for (int t = 0; t < 8; ++t) w[t] = _mm512_shuffle_epi8(table, w[t]);
   }
+}
+
+// Block `block` of a group's codes: unpacked from its record, and kept for the passes after the
+// first (Kept), or loaded as the first pass kept them.
+template <int F>
+inline void block_codes(const uint8_t* codes, const uint8_t* high, __m512i w[8], Kept* kept, int64_t block) {
+  constexpr bool keeps = Traits<F>::bits != 8;
+  if (keeps && kept != nullptr) {
+    uint8_t* at = kept->codes + 512 * block;
+    if (kept->filled) {
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_load_si512(at + 64 * t);
+      return;
+    }
+    unpack<F>(codes, high, w);
+    for (int t = 0; t < 8; ++t) _mm512_store_si512(at + 64 * t, w[t]);
+    return;
+  }
+  unpack<F>(codes, high, w);
 }
 
 // The integer dot products of a block's 16 rows with one activation row's 32 codes: over all 32
@@ -630,7 +690,7 @@ inline void k_record(const __m512i (&scaled)[N], const __m512i weights[8], const
 
 template <int F, int R>
 void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums,
-                bool stream) {
+                bool stream, Kept* kept) {
   using Tr = Traits<F>;
   __m512 total[R];
   const int8_t* xq[R];
@@ -644,11 +704,14 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
     sx[r] = a.s(row0 + r);
   }
   __m512i w[8];
+  // The first of a call's passes reads the records from memory, the others from cache.
+  const bool first_of_several = kept != nullptr && !kept->filled;
   for (int64_t rec = 0; rec < records; ++rec) {
     const uint8_t* p = group + rec * Tr::record_bytes;
     if (!Tr::k_quant && stream) prefetch_part<Tr::record_bytes, 1>(p, 0);
+    if (!Tr::k_quant && first_of_several) prefetch_part<Tr::record_bytes, 1, true>(p, 0);
     if constexpr (!Tr::k_quant) {
-      unpack<F>(p, p + Tr::high_at, w);
+      block_codes<F>(p, p + Tr::high_at, w, kept, rec);
       const __m512 scale = scales16<F>(p + Tr::scales_at);
       for (int r = 0; r < R; ++r) {
         const __m512i dot = row_dot<R>(w, xq[r] + rec * kBlock);
@@ -675,7 +738,8 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
       for (int r = 0; r < B; ++r) scaled_b[r] = _mm512_setzero_si512();
       for (int j = 0; j < Tr::blocks; ++j) {
         if (stream) prefetch_part<Tr::record_bytes, Tr::blocks>(p, j);
-        unpack<F>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, w);
+        if (first_of_several) prefetch_part<Tr::record_bytes, Tr::blocks, true>(p, j);
+        block_codes<F>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, w, kept, rec * Tr::blocks + j);
         const int64_t at = (rec * Tr::blocks + j) * kBlock;
         k_rows<F, R, A>(scaled_a, w, p, j, xq, at);
         if constexpr (B > 0) k_rows<F, R, B>(scaled_b, w, p, j, xq + A, at);
@@ -923,7 +987,7 @@ inline void half_avx2(const uint8_t* p, int64_t rec, int half, const int8_t* con
 
 template <int F, int R>
 void group_avx2(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums,
-                bool stream) {
+                bool stream, Kept* /*kept*/) {
   using Tr = Traits<F>;
   __m256 total[2][R];
   const int8_t* xq[R];
@@ -948,11 +1012,11 @@ void group_avx2(const uint8_t* group, int64_t records, const Activations& a, int
 #endif
 
 
-using GroupFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, int, float*, bool);
+using GroupFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, int, float*, bool, Kept*);
 
 template <int F>
 void group_rows(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows, float* sums,
-                bool stream) {
+                bool stream, Kept* kept) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // A record's unpacking is shared by the rows of a pass: up to 8 rows a pass (BENCHMARKS.md). Q8_0's
   // codes need no unpacking: it takes more rows in passes of 4 (no faster in 8), the group's records
@@ -961,40 +1025,40 @@ void group_rows(const uint8_t* group, int64_t records, const Activations& a, int
   // arithmetic one after the other.
   if (F != kQ8_0 || stream) {
     switch (rows) {
-      case 5: return group_vnni<F, 5>(group, records, a, row0, sums, stream);
-      case 6: return group_vnni<F, 6>(group, records, a, row0, sums, stream);
-      case 7: return group_vnni<F, 7>(group, records, a, row0, sums, stream);
-      case 8: return group_vnni<F, 8>(group, records, a, row0, sums, stream);
+      case 5: return group_vnni<F, 5>(group, records, a, row0, sums, stream, kept);
+      case 6: return group_vnni<F, 6>(group, records, a, row0, sums, stream, kept);
+      case 7: return group_vnni<F, 7>(group, records, a, row0, sums, stream, kept);
+      case 8: return group_vnni<F, 8>(group, records, a, row0, sums, stream, kept);
     }
   } else if (rows > 4) {
-    group_rows<F>(group, records, a, row0, 4, sums, stream);
-    return group_rows<F>(group, records, a, row0 + 4, rows - 4, sums + 4 * kGroup, false);
+    group_rows<F>(group, records, a, row0, 4, sums, stream, kept);
+    return group_rows<F>(group, records, a, row0 + 4, rows - 4, sums + 4 * kGroup, false, kept);
   }
   switch (rows) {
-    case 1: return group_vnni<F, 1>(group, records, a, row0, sums, stream);
-    case 2: return group_vnni<F, 2>(group, records, a, row0, sums, stream);
-    case 3: return group_vnni<F, 3>(group, records, a, row0, sums, stream);
-    default: return group_vnni<F, 4>(group, records, a, row0, sums, stream);
+    case 1: return group_vnni<F, 1>(group, records, a, row0, sums, stream, kept);
+    case 2: return group_vnni<F, 2>(group, records, a, row0, sums, stream, kept);
+    case 3: return group_vnni<F, 3>(group, records, a, row0, sums, stream, kept);
+    default: return group_vnni<F, 4>(group, records, a, row0, sums, stream, kept);
   }
 #elif defined(PAGEDLLM_QUANT_AVX2)
   // Passes of up to 8 rows share each record's unpacking, but the sub-minimum types' 8 rows spill
   // their accumulators: two passes of 4 where the records stay in cache (not streamed).
   if (Traits<F>::sub_min && !stream && rows > 4) {
-    group_rows<F>(group, records, a, row0, 4, sums, stream);
-    return group_rows<F>(group, records, a, row0 + 4, rows - 4, sums + 4 * kGroup, false);
+    group_rows<F>(group, records, a, row0, 4, sums, stream, kept);
+    return group_rows<F>(group, records, a, row0 + 4, rows - 4, sums + 4 * kGroup, false, kept);
   }
   switch (rows) {
-    case 1: return group_avx2<F, 1>(group, records, a, row0, sums, stream);
-    case 2: return group_avx2<F, 2>(group, records, a, row0, sums, stream);
-    case 3: return group_avx2<F, 3>(group, records, a, row0, sums, stream);
-    case 4: return group_avx2<F, 4>(group, records, a, row0, sums, stream);
-    case 5: return group_avx2<F, 5>(group, records, a, row0, sums, stream);
-    case 6: return group_avx2<F, 6>(group, records, a, row0, sums, stream);
-    case 7: return group_avx2<F, 7>(group, records, a, row0, sums, stream);
-    default: return group_avx2<F, 8>(group, records, a, row0, sums, stream);
+    case 1: return group_avx2<F, 1>(group, records, a, row0, sums, stream, kept);
+    case 2: return group_avx2<F, 2>(group, records, a, row0, sums, stream, kept);
+    case 3: return group_avx2<F, 3>(group, records, a, row0, sums, stream, kept);
+    case 4: return group_avx2<F, 4>(group, records, a, row0, sums, stream, kept);
+    case 5: return group_avx2<F, 5>(group, records, a, row0, sums, stream, kept);
+    case 6: return group_avx2<F, 6>(group, records, a, row0, sums, stream, kept);
+    case 7: return group_avx2<F, 7>(group, records, a, row0, sums, stream, kept);
+    default: return group_avx2<F, 8>(group, records, a, row0, sums, stream, kept);
   }
 #else
-  group_portable<F>(group, records, a, row0, rows, sums, stream);
+  group_portable<F>(group, records, a, row0, rows, sums, stream, kept);
 #endif
 }
 
@@ -1076,10 +1140,13 @@ void matmul(torch::Tensor& out, const Activations& a, const std::vector<Job>& jo
     const auto [j, g] = locate(first_group, item / chunks.count);
     const Job& job = jobs[j];
     const int64_t cols = std::min<int64_t>(kGroup, job.n - g * kGroup), col = job.col + g * kGroup;
+    const bool passes = last - first > kPassRows;
+    Kept kept{passes ? kept_scratch(a.k, 1) : nullptr, false};
     for (int64_t r0 = first; r0 < last; r0 += kPassRows) {
       const int count = static_cast<int>(std::min<int64_t>(kPassRows, last - r0));
-      job.fn(job.weights + g * job.records * job.record_bytes, job.records, a, r0, count, sums,
-             last - first <= kPassRows);
+      job.fn(job.weights + g * job.records * job.record_bytes, job.records, a, r0, count, sums, !passes,
+             passes ? &kept : nullptr);
+      kept.filled = true;
       store(y + r0 * stride + col, stride, sums, kGroup, count, cols, bias == nullptr ? nullptr : bias + col);
     }
   }
@@ -1098,12 +1165,17 @@ void matmul_silu_mul(torch::Tensor& out, const Activations& a, const Job& gate, 
     alignas(64) float sums[2][kPassRows * kGroup];
     const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
     const int64_t g = item / chunks.count, col = g * kGroup, cols = std::min<int64_t>(kGroup, gate.n - col);
+    const bool passes = last - first > kPassRows;
+    uint8_t* scratch = passes ? kept_scratch(a.k, 2) : nullptr;
+    Kept kept[2] = {{scratch, false}, {scratch + (passes ? 16 * a.k : 0), false}};
     for (int64_t r0 = first; r0 < last; r0 += kPassRows) {
       const int count = static_cast<int>(std::min<int64_t>(kPassRows, last - r0));
       int h = 0;
-      for (const Job* job : {&gate, &up})
-        job->fn(job->weights + g * job->records * job->record_bytes, job->records, a, r0, count, sums[h++],
-                last - first <= kPassRows);
+      for (const Job* job : {&gate, &up}) {
+        job->fn(job->weights + g * job->records * job->record_bytes, job->records, a, r0, count, sums[h],
+                !passes, passes ? &kept[h] : nullptr);
+        kept[h++].filled = true;
+      }
       store_silu_mul(y + r0 * stride + col, stride, sums[0], sums[1], kGroup, count, cols,
                      bias == nullptr ? nullptr : bias + col, bias == nullptr ? nullptr : bias + gate.n + col);
     }
