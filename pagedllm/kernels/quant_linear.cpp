@@ -157,10 +157,12 @@ struct Activations {
   const int8_t* codes;
   const float* scales;
   const int16_t* sums;  // |sum| <= 16 x 127: int16, so that pairs of them feed vpdpwssd
+  const int16_t* sums32;  // per 32 (blocks of 256 only): the sub-block sums of the K types of 8 sub-blocks
   int64_t rows, k, block;
   const int8_t* q(int64_t row) const { return codes + row * k; }
   const float* d(int64_t row) const { return scales + row * (k / block); }
   const int16_t* s(int64_t row) const { return sums + row * (k / 16); }
+  const int16_t* s32(int64_t row) const { return sums32 + row * (k / 32); }
 };
 
 int64_t activation_block(int format) { return record_values(format); }
@@ -324,20 +326,23 @@ Activations quantize_activations(const torch::Tensor& x, bool portable, int64_t 
   struct Buffers {
     std::vector<int8_t> codes;
     std::vector<float> scales;
-    std::vector<int16_t> sums;
+    std::vector<int16_t> sums, sums32;
   };
   thread_local Buffers sets[2];
   Buffers& b = sets[block == kBlock ? 0 : 1];
   b.codes.resize(std::max<size_t>(b.codes.size(), rows * k));
   b.scales.resize(std::max<size_t>(b.scales.size(), rows * k / block));
   b.sums.resize(std::max<size_t>(b.sums.size(), rows * k / 16));
+  if (block != kBlock) b.sums32.resize(std::max<size_t>(b.sums32.size(), rows * k / 32));
   if (x.scalar_type() == torch::kBFloat16)
     quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, block, b.codes.data(), b.scales.data(), b.sums.data(), portable);
   else if (x.scalar_type() == torch::kFloat)
     quantize_rows(x.data_ptr<float>(), rows, k, block, b.codes.data(), b.scales.data(), b.sums.data(), portable);
   else
     TORCH_CHECK(false, "quantized linear layers take float32 or bfloat16 activations, not ", x.scalar_type());
-  return {b.codes.data(), b.scales.data(), b.sums.data(), rows, k, block};
+  if (block != kBlock)
+    for (int64_t i = 0; i < rows * k / 32; ++i) b.sums32[i] = static_cast<int16_t>(b.sums[2 * i] + b.sums[2 * i + 1]);
+  return {b.codes.data(), b.scales.data(), b.sums.data(), block != kBlock ? b.sums32.data() : nullptr, rows, k, block};
 }
 
 // -- one group of 16 output rows, for up to 4 activation rows: float sums [rows][16] -------------
@@ -595,12 +600,12 @@ inline __m512i row_dot(const __m512i w[8], const int8_t* x) {
   }
 }
 
-// Record p's sub-scales (Min: sub-minimums) of block j's half h as int32 lanes, signed or not as
-// the format's are.
+// Record p's sub-scales (Min: sub-minimums) of row `row` of its table as int32 lanes, signed or not
+// as the format's are.
 template <int F, bool Min = false>
-inline __m512i sub_lanes(const uint8_t* p, int j, int h) {
+inline __m512i sub_row(const uint8_t* p, int row) {
   using Tr = Traits<F>;
-  const uint8_t* at = p + (Min ? Tr::sub_min_at : Tr::scales_at) + Tr::sub(j, h) * kGroup;
+  const uint8_t* at = p + (Min ? Tr::sub_min_at : Tr::scales_at) + row * kGroup;
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
   if constexpr (Tr::signed_subs) return _mm512_cvtepi8_epi32(bytes);
   const __m512i v = _mm512_cvtepu8_epi32(bytes);
@@ -608,13 +613,19 @@ inline __m512i sub_lanes(const uint8_t* p, int j, int h) {
   return v;
 }
 
-// A K record's int16 weight pairs of block j's activation sums per 16: the sub-minimums of its
-// two halves (the same one twice where one covers 32 values), or the sub-scales of a format whose
-// codes are offset.
+// The same, of block j's half h.
+template <int F, bool Min = false>
+inline __m512i sub_lanes(const uint8_t* p, int j, int h) {
+  return sub_row<F, Min>(p, Traits<F>::sub(j, h));
+}
+
+// A K record's int16 weight pairs for its activation sums, pair i: rows 2i and 2i + 1 of its table
+// of sub-minimums, or of sub-scales where its codes are offset. Against the sums of the values
+// that those rows cover (per 16 where a record has 16 sub-blocks, else per 32): subs / 2 pairs.
 template <int F>
-inline __m512i sum_weights(const uint8_t* p, int j) {
+inline __m512i sum_weights(const uint8_t* p, int i) {
   using Tr = Traits<F>;
-  const __m512i lo = sub_lanes<F, Tr::sub_min>(p, j, 0), hi = sub_lanes<F, Tr::sub_min>(p, j, 1);
+  const __m512i lo = sub_row<F, Tr::sub_min>(p, 2 * i), hi = sub_row<F, Tr::sub_min>(p, 2 * i + 1);
   return _mm512_mask_blend_epi16(0xAAAAAAAA, lo, _mm512_slli_epi32(hi, 16));
 }
 
@@ -673,8 +684,8 @@ inline void k_record(const __m512i (&scaled)[N], const __m512i weights[8], const
   const __m512 d = halves(p + Tr::d_at);
   for (int r = 0; r < N; ++r) {
     __m512i minimums = _mm512_setzero_si512();
-    for (int j = 0; j < Tr::blocks; ++j)
-      minimums = _mm512_dpwssd_epi32(minimums, weights[j], pair_word(sx[r] + 2 * (rec * Tr::blocks + j)));
+    for (int i = 0; i < Tr::subs / 2; ++i)
+      minimums = _mm512_dpwssd_epi32(minimums, weights[i], pair_word(sx[r] + rec * Tr::subs + 2 * i));
     const __m512 dx_rec = _mm512_set1_ps(dx[r][rec]);
     __m512 sum = _mm512_loadu_ps(sums + r * kGroup);
     if constexpr (Tr::signed_subs) {  // codes are `offset` over their values: sum (code - offset) x scale
@@ -696,12 +707,14 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
   const int8_t* xq[R];
   const float* dx[R];
   const int16_t* sx[R];
+  const int16_t* sw[R];  // the sums sum_weights pairs with: per 16, or per 32 (8 sub-blocks a record)
   for (int r = 0; r < R; ++r) {
     total[r] = _mm512_setzero_ps();
     if constexpr (Tr::k_quant) _mm512_storeu_ps(sums + r * kGroup, total[r]);
     xq[r] = a.q(row0 + r);
     dx[r] = a.d(row0 + r);
     sx[r] = a.s(row0 + r);
+    if constexpr (Tr::k_quant) sw[r] = Tr::subs == 16 ? sx[r] : a.s32(row0 + r);
   }
   __m512i w[8];
   // The first of a call's passes reads the records from memory, the others from cache.
@@ -748,9 +761,9 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
       // done and their registers free: one vpdpwssd a block, a lane's two int16 weights (the
       // sub-minimum twice; Q6_K's two half-block scales) against the block's two int16 sums per 16,
       // broadcast as one word. The float sums wait in memory, a record's work apart.
-      for (int j = 0; j < Tr::blocks; ++j) w[j] = sum_weights<F>(p, j);
-      k_record<F, A>(scaled_a, w, p, rec, sx, dx, sums);
-      if constexpr (B > 0) k_record<F, B>(scaled_b, w, p, rec, sx + A, dx + A, sums + A * kGroup);
+      for (int i = 0; i < Tr::subs / 2; ++i) w[i] = sum_weights<F>(p, i);
+      k_record<F, A>(scaled_a, w, p, rec, sw, dx, sums);
+      if constexpr (B > 0) k_record<F, B>(scaled_b, w, p, rec, sw + A, dx + A, sums + A * kGroup);
     }
   }
   if constexpr (!Tr::k_quant)
