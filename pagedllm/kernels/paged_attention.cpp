@@ -314,14 +314,16 @@ inline int64_t context_rows(int64_t* rows, const int32_t* blocks, int64_t first,
   return n;
 }
 
-// Prefetch the first `row_bytes` of the K and V rows rows[begin..end).
+// Prefetch the first `row_bytes` of the K and V rows rows[begin..end), into L2: a tile's lines
+// are more than L1's miss buffers hold, and into L1 the requests past them stall the walk
+// (BENCHMARKS.md).
 template <typename C>
 inline void prefetch_rows(const C* k_cache, const C* v_cache, const int64_t* rows, int64_t begin, int64_t end,
                           int64_t row_bytes) {
   for (int64_t j = begin; j < end; ++j) {
     for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j]) + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[j]) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j]) + b, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[j]) + b, _MM_HINT_T1);
     }
   }
 }
