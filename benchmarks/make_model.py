@@ -3,9 +3,12 @@
     python benchmarks/make_model.py --out /tmp/llama-250m
     python benchmarks/make_model.py --arch qwen3 --out /tmp/qwen3-250m   # the same shape, per-head q/k norms
     python benchmarks/make_model.py --out /tmp/llama-250m-32k --max-position-embeddings 32768 --rope-theta 1e6
+    python benchmarks/make_model.py --arch gpt-oss --num-layers 8 --intermediate-size 1024 --out /tmp/gpt-oss-moe
 
 Default shape: hidden 1024, 16 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 32000,
-bf16 (about 250M parameters). The tokenizer is the default model's (SmolLM2's, read from its
+bf16 (about 250M parameters). gpt-oss: --num-experts experts of --intermediate-size, top
+--experts-per-token, heads of 64, a window of 128 on every other layer (the 8-layer shape above:
+about 490M parameters, 155M active a token). The tokenizer is the default model's (SmolLM2's, read from its
 GGUF), cut to the vocabulary (its BPE merges past it dropped), so that any text a client sends
 encodes to ids the model has; random weights make the text meaningless, not the timing.
 """
@@ -47,18 +50,42 @@ def main() -> None:
     parser.add_argument("--rope-theta", type=float, default=10000.0, help="the rotary base (1e6 for long contexts)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
+    parser.add_argument("--arch", choices=["llama", "qwen3", "gpt-oss"], default="llama")
+    parser.add_argument("--num-experts", type=int, default=16, help="gpt-oss only")
+    parser.add_argument("--experts-per-token", type=int, default=4, help="gpt-oss only")
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        GptOssConfig,
+        GptOssForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     from pagedllm.models.loader import default_model_path
 
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    qwen3 = args.arch == "qwen3"
-    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "gpt-oss": (GptOssConfig, GptOssForCausalLM),
+    }
+    config_class, model_class = classes[args.arch]
+    arch_fields = {}
+    if args.arch == "gpt-oss":
+        arch_fields = dict(
+            num_local_experts=args.num_experts,
+            num_experts_per_tok=args.experts_per_token,
+            head_dim=64,
+            sliding_window=128,
+        )
+    else:
+        arch_fields = dict(rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta})
     config = config_class(
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,
@@ -71,7 +98,7 @@ def main() -> None:
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        **arch_fields,
     )
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
