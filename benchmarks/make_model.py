@@ -76,8 +76,7 @@ def main() -> None:
         "gpt-oss": (GptOssConfig, GptOssForCausalLM),
     }
     config_class, model_class = classes[args.arch]
-    arch_fields = {}
-    if args.arch == "gpt-oss":
+    if args.arch == "gpt-oss":  # its own rotary (YaRN, transformers' defaults): --rope-theta not used
         arch_fields = dict(
             num_local_experts=args.num_experts,
             num_experts_per_tok=args.experts_per_token,
