@@ -50,12 +50,12 @@ CASES = [
     ("qwen3", "float32"),
     ("awq", "bfloat16"),  # Hugging Face quantized folders: AWQ as Q4_1 records, GPTQ act-order's permuted inputs
     ("gptq-act-order", "bfloat16"),
-    ("gpt-oss", "bfloat16"),  # families op by op: attention sinks and experts; norms after each sublayer
-    ("olmo2", "bfloat16"),
+    ("gpt-oss", "bfloat16"),  # the C++ stack with attention sinks and kernels/moe.cpp's experts
+    ("olmo2", "bfloat16"),  # families op by op: norms after each sublayer
     ("deepseek-v2", "bfloat16"),  # latent attention (one cached row a token, read as K and V), shared experts
     ("gemma2", "bfloat16"),  # soft-capped attention scores (the torch path) and final logits
 ]
-# The op-by-op families' folders (tests/test_more_families.py's configs), of WIDE's shapes, and
+# The other families' folders (tests/test_more_families.py's configs), of WIDE's shapes, and
 # their K/V heads of 64 (DeepSeek's latent row, 64 + 64 wide and one a token, counts as one head's K and V)
 FAMILIES = {
     # (full attention on both layers, so that the busy engine's pool, sized for that, preempts)

@@ -136,3 +136,26 @@ def test_a_linear_method_without_a_stack_kernel_is_named_once(method, op_by_op_l
     else:
         assert model.stack is None and len(lines) == 1, lines
         assert "model.layers.0.self_attn.qkv_proj (QKVLinear with _PlainOnly)" in lines[0]
+
+
+@needs_stack
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", ["gpt-oss", "qwen3_moe"])
+def test_stack_runs_moe_layers_as_the_op_by_op_path(family, dtype, tmp_path, tokenizer_dir):
+    """Mixture-of-experts layers in the stack, their MLP kernels/moe.cpp's one call: gpt-oss's
+    sinks, q/k/v/o biases and its sliding and full layers in two KV groups (block tables of their
+    own), Qwen3-MoE's per-head q/k norms with a dense layer among the sparse ones; the same tokens,
+    logprobs and KV caches as op by op, to the bit."""
+    from test_moe import make_moe
+    from test_more_families import make_gpt_oss
+
+    folder = make_gpt_oss(tmp_path, tokenizer_dir) if family == "gpt-oss" else make_moe(family, tmp_path, tokenizer_dir)
+    stacked, op_by_op = (
+        LLM(folder, dtype=dtype, kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64) for _ in range(2)
+    )
+    assert stacked.engine.model_runner.model.stack is not None
+    op_by_op.engine.model_runner.model.stack = None
+    prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=5)
+    assert _generate(stacked, prompts) == _generate(op_by_op, prompts)
+    for ours, theirs in zip(stacked.engine.model_runner.kv_caches, op_by_op.engine.model_runner.kv_caches):
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])

@@ -80,10 +80,11 @@ def test_moe_family_matches_transformers(tmp_path, tokenizer_dir, family):
 
 
 def test_experts_compute_only_their_tokens(tmp_path, tokenizer_dir, monkeypatch):
-    """Each expert is called once a step, on exactly the tokens routed to it."""
+    """Each expert is called once a step, on exactly the tokens routed to it (the op-by-op path)."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.layers.moe import Expert, SparseMoE
 
+    monkeypatch.setattr(SparseMoE, "bind_kernel", lambda self: "op by op for this test")
     llm = LLM(make_moe("qwen3_moe", tmp_path, tokenizer_dir), dtype="float32", kv_cache_memory="16MiB")
     calls: list[int] = []
     routed: list[int] = []
@@ -140,3 +141,64 @@ def test_moe_from_gguf(tmp_path, tokenizer_dir, family):
     sequences = [p["prompt_token_ids"] for p in prompts]
     delta = (torch.cat(teacher_forced(quantized, sequences)) - torch.cat(teacher_forced(dequantized, sequences))).abs()
     assert delta.mean() < 0.04 and delta.max() < 0.3, (delta.mean(), delta.max())
+
+
+def _native_cases():
+    """Each SparseMoE option the C++ call takes: renormalized top-k, the full softmax's values and a
+    shared expert, gpt-oss's clamped SwiGLU and router bias (bf16/fp32 folder, MXFP4 experts from
+    GGUF), DeepSeek's group-limited routing and routed scale."""
+    from test_deepseek_v2 import VARIANTS, make_deepseek
+    from test_more_families import make_gpt_oss
+
+    return {
+        "qwen3_moe": lambda path, tok: make_moe("qwen3_moe", path, tok),
+        "qwen2_moe": lambda path, tok: make_moe("qwen2_moe", path, tok),
+        "mixtral": lambda path, tok: make_moe("mixtral", path, tok),
+        "gpt-oss": make_gpt_oss,
+        "deepseek-grouped": lambda path, tok: make_deepseek(path, tok, **VARIANTS["grouped"]),
+        "deepseek-scaled": lambda path, tok: make_deepseek(path, tok, **VARIANTS["q-lora"]),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt-oss", "gpt-oss-mxfp4", "deepseek-grouped", "deepseek-scaled"]
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_native_experts_are_the_op_by_op_ones(tmp_path, tokenizer_dir, case, dtype):
+    """kernels/moe.cpp's one call against SparseMoE's torch ops on the same rows: each token's
+    experts the same and their weights within fp32's rounding; where the experts match, the output
+    within fp32 rounding (fp32) and bit for bit (bf16: each step rounds where the torch ops do).
+    bf16 logits can tie, and topk breaks ties its own way: those tokens must be ties, and few."""
+    from pagedllm import LLM
+    from pagedllm.layers.moe import SparseMoE
+
+    path = _native_cases()[case.removesuffix("-mxfp4")](tmp_path / "hf", tokenizer_dir)
+    if case.endswith("-mxfp4"):
+        from gguf_writer import write_gguf
+
+        write_gguf(path, str(tmp_path / "m.gguf"), "Q8_0", tokenizer_dir, {"_exps.": "MXFP4"})
+        path = str(tmp_path / "m.gguf")
+    llm = LLM(path, dtype=dtype, kv_cache_memory="16MiB", max_model_len=128)
+    blocks = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(block.native is not None for block in blocks)
+    g = torch.Generator().manual_seed(0)
+    for block in blocks:
+        x = torch.randn(40, block.gate.in_features, generator=g).to(getattr(torch, dtype))
+        for rows in (x[:1], x):  # one token, and a step's worth
+            weights, experts = block.route(rows)
+            native_weights, native_experts = block.native.route(rows)
+            same = (experts.sort(dim=-1).values == native_experts.sort(dim=-1).values).all(dim=-1)
+            ours, reference = block.native(rows), block._routed(rows)
+            if dtype == "float32":
+                assert same.all()
+                assert torch.equal(experts, native_experts)
+                torch.testing.assert_close(native_weights, weights, rtol=0, atol=1e-6)
+                torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+                continue
+            assert torch.equal(ours[same], reference[same])
+            assert len(rows) == 1 or same.float().mean() >= 0.9
+            if same.all():
+                continue
+            logits = block.gate(rows[~same]).float()  # the tokens apart: a tie at the k-th expert's logit
+            kth = logits.topk(block.top_k, dim=-1).values[:, -1:]
+            assert ((logits == kth).sum(dim=-1) >= 2).all()

@@ -37,6 +37,7 @@ _SOURCES = (
     "quant_linear.cpp",
     "shm_collectives.cpp",
     "lora.cpp",
+    "moe.cpp",
 )
 _CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)

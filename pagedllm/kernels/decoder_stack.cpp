@@ -62,10 +62,14 @@ using Linear = std::shared_ptr<LinearOp>;
 
 struct Layer {
   torch::Tensor input_norm, post_attention_norm;
+  // gate_up null: the MLP is down alone, one op from the normed rows to the output (a mixture of
+  // experts, kernels/moe.cpp).
   Linear qkv, o, gate_up, down;
   c10::optional<torch::Tensor> q_norm, k_norm;  // per-head RMSNorm of q and k before rotary (Qwen3)
   int64_t sliding_window;  // 0: full attention
   double k_scale, v_scale;  // of an fp8 KV cache's values
+  c10::optional<torch::Tensor> sinks;  // fp32 [heads]: a logit per head in each softmax's denominator (gpt-oss)
+  int64_t group;  // the KV group whose slots and block tables the layer reads (config.KVCacheGroups)
 };
 
 }  // namespace
@@ -81,21 +85,28 @@ class DecoderStack {
   // Each linear layer's op; gate_up's applies SiLU-and-mul (SiluAndMulLinear).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Linear qkv, Linear o, Linear gate_up,
                  Linear down, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
-                 int64_t sliding_window, double k_scale, double v_scale) {
+                 int64_t sliding_window, double k_scale, double v_scale, c10::optional<torch::Tensor> sinks,
+                 int64_t group) {
+    TORCH_CHECK(qkv && o && down, "a layer needs its qkv, o and down ops");
+    TORCH_CHECK(!sinks || (sinks->scalar_type() == torch::kFloat && sinks->numel() == num_heads_),
+                "fp32 sinks, one a head, expected");
+    TORCH_CHECK(group >= 0, "a KV group index expected");
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
                        std::move(gate_up), std::move(down), std::move(q_norm), std::move(k_norm), sliding_window,
-                       k_scale, v_scale});
+                       k_scale, v_scale, std::move(sinks), group});
   }
 
   void set_lora(std::shared_ptr<LoRARows> rows) { lora_ = std::move(rows); }
 
   // x: the step's token embeddings [tokens, hidden], taken over as the residual stream.
-  // kv_caches: per layer (K, V). Returns the final norm of the last residual. One call at a time:
-  // the intermediates live in buffers the stack keeps.
+  // kv_caches: per layer (K, V). slot_mapping and block_tables: KV group 0's; group_tables: the
+  // (slot_mapping, block_tables) of groups 1, 2, ... Returns the final norm of the last residual.
+  // One call at a time: the intermediates live in buffers the stack keeps.
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                        const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
+                        const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+                        const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& group_tables) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (K, V) cache per layer expected");
     TORCH_CHECK(x.is_contiguous(), "contiguous embeddings expected");
     const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -104,8 +115,12 @@ class DecoderStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const auto& [k_cache, v_cache] = kv_caches[i];
+      TORCH_CHECK(layer.group <= static_cast<int64_t>(group_tables.size()), "no block tables for KV group ",
+                  layer.group);
+      const torch::Tensor& slots = layer.group == 0 ? slot_mapping : std::get<0>(group_tables[layer.group - 1]);
+      const torch::Tensor& tables = layer.group == 0 ? block_tables : std::get<1>(group_tables[layer.group - 1]);
       rms_norm(normed, residual, i == 0 ? c10::nullopt : c10::optional<torch::Tensor>(delta), layer.input_norm, eps_);
-      attend(layer, normed, delta, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens);
+      attend(layer, normed, delta, cos, sin, k_cache, v_cache, slots, tables, query_start_loc, seq_lens);
       rms_norm(normed, residual, delta, layer.post_attention_norm, eps_);
       mlp(layer, normed, delta);
     }
@@ -143,7 +158,7 @@ class DecoderStack {
     q.copy_(qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_}));
     const torch::Tensor heads = buffer(kHeads, normed, tokens, q_size);
     paged_attention(heads.view({tokens, num_heads_, head_dim_}), q, k_cache, v_cache, block_tables, query_start_loc,
-                    seq_lens, scale_, layer.sliding_window, layer.k_scale, layer.v_scale, c10::nullopt);
+                    seq_lens, scale_, layer.sliding_window, layer.k_scale, layer.v_scale, layer.sinks);
     layer.o->forward(heads, out);
   }
 
@@ -160,6 +175,10 @@ class DecoderStack {
   // The MLP of normed into out (whose attention output is spent), in chunks of mlp_rows_ rows as
   // models/decoder.py's GatedMLP (whole in a step with LoRA adapters: their rows' slots are the step's).
   void mlp(const Layer& layer, const torch::Tensor& normed, const torch::Tensor& out) const {
+    if (!layer.gate_up) {  // one op, whole (a mixture of experts groups the step's rows by expert)
+      layer.down->forward(normed, out);
+      return;
+    }
     const int64_t tokens = normed.size(0);
     const int64_t chunk = lora_ && lora_->active() ? std::max<int64_t>(tokens, 1) : mlp_rows_;
     for (int64_t start = 0; start < tokens; start += chunk) {

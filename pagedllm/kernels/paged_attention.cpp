@@ -723,6 +723,7 @@ void bind_quant_linear(pybind11::module& m);   // quant_linear.cpp
 void bind_lora(pybind11::module& m);           // lora.cpp
 void bind_blocked_linear(pybind11::module& m);  // packed_linear.cpp
 void bind_shm_collectives(pybind11::module& m);  // shm_collectives.cpp
+void bind_moe(pybind11::module& m);            // moe.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as PyTorch's own operators do, so that a server's
@@ -751,6 +752,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_lora(m);
   bind_blocked_linear(m);
   bind_shm_collectives(m);
+  bind_moe(m);
   m.def("work_split_trace", &work_split_trace, "for tests: (item, thread) in the order taken, thread 0 late",
         py::arg("items"), py::arg("threads"), py::arg("delay_us"), py::arg("weights") = std::vector<int64_t>(),
         release());

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import Linear, SiluAndMulLinear
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers.linear import KernelSpec, Linear, SiluAndMulLinear
 from pagedllm.layers.quantization import QuantizationConfig
 
 
@@ -33,6 +34,24 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
+
+    def kernel_spec(self) -> ExpertSpec | None:
+        """Its ops for kernels/moe.cpp (SiLU-and-mul fused into gate/up's), or None where a layer has none."""
+        return expert_spec(self.gate_up_proj, self.down_proj, FUSED_ACTIVATION)
+
+
+# An expert as kernels/moe.cpp runs it: its gate/up and down ops, then the activation between them
+# (FUSED_ACTIVATION: none, the gate/up op applies SiLU-and-mul; CLAMPED_SWIGLU: gpt-oss's) and that
+# activation's alpha and limit.
+ExpertSpec = tuple[KernelSpec, KernelSpec, int, float, float]
+FUSED_ACTIVATION, CLAMPED_SWIGLU = 0, 1
+
+
+def expert_spec(
+    gate_up: Linear, down: Linear, activation: int, alpha: float = 0.0, limit: float = 0.0
+) -> ExpertSpec | None:
+    ops = gate_up.kernel_spec(), down.kernel_spec()
+    return None if None in ops else (*ops, activation, alpha, limit)
 
 
 class SparseMoE(nn.Module):
@@ -72,8 +91,50 @@ class SparseMoE(nn.Module):
             Expert(hidden, shared_intermediate, quant, f"{prefix}.shared_expert") if shared_intermediate else None
         )
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_intermediate and shared_gate else None
+        # The routed experts as one C++ call (kernels/moe.cpp), where bind_kernel found ops for them.
+        self.native: object | None = None
+
+    def bind_kernel(self) -> str | None:
+        """Hand the router and the experts to kernels/moe.cpp's one call if each of their linear
+        layers has a C++ op; else say why they run op by op. The call's routing, experts and sums
+        are this module's, rounded where its torch ops round."""
+        self.native = None
+        ops = cpu_ops()
+        if ops is None:
+            return "the C++ kernels are unavailable"
+        router = self.gate.kernel_spec()
+        specs = [getattr(expert, "kernel_spec", lambda: None)() for expert in self.experts]
+        if router is None or None in specs:
+            return "a router or expert layer has no C++ op"
+        if len({spec[2:] for spec in specs}) != 1:
+            return "the experts' activations differ"
+        activation, alpha, limit = specs[0][2:]
+        gate_ups, downs = [spec[0] for spec in specs], [spec[1] for spec in specs]
+        groups = self.groups or (0, 0)
+        self.native = ops.SparseMoE(
+            router, gate_ups, downs, self.top_k, self.renormalize, self.routed_scale, *groups, activation, alpha, limit
+        )
+        return None
+
+    def kernel_spec(self) -> tuple | str:
+        """The C++ decoder stack's MLP ops for this block (no gate/up op; the one call as down), or
+        why it has none."""
+        if self.native is None:
+            return "its experts have no C++ op"
+        if self.shared_expert is not None:
+            return "the C++ decoder stack runs no shared expert beside the routed ones"
+        return None, self.native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.native(x) if self.native is not None and x.device.type == "cpu" else self._routed(x)
+        if self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, op by op."""
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
         # (token, expert) pairs grouped by expert: each expert computes its own tokens at once.
@@ -89,10 +150,6 @@ class SparseMoE(nn.Module):
                 y = expert(x[picked]) * weights.flatten()[rows, None]
                 out.index_add_(0, picked, y)
                 start += count
-        if self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        elif self.shared_expert is not None:
-            out = out + self.shared_expert(x)
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,14 +150,16 @@ class Attention(nn.Module):
 
     def kernel_spec(self) -> tuple | str:
         """Its part of a C++ decoder-stack layer (add_layer's qkv and o ops, q and k norm weights or
-        None, window, fp8 scales), or why it has none. Its linear layers' ops come from their methods."""
-        if self.logit_softcap is not None or self.sinks is not None:
-            return "the C++ decoder stack's layers take no soft-capped attention scores or attention sinks"
+        None, window, fp8 scales, fp32 sinks or None, KV group), or why it has none. Its linear
+        layers' ops come from their methods."""
+        if self.logit_softcap is not None:
+            return "the C++ decoder stack's layers take no soft-capped attention scores"
         if not self.use_rope:
             return "the C++ decoder stack rotates every layer's q and k (this model has layers without rotary)"
         norms = (self.q_norm.weight.detach(), self.k_norm.weight.detach()) if self.qk_norm else (None, None)
         ops = (self.qkv_proj.kernel_spec(), self.o_proj.kernel_spec())
-        return (*ops, *norms, self.sliding_window or 0, self.kv_scales.k, self.kv_scales.v)
+        sinks = None if self.sinks is None else self.sinks.detach().float().contiguous()
+        return (*ops, *norms, self.sliding_window or 0, self.kv_scales.k, self.kv_scales.v, sinks, self.kv_group)
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
         """Per-head RMSNorm of q and k (Qwen3), written back into qkv. The heads are gathered into
@@ -389,6 +391,7 @@ class DecoderForCausalLM(CausalLM):
                 meta.block_tables,
                 meta.query_start_loc,
                 meta.seq_lens,
+                meta.group_tables,
             )
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
@@ -430,8 +433,6 @@ class DecoderForCausalLM(CausalLM):
             return "the C++ kernels are unavailable"
         if tensor_parallel().size > 1:
             return "tensor parallelism sums each layer's outputs over the ranks, between the stack's kernels"
-        if len(self.kv_groups.windows) > 1:
-            return "the C++ decoder stack reads one block table a step; the layers keep K/V in several groups"
         if self.model.norm.weight.dtype not in (torch.bfloat16, torch.float32):
             return f"the C++ decoder stack computes in bf16 or fp32, the weights are {self.model.norm.weight.dtype}"
         for layer in self.model.layers:  # each layer says whether its parts plug in, and if not why

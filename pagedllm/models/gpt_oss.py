@@ -5,7 +5,8 @@ renormalized), and its experts' activation is a clamped SwiGLU: (up + 1) * gate 
 gate), gate clamped above at `swiglu_limit`, up within +-limit. The checkpoint stacks the experts,
 gate_up_proj [experts, hidden, 2 x intermediate] with gate and up interleaved column by column,
 down_proj [experts, intermediate, hidden], each with a bias: each expert's rows load as its own
-gate, up and down projections. Op by op (the C++ stack has no sinks), on one rank. llama.cpp's
+gate, up and down projections. On one rank; in the C++ decoder stack (sinks in its attention,
+the experts as kernels/moe.cpp's one call, the sliding and full layers' KV groups). llama.cpp's
 gpt-oss files hold the experts de-interleaved, stacked (ffn_gate_exps, ...; MXFP4 as its converter
 keeps the released weights), with their biases, and the sinks as attn_sinks."""
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import GateUpLinear, Linear
+from pagedllm.layers.moe import CLAMPED_SWIGLU, ExpertSpec, expert_spec
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import Attention, DecoderConfig, DecoderLayer, linear_method
 from pagedllm.models.gguf import GGUFFormat, family_config, field_value
@@ -71,6 +73,9 @@ class GptOssExpert(nn.Module):
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+    def kernel_spec(self) -> ExpertSpec | None:
+        return expert_spec(self.gate_up_proj, self.down_proj, CLAMPED_SWIGLU, self.alpha, self.limit)
 
 
 class GptOssForCausalLM(AllSparseMoEForCausalLM):

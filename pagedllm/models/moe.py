@@ -4,6 +4,7 @@ set its options and their checkpoint's names."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -12,6 +13,8 @@ from torch import nn
 from pagedllm.layers.moe import Expert, SparseMoE
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderModel, GatedMLP
+
+logger = logging.getLogger(__name__)
 
 
 class SparseMoEForCausalLM(DecoderForCausalLM):
@@ -44,6 +47,14 @@ class SparseMoEForCausalLM(DecoderForCausalLM):
             )
 
         return DecoderModel(config, cfg, max_positions, quant, make_mlp, self.decoder_layer)
+
+    def bind_kernels(self) -> None:
+        """Each MoE block's routed experts as one C++ call (layers/moe.py's SparseMoE.bind_kernel)
+        where they have ops, then the decoder stack, which runs that call as the layer's MLP."""
+        reasons = {block.bind_kernel() for block in self.model.layers.modules() if isinstance(block, SparseMoE)}
+        for reason in reasons - {None}:
+            logger.info("%s runs its experts op by op: %s", type(self).__name__, reason)
+        super().bind_kernels()
 
     @staticmethod
     def make_expert(config) -> Callable[[int, int, QuantizationConfig | None, str], nn.Module]:
