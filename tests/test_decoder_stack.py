@@ -57,13 +57,17 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, dtype, head64_models
     bf16 ones without AVX512-BF16, are BlockedLinearMethod's (BlockedLinear in the stack)."""
     monkeypatch.setattr(linear, "ROWS_KERNEL_MAX", 8)
     monkeypatch.setattr(decoder, "MLP_ROWS", 24)
+    _assert_stack_is_op_by_op(head64_models[arch], dtype, seed=3)
+
+
+def _assert_stack_is_op_by_op(folder: str, dtype: str, seed: int) -> None:
+    """The same tokens, logprobs and KV caches with the stack as without it, to the bit."""
     stacked, op_by_op = (
-        LLM(head64_models[arch], dtype=dtype, kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64)
-        for _ in range(2)
+        LLM(folder, dtype=dtype, kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64) for _ in range(2)
     )
     assert stacked.engine.model_runner.model.stack is not None
     op_by_op.engine.model_runner.model.stack = None
-    prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=3)
+    prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=seed)
     assert _generate(stacked, prompts) == _generate(op_by_op, prompts)
     for ours, theirs in zip(stacked.engine.model_runner.kv_caches, op_by_op.engine.model_runner.kv_caches):
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
@@ -150,12 +154,4 @@ def test_stack_runs_moe_layers_as_the_op_by_op_path(family, dtype, tmp_path, tok
     from test_more_families import make_gpt_oss
 
     folder = make_gpt_oss(tmp_path, tokenizer_dir) if family == "gpt-oss" else make_moe(family, tmp_path, tokenizer_dir)
-    stacked, op_by_op = (
-        LLM(folder, dtype=dtype, kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64) for _ in range(2)
-    )
-    assert stacked.engine.model_runner.model.stack is not None
-    op_by_op.engine.model_runner.model.stack = None
-    prompts = prompts_of_mixed_lengths(len(stacked.get_tokenizer()), seed=5)
-    assert _generate(stacked, prompts) == _generate(op_by_op, prompts)
-    for ours, theirs in zip(stacked.engine.model_runner.kv_caches, op_by_op.engine.model_runner.kv_caches):
-        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    _assert_stack_is_op_by_op(folder, dtype, seed=5)
