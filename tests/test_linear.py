@@ -25,6 +25,7 @@ from pagedllm.layers.linear import (
     SiluAndMulLinear,
     UnquantizedLinearMethod,
     can_pack,
+    rows_kernel_reads_onednn_layout,
 )
 
 
@@ -35,12 +36,12 @@ def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool, 
 
 def _packed_for_onednn() -> bool:
     """Whether bf16 layers keep oneDNN's packed weights: where oneDNN packs bf16, unless the kernels
-    are built without the rows kernel (an AVX2 build), which gives them the blocked kernel instead."""
-    ops = cpu_ops()
-    return can_pack(torch.zeros(1, dtype=torch.bfloat16)) and (ops is None or ops.packed_linear_available())
+    are built and the rows kernel cannot read that layout (an AVX2 build; oneDNN's AMX layout),
+    which gives them the blocked kernel instead."""
+    return can_pack(torch.zeros(1, dtype=torch.bfloat16)) and (cpu_ops() is None or rows_kernel_reads_onednn_layout())
 
 
-@pytest.mark.skipif(not _packed_for_onednn(), reason="no oneDNN here, or an AVX2 build (the blocked kernel)")
+@pytest.mark.skipif(not _packed_for_onednn(), reason="no oneDNN, or an AVX2 build or AMX layout here")
 @pytest.mark.parametrize("rows", [ROWS_KERNEL_MAX + 1, ROWS_KERNEL_MAX + 300])
 @pytest.mark.parametrize("out_features, in_features", [(7, 64), (576, 1536), (1030, 96)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -55,12 +56,15 @@ def test_packed_bf16_matches_plain(rows, out_features, in_features, bias, monkey
         torch.testing.assert_close(layer(x), F.linear(x, plain_weight, layer.bias), atol=0, rtol=0)
 
 
+NO_ROWS_KERNEL = "no AVX512-BF16 kernels, no oneDNN, or a layout they do not read here"
+
+
 def _rows_kernel_built() -> bool:
-    ops = cpu_ops()
-    return ops is not None and ops.packed_linear_available() and can_pack(torch.zeros(1, dtype=torch.bfloat16))
+    """Whether bf16 layers run our rows kernel on oneDNN's packed weights here."""
+    return cpu_ops() is not None and rows_kernel_reads_onednn_layout()
 
 
-@pytest.mark.skipif(not _rows_kernel_built(), reason="no AVX512-BF16 kernels or oneDNN here")
+@pytest.mark.skipif(not _rows_kernel_built(), reason=NO_ROWS_KERNEL)
 @pytest.mark.parametrize(
     "rows",
     sorted(
@@ -128,7 +132,7 @@ def test_packing_a_tied_head_leaves_the_embedding_alone():
         torch.testing.assert_close(head(x), F.linear(x, before))
 
 
-@pytest.mark.skipif(not _rows_kernel_built(), reason="no AVX512-BF16 kernels or oneDNN here")
+@pytest.mark.skipif(not _rows_kernel_built(), reason=NO_ROWS_KERNEL)
 @pytest.mark.parametrize(
     "rows",
     sorted(
@@ -152,7 +156,7 @@ def test_silu_and_mul_linear_stores_what_silu_and_mul_makes_of_the_plain_layer(r
         torch.testing.assert_close(fused(x), expected, atol=0, rtol=0)
 
 
-@pytest.mark.skipif(not _rows_kernel_built(), reason="no AVX512-BF16 kernels or oneDNN here")
+@pytest.mark.skipif(not _rows_kernel_built(), reason=NO_ROWS_KERNEL)
 def test_silu_and_mul_linear_through_onednn_undoes_the_interleaving(monkeypatch):
     monkeypatch.setattr(linear, "ROWS_KERNEL_CHUNKS", False)  # past ROWS_KERNEL_MAX: oneDNN's GEMM
     layer = _layer(96, 2 * 128, torch.bfloat16, False, SiluAndMulLinear)

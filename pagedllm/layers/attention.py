@@ -172,9 +172,9 @@ def paged_attention_reference(
             mask &= k_pos > q_pos - sliding_window
         rows = q[start : start + q_len]
         table = meta.block_tables[b]
-        if sinks is not None:
+        if sinks is not None or softcap:
             ks, vs = _gathered(k_cache, v_cache, table, seq_len, q.shape[1], q.dtype, scales)
-            outputs.append(_attend_rows_with_sinks(rows, ks, vs, seq_len - q_len, sliding_window, scale, sinks))
+            outputs.append(_attend_row_by_row(rows, ks, vs, seq_len - q_len, sliding_window, scale, sinks, softcap))
         else:
             outputs.append(_attend(rows, k_cache, v_cache, table, seq_len, mask, scale, scales, softcap))
         start += q_len
@@ -200,26 +200,37 @@ def _gathered(
     return k.transpose(0, 1).repeat_interleave(group, dim=0), v.transpose(0, 1).repeat_interleave(group, dim=0)
 
 
-def _attend_rows_with_sinks(
+def _attend_row_by_row(
     q: torch.Tensor,
     ks: torch.Tensor,
     vs: torch.Tensor,
     first: int,
     sliding_window: int | None,
     scale: float,
-    sinks: torch.Tensor,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """q: [rows, heads, head_dim] at positions first, first + 1, ...; each row over its own keys
-    (up to its position, within its window) with one more logit a head, `sinks`, attending to
-    nothing. Row by row, each row's products of a shape its position alone sets: the same numbers
-    whatever else its step holds (a matmul's sums over several rows may be ordered otherwise)."""
+    (up to its position, within its window), its scores soft-capped (in q's dtype, as
+    transformers' Gemma 2), or with one more logit a head, `sinks`, attending to nothing (in fp32,
+    as gpt-oss). Row by row, each row's products of a shape its position alone sets: the same
+    numbers whatever else its step holds (a matmul's sums over several rows may be ordered
+    otherwise, as oneDNN's AMX kernels order them)."""
     out = torch.empty_like(q)
-    sink = sinks.to(torch.float)[:, None, None]
+    sink = None if sinks is None else sinks.to(torch.float)[:, None, None]
     for i in range(q.shape[0]):
         end = first + i + 1
         begin = max(0, end - sliding_window) if sliding_window else 0
-        scores = (q[i][:, None, :] @ ks[:, begin:end].transpose(1, 2)).float() * scale  # [heads, 1, keys]
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        products = q[i][:, None, :] @ ks[:, begin:end].transpose(1, 2)  # [heads, 1, keys]
+        if softcap:
+            scores = torch.tanh(products * scale / softcap) * softcap
+        else:
+            scores = products.float() * scale
+        if sink is not None:
+            scores = torch.cat([scores.float(), sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float)
+        if sink is not None:
+            probs = probs[..., :-1]
         out[i] = (probs.to(vs.dtype) @ vs[:, begin:end])[:, 0]
     return out
 

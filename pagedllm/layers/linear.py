@@ -462,6 +462,18 @@ def _interleave_halves(weight: torch.Tensor, group: int) -> torch.Tensor:
     return weight.view(2, -1, group, weight.shape[1]).transpose(0, 1).reshape(weight.shape)
 
 
+@functools.cache
+def rows_kernel_reads_onednn_layout() -> bool:
+    """Whether bf16 layers here keep oneDNN's packed weights for our rows kernel: where it is built
+    and oneDNN packs in the layout it reads (with AMX tiles oneDNN picks 32-column blocks, and the
+    layers go to BlockedLinearMethod)."""
+    if not _mkldnn_packs_bf16():
+        return False
+    probe = (torch.arange(_BLOCK_N * _BLOCK_K) % 251).view(_BLOCK_N, _BLOCK_K).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(probe, PACK_BATCH_HINT)
+    return _rows_kernel_view(packed, probe) is not None
+
+
 def _rows_kernel_view(packed: torch.Tensor, plain: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
     """What the rows kernel needs, if oneDNN chose the layout it reads (checked against the weights
     themselves: another CPU or oneDNN version may choose another); else None."""
