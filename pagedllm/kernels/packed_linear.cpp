@@ -25,6 +25,7 @@
 #include <omp.h>
 
 #include "linear_op.h"
+#include "stream_hint.h"
 #include "widen.h"
 #include "work_split.h"
 
@@ -216,9 +217,14 @@ namespace {
 constexpr int64_t kColBlock = 16;
 constexpr int kPassRows = 6;  // 12 accumulators of AVX2's 16 registers (block_fma_rows' names)
 
-template <typename T, int R>
+// A lone pass (Stream) prefetches its block's stream 4 KiB ahead (stream_hint.h's level): the
+// blocks lie one after another in a thread's range, so that runs on into its next block.
+constexpr int64_t kFmaStreamAhead = 4096;
+
+template <typename T, int R, bool Stream>
 void block_fma_rows(const T* const* xr, const T* block, int64_t k, float* sums) {
 #if defined(__AVX2__) && defined(__FMA__)
+  constexpr int64_t k_per_line = 64 / (kColBlock * sizeof(T));  // 1 (fp32) or 2 (bf16)
   // Named accumulators: GCC kept an array of them on the stack, storing all 12 every k.
   const __m256 zero = _mm256_setzero_ps();
   __m256 a0 = zero, b0 = zero, a1 = zero, b1 = zero, a2 = zero, b2 = zero;
@@ -230,6 +236,9 @@ void block_fma_rows(const T* const* xr, const T* block, int64_t k, float* sums) 
     b = _mm256_fmadd_ps(xv, w1, b);                             \
   }
   for (int64_t p = 0; p < k; ++p) {
+    if constexpr (Stream)
+      if (p % k_per_line == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(block + p * kColBlock) + kFmaStreamAhead, kStreamHint);
     const __m256 w0 = load8(block + p * kColBlock), w1 = load8(block + p * kColBlock + 8);
     PAGEDLLM_FMA_ROW(0, a0, b0)
     PAGEDLLM_FMA_ROW(1, a1, b1)
@@ -256,14 +265,14 @@ void block_fma_rows(const T* const* xr, const T* block, int64_t k, float* sums) 
 
 template <typename T>
 using FmaBlockFn = void (*)(const T* const*, const T*, int64_t, float*);
-template <typename T>
+template <typename T, bool Stream>
 constexpr FmaBlockFn<T> kFmaFns[kPassRows + 1] = {nullptr,
-                                                  block_fma_rows<T, 1>,
-                                                  block_fma_rows<T, 2>,
-                                                  block_fma_rows<T, 3>,
-                                                  block_fma_rows<T, 4>,
-                                                  block_fma_rows<T, 5>,
-                                                  block_fma_rows<T, 6>};
+                                                  block_fma_rows<T, 1, Stream>,
+                                                  block_fma_rows<T, 2, Stream>,
+                                                  block_fma_rows<T, 3, Stream>,
+                                                  block_fma_rows<T, 4, Stream>,
+                                                  block_fma_rows<T, 5, Stream>,
+                                                  block_fma_rows<T, 6, Stream>};
 
 // T: the rows' and weights' dtype; O: the output's (T, or fp32 for a tensor-parallel share).
 template <typename T, typename O>
@@ -280,7 +289,8 @@ void blocked_rows(O* y, const T* xs, const T* weight, const T* b, int64_t rows, 
     for (int64_t r0 = first; r0 < last; r0 += kPassRows) {
       const int count = static_cast<int>(std::min<int64_t>(kPassRows, last - r0));
       for (int r = 0; r < count; ++r) xr[r] = xs + (r0 + r) * k;
-      kFmaFns<T>[count](xr, weight + nb * k * kColBlock, k, sums);
+      const FmaBlockFn<T> fn = last - first <= kPassRows ? kFmaFns<T, true>[count] : kFmaFns<T, false>[count];
+      fn(xr, weight + nb * k * kColBlock, k, sums);
       for (int r = 0; r < count; ++r)
         for (int64_t j = 0; j < cols; ++j)
           y[(r0 + r) * n + n0 + j] = static_cast<O>(sums[r * kColBlock + j] + (b != nullptr ? widen(b[n0 + j]) : 0.f));

@@ -44,6 +44,7 @@
 #include <omp.h>
 
 #include "linear_op.h"
+#include "stream_hint.h"
 #include "widen.h"
 #include "work_split.h"
 
@@ -457,19 +458,6 @@ void group_portable(const uint8_t* group, int64_t records, const Activations& a,
 // from memory, alternated in one process: Q6_K 20.1 GB/s at once against 33.5 spread, Q4_K 26.6
 // against 33.0; a second, far prefetch into L2 did not help).
 constexpr int64_t kStreamAhead = 4096;
-
-// Built for Intel's Xeons (AMX tiles: Sapphire Rapids on), the lone pass's stream goes to L2
-// instead: a request into L1 holds one of the core's few fill buffers until its line arrives, and
-// those capped each core's stream at about half of what the memory gives it. Such a Xeon, one row a
-// call, 16 layers of each of the 250M model's shapes from memory (benchmarks/quant_kernels.py
-// --stream), GB/s: non-temporal Q8_0 12.3, MXFP4 15.5, IQ4_XS 15.3; into L2 29.0, 25.1, 26.1; into
-// every level 30.3, 23.5, 25.3; into L2 from 2 KiB or 8 KiB ahead 2-14% under 4 KiB. (A choice at
-// run time, a flag tested in the loop, cost IQ4_XS and Q4_K back to about 15.)
-#if defined(__AMX_TILE__)
-constexpr auto kStreamHint = _MM_HINT_T1;
-#else
-constexpr auto kStreamHint = _MM_HINT_NTA;
-#endif
 
 // Part j of `Parts` of a record's cache lines, kStreamAhead bytes on: non-temporal (on a Xeon, into
 // L2) for a lone pass, into every level (Reused) for the first of several, whose later passes read
