@@ -55,12 +55,10 @@ class PerThreadTokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._pickled = pickle.dumps(tokenizer)  # only ever copied
         self._local = threading.local()
-        self._lock = threading.Lock()
 
     def get(self) -> PreTrainedTokenizerBase:
         """The calling thread's own copy."""
         tokenizer = getattr(self._local, "tokenizer", None)
-        if tokenizer is None:
-            with self._lock:
-                tokenizer = self._local.tokenizer = pickle.loads(self._pickled)
+        if tokenizer is None:  # (immutable bytes: no lock needed to copy from them)
+            tokenizer = self._local.tokenizer = pickle.loads(self._pickled)
         return tokenizer

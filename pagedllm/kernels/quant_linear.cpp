@@ -465,9 +465,8 @@ constexpr int64_t kStreamAhead = 4096;
 template <int64_t Bytes, int Parts, bool Reused = false>
 inline void prefetch_part(const uint8_t* record, int j) {
   constexpr int64_t lines = (Bytes + 63) / 64, per_part = (lines + Parts - 1) / Parts;
-  for (int64_t line = j * per_part; line < std::min<int64_t>((j + 1) * per_part, lines); ++line) {
+  for (int64_t line = j * per_part; line < std::min<int64_t>((j + 1) * per_part, lines); ++line)
     _mm_prefetch(reinterpret_cast<const char*>(record + kStreamAhead + 64 * line), Reused ? _MM_HINT_T0 : kStreamHint);
-  }
 }
 #endif
 

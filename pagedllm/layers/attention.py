@@ -214,8 +214,8 @@ def _attend_row_by_row(
     (up to its position, within its window), its scores soft-capped (in q's dtype, as
     transformers' Gemma 2), or with one more logit a head, `sinks`, attending to nothing (in fp32,
     as gpt-oss). Row by row, each row's products of a shape its position alone sets: the same
-    numbers whatever else its step holds (a matmul's sums over several rows may be ordered
-    otherwise, as oneDNN's AMX kernels order them)."""
+    numbers whatever else its step holds (a product over a chunk's keys, the masked ones' zero
+    probabilities among them, may order its sums otherwise)."""
     out = torch.empty_like(q)
     sink = None if sinks is None else sinks.to(torch.float)[:, None, None]
     for i in range(q.shape[0]):
