@@ -52,11 +52,13 @@ def test_stack_gives_the_op_by_op_results_bit_for_bit(arch, dtype, head64_models
     """Mixed prompt lengths in chunked prefill steps (cached context, several sequences a step),
     then decodes; Mistral's window is smaller than the prompts, Qwen2 has qkv biases, Qwen3 per-head
     q/k norms (its attention's kernel_spec hands the stack their weights), Llama's embeddings are
-    tied. The linear calls packed for oneDNN go 8 rows at a time (1024 otherwise) and the MLP 24
-    (512 otherwise), so that the stack's chunking of long batches is checked too. fp32 layers, and
-    bf16 ones without AVX512-BF16, are BlockedLinearMethod's (BlockedLinear in the stack)."""
+    tied. The linear calls packed for oneDNN go 8 rows at a time (1024 otherwise), the MLP 24
+    (1024 otherwise) and the stack's passes 24 rows (512 otherwise), so that the stack's chunking
+    of long batches and its pieces (a 64-token chunk cut at both ends) are checked too. fp32 layers,
+    and bf16 ones without AVX512-BF16, are BlockedLinearMethod's (BlockedLinear in the stack)."""
     monkeypatch.setattr(linear, "ROWS_KERNEL_MAX", 8)
     monkeypatch.setattr(decoder, "MLP_ROWS", 24)
+    monkeypatch.setattr(decoder, "PIECE_ROWS", 24)
     _assert_stack_is_op_by_op(head64_models[arch], dtype, seed=3)
 
 
@@ -145,11 +147,12 @@ def test_a_linear_method_without_a_stack_kernel_is_named_once(method, op_by_op_l
 @needs_stack
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", ["gpt-oss", "qwen3_moe"])
-def test_stack_runs_moe_layers_as_the_op_by_op_path(family, dtype, tmp_path, tokenizer_dir):
+def test_stack_runs_moe_layers_as_the_op_by_op_path(family, dtype, tmp_path, tokenizer_dir, monkeypatch):
     """Mixture-of-experts layers in the stack, their MLP kernels/moe.cpp's one call: gpt-oss's
     sinks, q/k/v/o biases and its sliding and full layers in two KV groups (block tables of their
-    own), Qwen3-MoE's per-head q/k norms with a dense layer among the sparse ones; the same tokens,
-    logprobs and KV caches as op by op, to the bit."""
+    own, cut to a piece's sequences as group 0's), Qwen3-MoE's per-head q/k norms with a dense
+    layer among the sparse ones; the same tokens, logprobs and KV caches as op by op, to the bit."""
+    monkeypatch.setattr(decoder, "PIECE_ROWS", 24)
     from test_moe import make_moe
     from test_more_families import make_gpt_oss
 

@@ -76,11 +76,14 @@ struct Layer {
 
 class DecoderStack {
  public:
-  // mlp_rows: models/decoder.py's MLP_ROWS, the rows of a long step's MLP chunks.
+  // mlp_rows: models/decoder.py's MLP_ROWS, the rows of a long step's MLP chunks; piece_rows: its
+  // PIECE_ROWS, the most rows a pass through the layers takes (a longer step goes in pieces).
   DecoderStack(int64_t num_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm,
-               int64_t mlp_rows)
+               int64_t mlp_rows, int64_t piece_rows)
       : num_heads_(num_heads), head_dim_(head_dim), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)),
-        mlp_rows_(mlp_rows) {}
+        mlp_rows_(mlp_rows), piece_rows_(piece_rows) {
+    TORCH_CHECK(mlp_rows > 0 && piece_rows > 0, "positive row counts expected");
+  }
 
   // Each linear layer's op; gate_up's applies SiLU-and-mul (SiluAndMulLinear).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Linear qkv, Linear o, Linear gate_up,
@@ -100,8 +103,14 @@ class DecoderStack {
 
   // x: the step's token embeddings [tokens, hidden], taken over as the residual stream.
   // kv_caches: per layer (K, V). slot_mapping and block_tables: KV group 0's; group_tables: the
-  // (slot_mapping, block_tables) of groups 1, 2, ... Returns the final norm of the last residual.
-  // One call at a time: the intermediates live in buffers the stack keeps.
+  // (slot_mapping, block_tables) of groups 1, 2, ... Returns the final norm of the last residual,
+  // written over x. One call at a time: the intermediates live in buffers the stack keeps.
+  //
+  // A step of more than piece_rows_ rows goes through the layers a piece of rows at a time, each
+  // piece's sequences' metadata cut to its rows: a piece's KV is in the cache before a later
+  // piece's rows attend to it, and every kernel computes a row on its own, so the results are the
+  // whole step's while the buffers hold a piece, not the step. With LoRA adapters the rows' slots
+  // are the whole step's: such a step goes whole.
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
@@ -109,27 +118,78 @@ class DecoderStack {
                         const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& group_tables) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (K, V) cache per layer expected");
     TORCH_CHECK(x.is_contiguous(), "contiguous embeddings expected");
-    const int64_t tokens = x.size(0), hidden = x.size(1);
-    torch::Tensor residual = x, normed = buffer(kNormed, x, tokens, hidden);
-    torch::Tensor delta = buffer(kDelta, x, tokens, hidden);  // each sublayer's output
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& layer = layers_[i];
-      const auto& [k_cache, v_cache] = kv_caches[i];
-      TORCH_CHECK(layer.group <= static_cast<int64_t>(group_tables.size()), "no block tables for KV group ",
-                  layer.group);
-      const torch::Tensor& slots = layer.group == 0 ? slot_mapping : std::get<0>(group_tables[layer.group - 1]);
-      const torch::Tensor& tables = layer.group == 0 ? block_tables : std::get<1>(group_tables[layer.group - 1]);
-      rms_norm(normed, residual, i == 0 ? c10::nullopt : c10::optional<torch::Tensor>(delta), layer.input_norm, eps_);
-      attend(layer, normed, delta, cos, sin, k_cache, v_cache, slots, tables, query_start_loc, seq_lens);
-      rms_norm(normed, residual, delta, layer.post_attention_norm, eps_);
-      mlp(layer, normed, delta);
+    const int64_t tokens = x.size(0);
+    const Metadata whole{cos, sin, slot_mapping, block_tables, query_start_loc, seq_lens, group_tables};
+    if (tokens <= piece_rows_ || (lora_ && lora_->active())) {
+      run(x, kv_caches, whole);
+      return x;
     }
-    torch::Tensor out = torch::empty_like(x);
-    rms_norm(out, residual, layers_.empty() ? c10::nullopt : c10::optional<torch::Tensor>(delta), final_norm_, eps_);
-    return out;
+    TORCH_CHECK(cos.size(0) == tokens && sin.size(0) == tokens, "a rotary row per token expected");
+    for (int64_t start = 0; start < tokens; start += piece_rows_) {
+      const int64_t count = std::min(piece_rows_, tokens - start);
+      run(x.narrow(0, start, count), kv_caches, whole.piece(start, count));
+    }
+    return x;
   }
 
  private:
+  // A pass's rotary tables and attention metadata (of its sequences, in the step's order).
+  struct Metadata {
+    torch::Tensor cos, sin, slot_mapping, block_tables, query_start_loc, seq_lens;
+    std::vector<std::tuple<torch::Tensor, torch::Tensor>> group_tables;
+
+    // Rows [start, start + count) of the step: the sequences with rows among them, each cut to
+    // those rows. A sequence cut at the piece's end is as long as its rows up to there (so its
+    // tokens after the piece are not yet there to attend to); one cut at its start keeps its
+    // length, from which its rows' positions follow.
+    Metadata piece(int64_t start, int64_t count) const {
+      const int64_t end = start + count, num_seqs = seq_lens.size(0);
+      const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+      const int32_t* lens = seq_lens.data_ptr<int32_t>();
+      int64_t first = 0;
+      while (first < num_seqs && qsl[first + 1] <= start) ++first;
+      int64_t last = first;  // one past the piece's last sequence
+      while (last < num_seqs && qsl[last] < end) ++last;
+      const auto int32 = query_start_loc.options();
+      torch::Tensor starts = torch::empty({last - first + 1}, int32), cut = torch::empty({last - first}, int32);
+      int32_t* s = starts.data_ptr<int32_t>();
+      int32_t* n = cut.data_ptr<int32_t>();
+      for (int64_t b = first; b < last; ++b) {
+        s[b - first] = static_cast<int32_t>(std::max<int64_t>(qsl[b], start) - start);
+        n[b - first] = static_cast<int32_t>(lens[b] - (qsl[b + 1] - std::min<int64_t>(qsl[b + 1], end)));
+      }
+      s[last - first] = static_cast<int32_t>(count);
+      std::vector<std::tuple<torch::Tensor, torch::Tensor>> groups;
+      for (const auto& [slots, tables] : group_tables)
+        groups.emplace_back(slots.narrow(0, start, count), tables.narrow(0, first, last - first));
+      return {cos.narrow(0, start, count), sin.narrow(0, start, count), slot_mapping.narrow(0, start, count),
+              block_tables.narrow(0, first, last - first), starts, cut, std::move(groups)};
+    }
+  };
+
+  // The layers over x's rows (their residual stream, changed in place), then the final norm,
+  // written over them (the kernel reads each value before it writes it).
+  void run(const torch::Tensor& x, const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
+           const Metadata& m) const {
+    const int64_t tokens = x.size(0), hidden = x.size(1);
+    const torch::Tensor& residual = x;
+    const torch::Tensor normed = buffer(kNormed, x, tokens, hidden);
+    const torch::Tensor delta = buffer(kDelta, x, tokens, hidden);  // each sublayer's output
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      const auto& [k_cache, v_cache] = kv_caches[i];
+      TORCH_CHECK(layer.group <= static_cast<int64_t>(m.group_tables.size()), "no block tables for KV group ",
+                  layer.group);
+      const torch::Tensor& slots = layer.group == 0 ? m.slot_mapping : std::get<0>(m.group_tables[layer.group - 1]);
+      const torch::Tensor& tables = layer.group == 0 ? m.block_tables : std::get<1>(m.group_tables[layer.group - 1]);
+      rms_norm(normed, residual, i == 0 ? c10::nullopt : c10::optional<torch::Tensor>(delta), layer.input_norm, eps_);
+      attend(layer, normed, delta, m.cos, m.sin, k_cache, v_cache, slots, tables, m.query_start_loc, m.seq_lens);
+      rms_norm(normed, residual, delta, layer.post_attention_norm, eps_);
+      mlp(layer, normed, delta);
+    }
+    rms_norm(x, residual, layers_.empty() ? c10::nullopt : c10::optional<torch::Tensor>(delta), final_norm_, eps_);
+  }
+
   // The intermediates of a step, in buffers kept from step to step and shared by the layers. A
   // long step's (tens of MiB) allocated a few times a layer were mapped, faulted in and unmapped
   // each time (a seventh of a 2048-token prefill's time on the 250M Q4_K_M model), or, taken from
@@ -192,7 +252,7 @@ class DecoderStack {
   int64_t num_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor final_norm_;
-  int64_t mlp_rows_;
+  int64_t mlp_rows_, piece_rows_;
   std::shared_ptr<LoRARows> lora_;  // the step's adapter rows, where layers have LoRA slots
   std::vector<Layer> layers_;
   mutable torch::Tensor buffers_[kNumBuffers];
@@ -207,7 +267,7 @@ void bind_decoder_stack(pybind11::module& m) {
       .def(pybind11::init<torch::Tensor, int64_t, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>, bool,
                           int64_t>());
   pybind11::class_<DecoderStack>(m, "DecoderStack")
-      .def(pybind11::init<int64_t, int64_t, double, double, torch::Tensor, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, double, double, torch::Tensor, int64_t, int64_t>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_lora", &DecoderStack::set_lora)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 # results are the same.
 MLP_ROWS = 1024
 
+# The C++ decoder stack takes a longer step through its layers in pieces of this many rows (as
+# llama.cpp's default micro-batch), so that its buffers and a layer's intermediates hold a piece,
+# not the step; every kernel computes a row on its own, so the results are the same.
+PIECE_ROWS = 512
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -418,7 +423,13 @@ class DecoderForCausalLM(CausalLM):
             return
         cfg, norm = self.decoder_config, self.model.norm
         stack = ops.DecoderStack(
-            cfg.num_heads, cfg.head_dim, norm.eps, self.model.layers[0].self_attn.scale, norm.weight.detach(), MLP_ROWS
+            cfg.num_heads,
+            cfg.head_dim,
+            norm.eps,
+            self.model.layers[0].self_attn.scale,
+            norm.weight.detach(),
+            MLP_ROWS,
+            PIECE_ROWS,
         )
         for layer in self.model.layers:
             stack.add_layer(*layer.kernel_spec())
