@@ -17,6 +17,8 @@
 // Every weight is read once a call and unpacked once for a pass of up to 8 rows of activations (a
 // K record's float sums wait in memory); where a call is more rows than a pass, the AVX-512 path
 // keeps a group's unpacked codes (16 bytes an input) from its first pass for the others (Kept).
+// On CPUs with AMX, most formats' passes of such a call take 16 rows on tiles (group_amx): one
+// tile product a block gives the same integer dot products as the VNNI passes.
 // Batch invariance: a row's sums are the same whatever rows share its call (the integer sums are
 // exact and each row's float sums run in record order, in a pass of any size), and there is one
 // path per format whatever the step's rows (bf16 dot products on dequantized tiles, once taken
@@ -42,6 +44,10 @@
 #include <immintrin.h>
 #endif
 #include <omp.h>
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "linear_op.h"
 #include "stream_hint.h"
@@ -58,6 +64,7 @@ namespace {
 constexpr int64_t kGroup = 16;  // output rows a record holds
 constexpr int64_t kBlock = 32;  // values an activation scale covers
 constexpr int kPassRows = 8;    // activation rows a pass over a group's records serves (int8 path)
+constexpr int kMaxPassRows = 16;  // on AMX tiles (group_amx)
 
 enum Format : int {
   kQ4_0 = 0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kQ2_K, kQ3_K, kIQ4_NL, kIQ4_XS, kMXFP4, kIQ3_S,
@@ -115,6 +122,10 @@ struct Traits {
   static constexpr int64_t record_values = kBlock * blocks;
   // The sub-scale (or sub-minimum) of block j's half h (values 16 h .. 16 h + 15), as an index [.][16].
   static constexpr int sub(int j, int h) { return subs == 16 ? 2 * j + h : j; }
+  // Passes of 16 rows on AMX tiles where the CPU has them (group_amx): the formats they made faster
+  // (BENCHMARKS.md), not Q8_0, MXFP4 or those of a sub-scale a 16 values (two half-block products a
+  // block), which ran slower or no faster than the VNNI passes.
+  static constexpr bool tiles = subs == 8 && bits != 8 && F != kMXFP4;
 };
 
 // fn(std::integral_constant<int, F>) for the format F given at run time: where a format number
@@ -172,9 +183,18 @@ int64_t activation_block(int format) { return record_values(format); }
 // more rows than a pass): they load from this scratch (L1 or L2) instead of being unpacked again.
 // The AVX-512 path keeps them for every type but Q8_0 (whose codes are bytes already); the others
 // unpack every pass. Loads or unpacking, the same codes: the sums do not change.
+// A thread's AMX tile configuration in one parallel region (-1: none): loaded by its first pass
+// that takes tiles (a load and a release a pass cost a third of a 64-row call) and released as the
+// region ends, before other kernels (oneDNN's) load their own on the thread.
+struct TileState {
+  int config = -1;
+  ~TileState();
+};
+
 struct Kept {
-  uint8_t* codes;  // [records x blocks][8][64], 64-byte aligned
-  bool filled;     // by the first pass
+  uint8_t* codes;      // [records x blocks][8][64], 64-byte aligned
+  bool filled;         // by the first pass
+  TileState* tiles;    // the thread's, for AMX passes
 };
 
 // This thread's scratch for the kept codes of `jobs` groups of k inputs (512 bytes a 32-value block).
@@ -770,6 +790,134 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
   if constexpr (!Tr::k_quant)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums + r * kGroup, total[r]);
 }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PAGEDLLM_QUANT_AMX 1
+// -- AMX: passes of 16 activation rows -----------------------------------------------------------
+// A block's unpacked codes are already the layout of an AMX B tile (row t: each lane's 4 codes at
+// inputs 4t..4t+3), and 16 activation rows' codes, `k` bytes apart, an A tile: one tdpbsud (signed
+// activations, unsigned codes) a block gives the 16 x 16 int32 dot products that dpbusd builds
+// lane by lane, the same integers. The rest of a pass (sub-scales, minimums, float sums in record
+// order) is group_vnni's, row by row: a row's sums are bit for bit those of a pass of 1 to 8 rows.
+
+// Whether this process may use AMX tiles: Linux hands out the tile state on request, once a process.
+bool amx_allowed() {
+  static const bool allowed = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return allowed;
+}
+
+// The tiles: 0, 1 two blocks' activations (16 rows x 32 bytes), 2, 3 their codes (8 rows x 64
+// bytes), 4, 5 their dot products (16 rows x 16 int32), so that one block's products build while
+// the other's are stored.
+void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {32, 32, 64, 64, 64, 64};
+    uint8_t rows[16] = {kMaxPassRows, kMaxPassRows, 8, 8, kMaxPassRows, kMaxPassRows};
+  } config;
+  _tile_loadconfig(&config);
+}
+
+// Dot products [block][row][lane] of a record's blocks' codes (codes[j]: 8 x 64 bytes, as unpack's
+// registers) with 16 activation rows (from x, `stride` bytes apart).
+template <int Blocks>
+inline void record_dots(const int8_t* x, int64_t stride, const uint8_t* const* codes,
+                        int32_t (*dots)[kMaxPassRows][kGroup]) {
+  for (int j = 0; j < Blocks; j += 2) {
+    _tile_zero(4);
+    _tile_loadd(0, x + j * kBlock, stride);
+    _tile_loadd(2, codes[j], 64);
+    _tile_dpbsud(4, 0, 2);
+    if (j + 1 < Blocks) {
+      _tile_zero(5);
+      _tile_loadd(1, x + (j + 1) * kBlock, stride);
+      _tile_loadd(3, codes[j + 1], 64);
+      _tile_dpbsud(5, 1, 3);
+    }
+    _tile_stored(4, dots[j], 64);
+    if (j + 1 < Blocks) _tile_stored(5, dots[j + 1], 64);
+  }
+}
+
+// Block `block` of a record as record_dots reads it: where the pass keeps codes, there; else
+// unpacked into `own`.
+template <int F>
+inline const uint8_t* tile_codes(const uint8_t* codes, const uint8_t* high, Kept* kept, int64_t block,
+                                 uint8_t* own) {
+  __m512i w[8];
+  block_codes<F>(codes, high, w, kept, block);
+  if (kept != nullptr) return kept->codes + 512 * block;
+  for (int t = 0; t < 8; ++t) _mm512_store_si512(own + 64 * t, w[t]);
+  return own;
+}
+
+// group_vnni's sums for 16 rows (a pass of a call of several, whose codes are kept): sums [16][16].
+template <int F>
+void group_amx(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums, Kept* kept) {
+  using Tr = Traits<F>;
+  static_assert(Tr::tiles && Tr::subs == 8 && Tr::bits != 8, "whole-block dot products of unpacked codes");
+  constexpr int Blocks = Tr::blocks, R = kMaxPassRows;
+  if (kept->tiles->config < 0) {
+    configure_tiles();
+    kept->tiles->config = 0;
+  }
+  alignas(64) int32_t dots[Blocks][R][kGroup];
+  alignas(64) uint8_t own[Blocks][512];
+  const int8_t* x = a.q(row0);
+  const float* dx[R];
+  const int16_t* sw[R];
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(sums + r * kGroup, _mm512_setzero_ps());
+    dx[r] = a.d(row0 + r);
+    sw[r] = Tr::k_quant ? a.s32(row0 + r) : a.s(row0 + r);
+  }
+  const bool first_of_several = !kept->filled;
+  for (int64_t rec = 0; rec < records; ++rec) {
+    const uint8_t* p = group + rec * Tr::record_bytes;
+    const uint8_t* codes[Blocks];
+    for (int j = 0; j < Blocks; ++j) {
+      if (first_of_several) prefetch_part<Tr::record_bytes, Blocks, true>(p, j);
+      codes[j] = tile_codes<F>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, kept,
+                               rec * Blocks + j, own[j]);
+    }
+    record_dots<Blocks>(x + rec * Blocks * kBlock, a.k, codes, dots);
+    if constexpr (!Tr::k_quant) {
+      const __m512 scale = scales16<F>(p + Tr::scales_at);
+      for (int r = 0; r < R; ++r) {
+        const __m512i dot = _mm512_load_si512(dots[0][r]);
+        const int32_t sum = sw[r][2 * rec] + sw[r][2 * rec + 1];
+        const __m512 d = _mm512_set1_ps(dx[r][rec]);
+        __m512 total = _mm512_loadu_ps(sums + r * kGroup);
+        if constexpr (Tr::has_min) {
+          total = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), scale, total);
+          total = _mm512_fmadd_ps(scales16<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup),
+                                  _mm512_set1_ps(dx[r][rec] * static_cast<float>(sum)), total);
+        } else {
+          const __m512i centred = _mm512_sub_epi32(dot, _mm512_set1_epi32(Tr::offset * sum));
+          total = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(centred), d), scale, total);
+        }
+        _mm512_storeu_ps(sums + r * kGroup, total);
+      }
+    } else {
+      __m512i weights[8];
+      for (int i = 0; i < Tr::subs / 2; ++i) weights[i] = sum_weights<F>(p, i);
+      for (int r0 = 0; r0 < R; r0 += 4) {
+        __m512i scaled[4];
+        for (int r = 0; r < 4; ++r) {
+          scaled[r] = _mm512_setzero_si512();
+          for (int j = 0; j < Blocks; ++j)
+            scaled[r] = _mm512_add_epi32(
+                scaled[r], _mm512_mullo_epi32(_mm512_load_si512(dots[j][r0 + r]), sub_lanes<F>(p, j, 0)));
+        }
+        k_record<F, 4>(scaled, weights, p, rec, sw + r0, dx + r0, sums + r0 * kGroup);
+      }
+    }
+  }
+}
+#endif
+
 #endif
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -1026,12 +1174,22 @@ void group_avx2(const uint8_t* group, int64_t records, const Activations& a, int
 #endif
 
 
+TileState::~TileState() {
+#if defined(PAGEDLLM_QUANT_AMX)
+  if (config >= 0) _tile_release();
+#endif
+}
+
 using GroupFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, int, float*, bool, Kept*);
 
 template <int F>
 void group_rows(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, int rows, float* sums,
                 bool stream, Kept* kept) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(PAGEDLLM_QUANT_AMX)
+  if constexpr (Traits<F>::tiles)
+    if (rows == kMaxPassRows) return group_amx<F>(group, records, a, row0, sums, kept);
+#endif
   // A record's unpacking is shared by the rows of a pass: up to 8 rows a pass (BENCHMARKS.md). Q8_0's
   // codes need no unpacking: it takes more rows in passes of 4 (no faster in 8), the group's records
   // staying in L1 for the next pass, but 5 to 8 rows (a verification of speculative drafts) in one
@@ -1119,12 +1277,30 @@ void store_silu_mul(T* out, int64_t stride, float* gate, float* up, int64_t sums
   }
 }
 
+// Whether a format's passes of several rows take AMX tiles on this CPU (Traits::tiles).
+bool takes_tiles(int format) {
+#if defined(PAGEDLLM_QUANT_AMX)
+  return by_format(format, [](auto f) { return Traits<decltype(f)::value>::tiles; }) && amx_allowed();
+#else
+  (void)format;
+  return false;
+#endif
+}
+
+// The rows of a call's next pass, of `rows` left (in a call of several passes where `passes`): 16
+// where AMX tiles take them (`tiles`), else up to 8.
+inline int pass_rows(int64_t rows, bool passes, bool tiles) {
+  if (passes && tiles && rows >= kMaxPassRows) return kMaxPassRows;
+  return static_cast<int>(std::min<int64_t>(kPassRows, rows));
+}
+
 // One packed matrix of n rows, whose results go to the output's columns col..col + n.
 struct Job {
   const uint8_t* weights;
   int64_t records, record_bytes, groups, n, col;
   GroupFn fn;
   int64_t activation_block;  // 256 for the K types, else 32
+  bool tiles;                // its passes of several rows on AMX tiles (takes_tiles)
 };
 
 // Where a flat index over every job's groups falls: (job, group in it).
@@ -1148,21 +1324,25 @@ void matmul(torch::Tensor& out, const Activations& a, const std::vector<Job>& jo
   const RowChunks chunks(rows, groups, kPassRows, omp_get_max_threads());
   WorkSplit split(groups * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
+  {
+  TileState tiles;
   for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-    alignas(64) float sums[kPassRows * kGroup];
+    alignas(64) float sums[kMaxPassRows * kGroup];
     const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
     const auto [j, g] = locate(first_group, item / chunks.count);
     const Job& job = jobs[j];
     const int64_t cols = std::min<int64_t>(kGroup, job.n - g * kGroup), col = job.col + g * kGroup;
     const bool passes = last - first > kPassRows;
-    Kept kept{passes ? kept_scratch(a.k, 1) : nullptr, false};
-    for (int64_t r0 = first; r0 < last; r0 += kPassRows) {
-      const int count = static_cast<int>(std::min<int64_t>(kPassRows, last - r0));
+    Kept kept{passes ? kept_scratch(a.k, 1) : nullptr, false, &tiles};
+    for (int64_t r0 = first; r0 < last;) {
+      const int count = pass_rows(last - r0, passes, job.tiles);
       job.fn(job.weights + g * job.records * job.record_bytes, job.records, a, r0, count, sums, !passes,
              passes ? &kept : nullptr);
       kept.filled = true;
       store(y + r0 * stride + col, stride, sums, kGroup, count, cols, bias == nullptr ? nullptr : bias + col);
+      r0 += count;
     }
+  }
   }
 }
 
@@ -1175,15 +1355,17 @@ void matmul_silu_mul(torch::Tensor& out, const Activations& a, const Job& gate, 
   const RowChunks chunks(rows, gate.groups, kPassRows, omp_get_max_threads());
   WorkSplit split(gate.groups * chunks.count, omp_get_max_threads());
 #pragma omp parallel num_threads(split.threads())
+  {
+  TileState tiles;
   for (int64_t item = split.take(omp_get_thread_num()); item >= 0; item = split.take(omp_get_thread_num())) {
-    alignas(64) float sums[2][kPassRows * kGroup];
+    alignas(64) float sums[2][kMaxPassRows * kGroup];
     const int64_t first = item % chunks.count * chunks.rows, last = std::min(rows, first + chunks.rows);
     const int64_t g = item / chunks.count, col = g * kGroup, cols = std::min<int64_t>(kGroup, gate.n - col);
     const bool passes = last - first > kPassRows;
     uint8_t* scratch = passes ? kept_scratch(a.k, 2) : nullptr;
-    Kept kept[2] = {{scratch, false}, {scratch + (passes ? 16 * a.k : 0), false}};
-    for (int64_t r0 = first; r0 < last; r0 += kPassRows) {
-      const int count = static_cast<int>(std::min<int64_t>(kPassRows, last - r0));
+    Kept kept[2] = {{scratch, false, &tiles}, {scratch + (passes ? 16 * a.k : 0), false, &tiles}};
+    for (int64_t r0 = first; r0 < last;) {
+      const int count = pass_rows(last - r0, passes, gate.tiles && up.tiles);
       int h = 0;
       for (const Job* job : {&gate, &up}) {
         job->fn(job->weights + g * job->records * job->record_bytes, job->records, a, r0, count, sums[h],
@@ -1192,7 +1374,9 @@ void matmul_silu_mul(torch::Tensor& out, const Activations& a, const Job& gate, 
       }
       store_silu_mul(y + r0 * stride + col, stride, sums[0], sums[1], kGroup, count, cols,
                      bias == nullptr ? nullptr : bias + col, bias == nullptr ? nullptr : bias + gate.n + col);
+      r0 += count;
     }
+  }
   }
 }
 
@@ -1217,7 +1401,8 @@ class QuantLinear : public LinearOp {
                   packed.size(1) * record_values(static_cast<int>(format)), " values, the layer takes ", in_features_);
       TORCH_CHECK(packed.size(0) == (n + kGroup - 1) / kGroup, "packed groups do not cover ", n, " rows");
       jobs_.push_back({packed.data_ptr<uint8_t>(), packed.size(1), packed.size(2), packed.size(0), n, out_features_,
-                       group_fn(static_cast<int>(format), portable_), activation_block(static_cast<int>(format))});
+                       group_fn(static_cast<int>(format), portable_), activation_block(static_cast<int>(format)),
+                       !portable_ && takes_tiles(static_cast<int>(format))});
       out_features_ += n;
     }
     TORCH_CHECK(!silu_mul_ || out_features_ % 2 == 0, "silu_mul needs gate and up halves");
