@@ -118,3 +118,20 @@ def test_triton_attention_in_bf16(kernel):
     expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.25, None)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7)
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kv_write_equals_the_torch_write(kernel, dtype):
+    """Tokens' K and V (3 KV heads, head size 24: both padded) into scattered slots of a cache of
+    their dtype (the GPU's bf16 too), as the torch path writes them; the other slots untouched."""
+    from pagedllm.layers.attention import write_kv
+
+    g = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(5, 3, 24, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([17, 3, 30, 8, 0])
+    k_cache, v_cache = (torch.randn(4, 8, 3, 24, generator=g).to(dtype) for _ in range(2))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv(expected_k, expected_v, k, v, slots)
+    kernel.write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)

@@ -1,4 +1,4 @@
-"""Paged attention as a Triton kernel, for the GPU path (issue 51): each query token of a step,
+"""Paged attention and the KV cache write as Triton kernels, for the GPU path (issue 51): each query token of a step,
 decode or a prefill chunk over its cached prefix, attends to its sequence's keys up to its own
 position through the block table, for every head at once of a program's (token, query head).
 
@@ -151,3 +151,68 @@ def paged_attention(
         HAS_SINKS=sinks is not None,
     )
     return out
+
+
+@triton.jit
+def _write_kv(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_token,
+    stride_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < KV_HEADS) & (d < HEAD_DIM)
+    source = token * stride_token + h * stride_head + d
+    target = (
+        (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot + h * stride_cache_head + d
+    )
+    k = tl.load(k_ptr + source, mask=mask)
+    v = tl.load(v_ptr + source, mask=mask)
+    tl.store(k_cache_ptr + target, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + target, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v [tokens, kv_heads, head_dim] into the caches' slots (block x block_size + offset), in the
+    caches' dtype: as layers.attention.write_kv, for caches of a float dtype."""
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    if k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the caches {tuple(k_cache.shape)}")
+    if k_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"a {k_cache.dtype} cache: the Triton write takes float caches")
+    k, v = k.contiguous(), v.contiguous()
+    if k.shape[0] == 0:
+        return
+    _write_kv[(k.shape[0],)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
