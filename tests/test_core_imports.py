@@ -22,3 +22,22 @@ def test_llm_is_still_importable_from_the_package():
     from pagedllm.entrypoints.llm import LLM as Direct
 
     assert LLM is Direct
+
+
+def test_the_offline_engine_runs_without_the_servers_dependencies(tmp_path, tokenizer_dir):
+    """The GPU check's machine has none of FastAPI, uvicorn, pydantic, xgrammar, gguf or
+    prometheus-client (issue 51): LLM imports and generates there (each one made unimportable)."""
+    from conftest import make_model
+
+    folder = make_model("llama", tmp_path, tokenizer_dir)
+    absent = ["fastapi", "uvicorn", "starlette", "pydantic", "xgrammar", "gguf", "prometheus_client"]
+    code = (
+        f"import sys; sys.modules.update(dict.fromkeys({absent!r}))\n"
+        "from pagedllm import LLM, SamplingParams\n"
+        f"llm = LLM({folder!r}, kv_cache_memory='16MiB')\n"
+        "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=3), use_tqdm=False)\n"
+        "print(len(out[0].outputs[0].token_ids), sorted(m for m in " + repr(absent) + " if sys.modules.get(m)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "3 []", done.stdout

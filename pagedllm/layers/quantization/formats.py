@@ -49,7 +49,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import gguf
 import numpy as np
 import torch
 
@@ -284,7 +283,10 @@ def _decode_iq4xs(blocks: np.ndarray, fmt: Format) -> Fields:
 
 @functools.cache
 def _iq3s_grid() -> np.ndarray:
-    """IQ3_S's 512 grid points of 4 odd values each, as the gguf package holds them."""
+    """IQ3_S's 512 grid points of 4 odd values each, as the gguf package holds them (imported here:
+    the engine imports without it, as on the GPU check's machine)."""
+    import gguf
+
     gguf.quants.IQ3_S.init_grid()
     return gguf.quants.IQ3_S.grid.reshape(512, 4).astype(np.int16)
 
