@@ -841,16 +841,13 @@ inline void record_dots(const int8_t* x, int64_t stride, const uint8_t* const* c
   }
 }
 
-// Block `block` of a record as record_dots reads it: where the pass keeps codes, there; else
-// unpacked into `own`.
+// Block `block` of a record as record_dots reads it: the pass's kept codes (unpacked into them by
+// the call's first pass).
 template <int F>
-inline const uint8_t* tile_codes(const uint8_t* codes, const uint8_t* high, Kept* kept, int64_t block,
-                                 uint8_t* own) {
+inline const uint8_t* tile_codes(const uint8_t* codes, const uint8_t* high, Kept* kept, int64_t block) {
   __m512i w[8];
   block_codes<F>(codes, high, w, kept, block);
-  if (kept != nullptr) return kept->codes + 512 * block;
-  for (int t = 0; t < 8; ++t) _mm512_store_si512(own + 64 * t, w[t]);
-  return own;
+  return kept->codes + 512 * block;
 }
 
 // group_vnni's sums for 16 rows (a pass of a call of several, whose codes are kept): sums [16][16].
@@ -864,7 +861,6 @@ void group_amx(const uint8_t* group, int64_t records, const Activations& a, int6
     kept->tiles->config = 0;
   }
   alignas(64) int32_t dots[Blocks][R][kGroup];
-  alignas(64) uint8_t own[Blocks][512];
   const int8_t* x = a.q(row0);
   const float* dx[R];
   const int16_t* sw[R];
@@ -879,8 +875,7 @@ void group_amx(const uint8_t* group, int64_t records, const Activations& a, int6
     const uint8_t* codes[Blocks];
     for (int j = 0; j < Blocks; ++j) {
       if (first_of_several) prefetch_part<Tr::record_bytes, Blocks, true>(p, j);
-      codes[j] = tile_codes<F>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, kept,
-                               rec * Blocks + j, own[j]);
+      codes[j] = tile_codes<F>(p + j * Tr::code_bytes, p + Tr::high_at + j * Tr::high_bytes, kept, rec * Blocks + j);
     }
     record_dots<Blocks>(x + rec * Blocks * kBlock, a.k, codes, dots);
     if constexpr (!Tr::k_quant) {
