@@ -720,6 +720,21 @@ inline void k_record(const __m512i (&scaled)[N], const __m512i weights[8], const
   }
 }
 
+// A record of a format of 32 values a record (not a K type) added into one row's float sums: its 16
+// integer dot products with the row, `sum` the row's code sum over the record, dx its scale.
+template <int F>
+inline __m512 record_sum(__m512 total, __m512i dot, int32_t sum, float dx, const uint8_t* p) {
+  using Tr = Traits<F>;
+  const __m512 scale = scales16<F>(p + Tr::scales_at), d = _mm512_set1_ps(dx);
+  if constexpr (Tr::has_min) {
+    total = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), scale, total);
+    return _mm512_fmadd_ps(scales16<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup),
+                           _mm512_set1_ps(dx * static_cast<float>(sum)), total);
+  }
+  const __m512i centred = _mm512_sub_epi32(dot, _mm512_set1_epi32(Tr::offset * sum));
+  return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(centred), d), scale, total);
+}
+
 template <int F, int R>
 void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums,
                 bool stream, Kept* kept) {
@@ -746,20 +761,9 @@ void group_vnni(const uint8_t* group, int64_t records, const Activations& a, int
     if (!Tr::k_quant && first_of_several) prefetch_part<Tr::record_bytes, 1, true>(p, 0);
     if constexpr (!Tr::k_quant) {
       block_codes<F>(p, p + Tr::high_at, w, kept, rec);
-      const __m512 scale = scales16<F>(p + Tr::scales_at);
-      for (int r = 0; r < R; ++r) {
-        const __m512i dot = row_dot<R>(w, xq[r] + rec * kBlock);
-        const int32_t sum = sx[r][2 * rec] + sx[r][2 * rec + 1];
-        const __m512 d = _mm512_set1_ps(dx[r][rec]);
-        if constexpr (Tr::has_min) {
-          total[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), scale, total[r]);
-          total[r] = _mm512_fmadd_ps(scales16<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup),
-                                     _mm512_set1_ps(dx[r][rec] * static_cast<float>(sum)), total[r]);
-        } else {
-          const __m512i centred = _mm512_sub_epi32(dot, _mm512_set1_epi32(Tr::offset * sum));
-          total[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(centred), d), scale, total[r]);
-        }
-      }
+      for (int r = 0; r < R; ++r)
+        total[r] = record_sum<F>(total[r], row_dot<R>(w, xq[r] + rec * kBlock), sx[r][2 * rec] + sx[r][2 * rec + 1],
+                                 dx[r][rec], p);
     } else {
       // The record's block sums stay integers (one activation scale covers the record): at most
       // 8 x 32 x 31 x 127 x 63 for Q5_K, 16 x 16 x 63 x 127 x 128 for Q6_K, 8 x 32 x 241 x 127 x 32
@@ -854,7 +858,7 @@ inline const uint8_t* tile_codes(const uint8_t* codes, const uint8_t* high, Kept
 template <int F>
 void group_amx(const uint8_t* group, int64_t records, const Activations& a, int64_t row0, float* sums, Kept* kept) {
   using Tr = Traits<F>;
-  static_assert(Tr::tiles && Tr::subs == 8 && Tr::bits != 8, "whole-block dot products of unpacked codes");
+  static_assert(Tr::tiles, "a format of Traits::tiles");
   constexpr int Blocks = Tr::blocks, R = kMaxPassRows;
   if (kept->tiles->config < 0) {
     configure_tiles();
@@ -879,21 +883,10 @@ void group_amx(const uint8_t* group, int64_t records, const Activations& a, int6
     }
     record_dots<Blocks>(x + rec * Blocks * kBlock, a.k, codes, dots);
     if constexpr (!Tr::k_quant) {
-      const __m512 scale = scales16<F>(p + Tr::scales_at);
       for (int r = 0; r < R; ++r) {
-        const __m512i dot = _mm512_load_si512(dots[0][r]);
-        const int32_t sum = sw[r][2 * rec] + sw[r][2 * rec + 1];
-        const __m512 d = _mm512_set1_ps(dx[r][rec]);
-        __m512 total = _mm512_loadu_ps(sums + r * kGroup);
-        if constexpr (Tr::has_min) {
-          total = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), scale, total);
-          total = _mm512_fmadd_ps(scales16<F>(p + Tr::scales_at + Tr::scale_bytes * kGroup),
-                                  _mm512_set1_ps(dx[r][rec] * static_cast<float>(sum)), total);
-        } else {
-          const __m512i centred = _mm512_sub_epi32(dot, _mm512_set1_epi32(Tr::offset * sum));
-          total = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(centred), d), scale, total);
-        }
-        _mm512_storeu_ps(sums + r * kGroup, total);
+        const __m512 total = _mm512_loadu_ps(sums + r * kGroup);
+        _mm512_storeu_ps(sums + r * kGroup, record_sum<F>(total, _mm512_load_si512(dots[0][r]),
+                                                          sw[r][2 * rec] + sw[r][2 * rec + 1], dx[r][rec], p));
       }
     } else {
       __m512i weights[8];
