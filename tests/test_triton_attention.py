@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedllm.layers.attention import paged_attention_reference
+from pagedllm.layers.attention import BACKEND_ENV, paged_attention_reference
 
 # Triton decides at its own import whether @triton.jit interprets (its library's functions too), so
 # the kernel's checks run in a process of their own, started with TRITON_INTERPRET=1 by the first test.
@@ -27,7 +27,8 @@ def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
+        # The engine's tests below take the GPU path's layers: torch ops and these kernels.
+        env={**os.environ, "TRITON_INTERPRET": "1", "PAGEDLLM_NO_KERNELS": "1", BACKEND_ENV: "TRITON_ATTN"},
         capture_output=True,
         text=True,
         timeout=600,
@@ -135,3 +136,139 @@ def test_triton_kv_write_equals_the_torch_write(kernel, dtype):
     write_kv(expected_k, expected_v, k, v, slots)
     kernel.write_kv(k_cache, v_cache, k, v, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@in_the_interpreter
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks"), [(None, None, False), (70, None, False), (None, 3.0, False), (None, None, True)]
+)
+def test_a_split_context_equals_the_reference(kernel, monkeypatch, window, softcap, sinks):
+    """Contexts longer than a partition (32 keys here) are split and folded: decode rows over 4 and
+    5 partitions (some of which a window leaves out), and a prefill chunk's rows beside them (a
+    step this small splits them too)."""
+    monkeypatch.setattr(kernel, "PARTITION", 32)
+    seq_lens, query_lens = [150, 97, 40], [1, 1, 5]
+    q, k_cache, v_cache, tables, starts, lens, meta = _step(seq_lens, query_lens, 4, 2, 16, seed=7)
+    sink_logits = torch.randn(4, generator=torch.Generator().manual_seed(8)) if sinks else None
+    out = kernel.paged_attention(q, k_cache, v_cache, tables, starts, lens, 0.25, window, softcap, sink_logits)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.25, window, softcap=softcap, sinks=sink_logits)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@in_the_interpreter
+@pytest.mark.parametrize(("window", "sinks"), [(None, False), (20, True)])
+def test_a_tokens_output_has_the_same_bits_split_or_not(kernel, monkeypatch, window, sinks):
+    """Whether a step splits, and into how many partitions, comes from its tensors' shapes alone
+    (a captured graph replays it whatever the lengths); a token's output is the same bits either
+    way, and whatever else the step holds: alone, beside a wider table, or among many tokens."""
+    monkeypatch.setattr(kernel, "PARTITION", 16)
+    sink_logits = torch.randn(4, generator=torch.Generator().manual_seed(13)) if sinks else None
+    q, k_cache, v_cache, tables, starts, lens, _ = _step([50, 20], [1, 6], 4, 1, 16, seed=9)
+    args = (0.25, window, None, sink_logits)
+    split = kernel.paged_attention(q, k_cache, v_cache, tables, starts, lens, *args)
+    wide = torch.nn.functional.pad(tables, (0, 6))  # more partitions, all empty
+    assert torch.equal(kernel.paged_attention(q, k_cache, v_cache, wide, starts, lens, *args), split)
+    monkeypatch.setattr(kernel, "SPLIT_MAX_TOKENS", 2)  # 7 tokens: whole
+    assert torch.equal(kernel.paged_attention(q, k_cache, v_cache, tables, starts, lens, *args), split)
+    monkeypatch.setattr(kernel, "SPLIT_MAX_TOKENS", 256)
+    alone = kernel.paged_attention(q[:1], k_cache, v_cache, tables[:1], starts[:2], lens[:1], *args)
+    assert torch.equal(alone, split[:1])
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("kind", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_attention_on_fp8_caches(kernel, monkeypatch, kind, dtype):
+    """fp8 caches with their scales, widened as the reference widens them (times the scale,
+    rounded once to q's dtype); split and whole."""
+    from pagedllm.layers.attention import KVScales, to_fp8
+
+    q, k_cache, v_cache, tables, starts, lens, meta = _step(_SEQ_LENS, _QUERY_LENS, 4, 2, 16, seed=10)
+    scales = KVScales(k=0.05, v=0.002)
+    k8, v8 = to_fp8(k_cache * 60, kind, scales.k), to_fp8(v_cache * 0.02, kind, scales.v)
+    q = q.to(dtype)
+    expected = paged_attention_reference(q, k8, v8, meta, 0.25, None, scales).float()
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for partition in (512, 16):
+        monkeypatch.setattr(kernel, "PARTITION", partition)
+        out = kernel.paged_attention(q, k8, v8, tables, starts, lens, 0.25, k_scale=scales.k, v_scale=scales.v)
+        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@in_the_interpreter
+def test_triton_attention_takes_the_engines_token_sequences(kernel):
+    """Given each token's sequence (as the engine's metadata carries it, so that a captured graph
+    makes no host synchronization), the same result as working it out."""
+    q, k_cache, v_cache, tables, starts, lens, _ = _step(_SEQ_LENS, _QUERY_LENS, 4, 2, 16, seed=11)
+    token_seq = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3])
+    given = kernel.paged_attention(q, k_cache, v_cache, tables, starts, lens, 0.25, token_seq=token_seq)
+    assert torch.equal(given, kernel.paged_attention(q, k_cache, v_cache, tables, starts, lens, 0.25))
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("kind", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_triton_fp8_write_equals_the_torch_write(kernel, kind):
+    """fp8 bytes of value / scale, saturated, rounded to nearest even: the bytes the torch path (and
+    the C++ kernels) write; a slot of -1 (a captured graph's padding row) writes nothing."""
+    from pagedllm.layers.attention import KVScales, write_kv
+
+    g = torch.Generator().manual_seed(12)
+    k, v = torch.randn(5, 3, 24, generator=g) * 900, torch.randn(5, 3, 24, generator=g) * 0.01
+    slots = torch.tensor([17, 3, 30, 8, 0])
+    k_cache, v_cache = (torch.randn(4, 8, 3, 24, generator=g).to(kind) for _ in range(2))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv(expected_k, expected_v, k[:4], v[:4], slots[:4], KVScales(2.0, 0.001))
+    kernel.write_kv(k_cache, v_cache, k, v, torch.tensor([17, 3, 30, 8, -1]), 2.0, 0.001)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("kind", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_triton_fp8_rounding_at_every_tie(kind, kernel):
+    """Every finite fp8 value, every midpoint between neighbours (ties to even, a carry into the
+    next exponent among them) and values past the largest: the bytes torch's conversion gives."""
+    values = torch.arange(256, dtype=torch.uint8).view(kind).float()
+    values = values[values.isfinite()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    largest = values.max().item()
+    x = torch.cat([values, mids, torch.tensor([largest * 1.01, -largest * 4, 1e-9, -1e-9])])
+    x = torch.nn.functional.pad(x, (0, -x.numel() % 8)).view(-1, 1, 8)
+    slots = torch.arange(x.shape[0])
+    k_cache = torch.zeros(x.shape[0], 1, 1, 8, dtype=kind)
+    v_cache = torch.zeros_like(k_cache)
+    kernel.write_kv(k_cache, v_cache, x, x, slots)
+    expected = x.clamp(-largest, largest).to(kind).view(torch.uint8)
+    assert torch.equal(k_cache.view(torch.uint8).view(-1), expected.view(-1))
+
+
+@in_the_interpreter
+def test_the_engine_on_the_triton_kernels_matches_transformers(tiny_models, kernel, monkeypatch):
+    """The engine with the GPU path's layers (torch ops, these kernels for attention and the cache
+    write), partitions of 16 keys so that decode rows split: greedy tokens equal transformers',
+    logprobs within fp32 tolerance, on Mistral's grouped heads and sliding window. (Each kernel
+    launch costs the interpreter a second or so: one model here, the kernels' own cases above.)"""
+    from test_model_correctness import assert_matches_transformers
+
+    monkeypatch.setattr(kernel, "PARTITION", 16)
+    calls = []
+    attend, write = kernel.paged_attention, kernel.write_kv
+    monkeypatch.setattr(kernel, "paged_attention", lambda *a, **k: calls.append("attend") or attend(*a, **k))
+    monkeypatch.setattr(kernel, "write_kv", lambda *a, **k: calls.append("write") or write(*a, **k))
+    assert_matches_transformers(tiny_models["mistral"])
+    assert {"attend", "write"} <= set(calls)
+
+
+@in_the_interpreter
+def test_the_engine_on_the_triton_kernels_is_batch_and_cache_invariant(tiny_models, kernel, monkeypatch):
+    """Greedy tokens alone and in a batch, with a prefix cached or not (the second prompt extends the
+    first), on an fp8 KV cache (the bf16/fp32 caches' batch above): the same."""
+    from pagedllm import LLM, SamplingParams
+
+    monkeypatch.setattr(kernel, "PARTITION", 16)
+    prompts = [list(range(3, 60)), list(range(3, 60)) + [7, 8], list(range(100, 105))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(tiny_models["qwen3"], dtype="float32", block_size=4, kv_cache_memory="16MiB", kv_cache_dtype="fp8")
+    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batch] == alone

@@ -5,6 +5,7 @@ of value / scale, with a K and a V scale per layer."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,9 @@ class AttentionMetadata:
     image_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # An encoder's token types, where a request of the step is a pair of texts (BERT's segments).
     token_types: torch.Tensor | None = None
+    # [num_tokens]: each token's sequence, where a caller made it (a captured CUDA graph's static
+    # buffer); the Triton kernel works it out from query_start_loc otherwise.
+    token_seq: torch.Tensor | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of `group` attends with: its group's slots and block tables."""
@@ -42,6 +46,45 @@ class AttentionMetadata:
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# vLLM's VLLM_ATTENTION_BACKEND, ours: which kernels attend and write the KV cache. Unset: the C++
+# kernels on the CPU (where built), the Triton kernels on a GPU; TORCH_SDPA: the torch reference
+# anywhere; TRITON_ATTN: the Triton kernels anywhere (on the CPU, under TRITON_INTERPRET=1: tests).
+BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
+BACKENDS = ("TRITON_ATTN", "TORCH_SDPA")
+
+
+def attention_backend(device: torch.device) -> str:
+    """ "cpu" (the C++ kernels), "triton" or "torch" for tensors on `device`; a ValueError names a
+    backend that is not one (the engine asks once at start-up, check_attention_backend)."""
+    chosen = os.environ.get(BACKEND_ENV, "")
+    if chosen == "TRITON_ATTN":
+        return "triton"
+    if chosen == "TORCH_SDPA":
+        return "torch"
+    if chosen:
+        raise ValueError(f"{BACKEND_ENV}={chosen!r}: choose from {', '.join(BACKENDS)}, or leave it unset")
+    if device.type == "cpu":
+        return "cpu" if cpu_ops() is not None else "torch"
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def check_attention_backend(device: str) -> str:
+    """The backend the engine's attention layers will take on `device`; a clear error at start-up
+    for a bad choice, or Triton asked for where it is not installed."""
+    backend = attention_backend(torch.device(device))
+    if backend == "triton":
+        try:
+            import pagedllm.kernels.triton_attention  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"the Triton attention kernels need the triton package: {exc}") from exc
+    return backend
+
+
+def _triton():  # noqa: ANN202 (a module, imported where the backend is chosen)
+    from pagedllm.kernels import triton_attention
+
+    return triton_attention
 
 
 @dataclass(frozen=True)
@@ -68,12 +111,16 @@ def rotary_and_write_kv(
     q, k, v = qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = q.view(tokens, num_heads, head_dim)
     k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
-    ops = fused_ops_for(qkv)
+    backend = attention_backend(qkv.device)
+    ops = fused_ops_for(qkv) if backend == "cpu" else None
     if ops is not None and qkv.stride(1) == 1:
         ops.rotary_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, slot_mapping, num_heads, scales.k, scales.v)
         return q, k, v
     q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-    write_kv(k_cache, v_cache, k, v, slot_mapping, scales)
+    if backend == "triton":
+        _triton().write_kv(k_cache, v_cache, k, v, slot_mapping, scales.k, scales.v)
+    else:
+        write_kv(k_cache, v_cache, k, v, slot_mapping, scales)
     return q, k, v
 
 
@@ -127,9 +174,26 @@ def paged_attention(
     Every query token attends by one fixed order of operations, whatever its step holds (a
     decode, a prefill chunk, a recompute, a verification), so outputs are batch- and
     cache-invariant. Attention sinks (gpt-oss: a learned logit per head in each softmax's
-    denominator, `sinks` [num_heads]) the kernel takes; scores soft-capped (Gemma 2:
-    tanh(s / cap) * cap) go the torch reference's way."""
-    ops = cpu_ops() if q.device.type == "cpu" else None
+    denominator, `sinks` [num_heads]) the kernels take; scores soft-capped (Gemma 2:
+    tanh(s / cap) * cap) go the torch reference's way on the CPU, the Triton kernel's elsewhere."""
+    backend = attention_backend(q.device)
+    if backend == "triton":
+        return _triton().paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+            sinks,
+            scales.k,
+            scales.v,
+            meta.token_seq,
+        )
+    ops = cpu_ops() if backend == "cpu" else None
     if ops is None or softcap:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales, softcap, sinks)
     out = torch.empty_like(q)
