@@ -95,6 +95,9 @@ class ModelConfig:
     is_causal: bool = True  # False: an encoder (no KV cache, prompts computed whole)
     mmproj: str | None = None  # the vision projector file beside a GGUF text model (EngineArgs.mmproj)
     lora: LoRAConfig | None = None  # LoRA adapters, where enabled (EngineArgs.enable_lora)
+    # The decode batch sizes whose forward passes are captured as CUDA graphs (vLLM's
+    # cudagraph_capture_sizes); empty: every pass eager (the CPU, --enforce-eager).
+    cuda_graph_sizes: tuple[int, ...] = ()
 
     @property
     def cache_dtype(self) -> str:
@@ -271,6 +274,11 @@ class EngineArgs:
     # the memory no longer holds, across restarts; at most kv_offload_size bytes ("64GiB").
     kv_offload_dir: str | None = None
     kv_offload_size: int | str = "64GiB"
+    # vLLM's GPU flags: no CUDA graphs (every pass eager); the share of the GPU's memory the engine
+    # may take, weights, activations and KV cache together (None: 0.9 on a GPU; refused on the CPU,
+    # whose KV cache --kv-cache-memory sizes).
+    enforce_eager: bool = False
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_offload_dir is not None:
@@ -286,8 +294,21 @@ class EngineArgs:
         self.lora_config()  # (checks the LoRA limits)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size > 1 and not self.device.startswith("cpu"):
+            raise ValueError(f"data parallelism runs its replicas on the CPU for now, not {self.device!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None:
+            if not self.device.startswith("cuda"):
+                raise ValueError(
+                    f"gpu_memory_utilization sizes the KV cache on a GPU; the device is {self.device!r} "
+                    "(--kv-cache-memory sizes it there)"
+                )
+            if not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+            if self.kv_cache_memory is not None:
+                raise ValueError("give gpu_memory_utilization or kv_cache_memory, not both")
         threshold = self.long_prefill_token_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
             raise ValueError(f"long_prefill_token_threshold must be a finite number >= 0, got {threshold}")

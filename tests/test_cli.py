@@ -46,6 +46,14 @@ def test_a_checkpoint_method_on_an_unquantized_folder_fails_at_start_up(llama_di
         (["--limit-mm-per-prompt", '{"audio": 1}'], 'limit_mm_per_prompt takes {"image": N} with N >= 0'),
         (["--limit-mm-per-prompt", "image=2"], "not JSON"),
         (["--mm-encoder-cache-tokens", "0"], "mm_encoder_cache_tokens must be >= 1"),
+        (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization sizes the KV cache on a GPU"),
+        (["--device", "cuda", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+        (["--device", "cuda", "--gpu-memory-utilization", "0"], "gpu_memory_utilization must be in (0, 1]"),
+        (
+            ["--device", "cuda", "--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB"],
+            "not both",
+        ),
+        (["--gpu-memory-utilization", "high"], "invalid float value"),
     ],
 )
 def test_serve_refuses_bad_chat_flags_before_loading(flags, message):

@@ -209,7 +209,7 @@ def test_triton_attention_takes_the_engines_token_sequences(kernel):
 @pytest.mark.parametrize("kind", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_triton_fp8_write_equals_the_torch_write(kernel, kind):
     """fp8 bytes of value / scale, saturated, rounded to nearest even: the bytes the torch path (and
-    the C++ kernels) write; a slot of -1 (a captured graph's padding row) writes nothing."""
+    the C++ kernels) write."""
     from pagedllm.layers.attention import KVScales, write_kv
 
     g = torch.Generator().manual_seed(12)
@@ -217,8 +217,8 @@ def test_triton_fp8_write_equals_the_torch_write(kernel, kind):
     slots = torch.tensor([17, 3, 30, 8, 0])
     k_cache, v_cache = (torch.randn(4, 8, 3, 24, generator=g).to(kind) for _ in range(2))
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    write_kv(expected_k, expected_v, k[:4], v[:4], slots[:4], KVScales(2.0, 0.001))
-    kernel.write_kv(k_cache, v_cache, k, v, torch.tensor([17, 3, 30, 8, -1]), 2.0, 0.001)
+    write_kv(expected_k, expected_v, k, v, slots, KVScales(2.0, 0.001))
+    kernel.write_kv(k_cache, v_cache, k, v, slots, 2.0, 0.001)
     assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
 

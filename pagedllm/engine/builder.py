@@ -43,6 +43,7 @@ from pagedllm.executor.cpu_binding import usable_cores
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
+from pagedllm.layers.attention import check_attention_backend
 from pagedllm.layers.compile import compile_torch_paths
 from pagedllm.models.loader import check_tensor_parallel, load_model_config
 from pagedllm.models.registry import model_class
@@ -51,6 +52,7 @@ from pagedllm.spec_decode import speculative_proposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 from pagedllm.tokenizer import load_tokenizer
+from pagedllm.worker.cuda_graph import capture_sizes
 from pagedllm.worker.draft_runner import check_draft
 
 if TYPE_CHECKING:
@@ -104,7 +106,15 @@ def load_config(args: EngineArgs) -> ModelConfig:
     config.lora = args.lora_config()
     if config.lora is not None:
         _check_lora_model(config)
+    config.cuda_graph_sizes = cuda_graph_sizes(args)
     return config
+
+
+def cuda_graph_sizes(args: EngineArgs) -> tuple[int, ...]:
+    """The decode batch sizes captured as CUDA graphs: on a GPU, unless --enforce-eager."""
+    if args.enforce_eager or not args.device.startswith("cuda"):
+        return ()
+    return capture_sizes(args.max_num_seqs)
 
 
 def _check_lora_model(config: ModelConfig) -> None:
@@ -131,7 +141,8 @@ def make_client(
 def make_engine_core(
     args: EngineArgs, model_config: ModelConfig, tokenizer: Callable[[], PreTrainedTokenizerBase] | None = None
 ) -> EngineCore:
-    """Size the KV cache from the memory left before the weights load, load the model, build the core.
+    """Size the KV cache from the memory left before the weights load (on a GPU: after, from what
+    they and a step's activations leave), load the model, build the core.
     `tokenizer`: gives the frontend's (its calling thread's copy), for compiling grammars (else the
     tokenizer loads when the first one is asked for)."""
     if args.seed is not None:
@@ -148,12 +159,20 @@ def make_engine_core(
             f"must be at least max_model_len ({model_config.max_model_len})"
         )
     encoder = _encoder_budgets(args, model_config, batched)
+    logger.info("Attention: %s kernels", check_attention_backend(args.device))
     executor = make_executor(args, model_config, draft_config)
     try:
-        num_blocks = _num_kv_blocks(args, model_config, executor.kv_cache_bytes_per_block())
         if args.compile:
             compile_torch_paths()
-        executor.load_model()
+        per_block = executor.kv_cache_bytes_per_block()
+        if args.device.startswith("cuda") and args.kv_cache_memory is None:
+            # On a GPU the cache takes what the weights and a step's activations leave.
+            executor.load_model()
+            budget = executor.device_kv_budget(args.gpu_memory_utilization or 0.9, batched, args.max_num_seqs)
+            num_blocks = _num_kv_blocks(args, model_config, per_block, budget)
+        else:
+            num_blocks = _num_kv_blocks(args, model_config, per_block)
+            executor.load_model()
         executor.initialize_cache(num_blocks, kv_offload_config(args, model_config))
         tier = _kv_tier(args, executor)
     except BaseException:
@@ -288,17 +307,20 @@ def _kv_cache_manager(
     return HybridKVCacheManager(num_blocks, args.block_size, windows, args.enable_prefix_caching, debug)
 
 
-def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int) -> int:
+def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int, budget: int | None = None) -> int:
+    """Blocks of `budget` bytes (else --kv-cache-memory, or a share of the free memory)."""
     if per_block == 0:  # an encoder: blocks are only the scheduler's count of each request's tokens
         logger.info("KV cache: none (an encoder computes each prompt whole)")
         return args.max_num_seqs * -(-model_config.max_model_len // args.block_size)
-    budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
+    if budget is None:
+        budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
     num_blocks = budget // per_block
     tokens = num_blocks * args.block_size
     if tokens < model_config.max_model_len:
         raise ValueError(
             f"the KV cache budget ({budget / 2**30:.3f} GiB) holds {tokens} tokens, fewer than "
-            f"max_model_len={model_config.max_model_len}: raise kv_cache_memory or lower max_model_len"
+            f"max_model_len={model_config.max_model_len}: raise kv_cache_memory (on a GPU, "
+            "gpu_memory_utilization) or lower max_model_len"
         )
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB of %s",

@@ -70,7 +70,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="a vision projector GGUF file (llama.cpp's mmproj) for a GGUF model: images in (Gemma 3's)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--device", default=defaults.device, help="cpu (the default) or cuda")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run every forward pass eagerly (no CUDA graphs for decode steps); the CPU's always are",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="on a GPU, the share of its memory the engine takes: weights, a step's activations and "
+        "the KV cache, which gets the rest (default 0.9; --kv-cache-memory sizes the cache instead)",
+    )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument(
         "--enable-prefix-caching",

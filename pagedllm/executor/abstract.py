@@ -27,6 +27,11 @@ class Executor(ABC):
     @abstractmethod
     def load_model(self) -> None: ...
 
+    def device_kv_budget(self, utilization: float, num_tokens: int, num_seqs: int) -> int:
+        """On a GPU, after the weights load: the bytes left for the KV cache within `utilization` of
+        the device's memory, once a pass of `num_tokens` tokens and `num_seqs` samples has run."""
+        raise ValueError("gpu_memory_utilization: this executor runs its workers on the CPU")
+
     @abstractmethod
     def initialize_cache(self, num_blocks: int, kv_offload: KVOffloadConfig | None = None) -> None:
         """Allocate the KV cache; with `kv_offload`, open each worker's KV store too."""

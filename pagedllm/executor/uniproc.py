@@ -25,6 +25,9 @@ class UniprocExecutor(Executor):
     def load_model(self) -> None:
         self.driver_worker.load_model()
 
+    def device_kv_budget(self, utilization: float, num_tokens: int, num_seqs: int) -> int:
+        return self.driver_worker.device_kv_budget(utilization, num_tokens, num_seqs)
+
     def initialize_cache(self, num_blocks: int, kv_offload: KVOffloadConfig | None = None) -> None:
         self.driver_worker.initialize_cache(num_blocks, kv_offload)
 

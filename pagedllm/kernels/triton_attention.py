@@ -398,24 +398,20 @@ def _write_kv(
 ):
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token).to(tl.int64)
-    if slot >= 0:  # a padded row of a captured graph has slot -1: nothing to write
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (h < KV_HEADS) & (d < HEAD_DIM)
-        target = (
-            (slot // BLOCK_SIZE) * stride_cache_block
-            + (slot % BLOCK_SIZE) * stride_cache_slot
-            + h * stride_cache_head
-            + d
-        )
-        k = tl.load(k_ptr + token * stride_k_token + h * stride_k_head + d, mask=mask)
-        v = tl.load(v_ptr + token * stride_v_token + h * stride_v_head + d, mask=mask)
-        if FP8 == 0:
-            tl.store(k_cache_ptr + target, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_cache_ptr + target, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(k_cache_ptr + target, _to_fp8(k.to(tl.float32) / k_scale, FP8), mask=mask)
-            tl.store(v_cache_ptr + target, _to_fp8(v.to(tl.float32) / v_scale, FP8), mask=mask)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < KV_HEADS) & (d < HEAD_DIM)
+    target = (
+        (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot + h * stride_cache_head + d
+    )
+    k = tl.load(k_ptr + token * stride_k_token + h * stride_k_head + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_token + h * stride_v_head + d, mask=mask)
+    if FP8 == 0:
+        tl.store(k_cache_ptr + target, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + target, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(k_cache_ptr + target, _to_fp8(k.to(tl.float32) / k_scale, FP8), mask=mask)
+        tl.store(v_cache_ptr + target, _to_fp8(v.to(tl.float32) / v_scale, FP8), mask=mask)
 
 
 @triton.jit
@@ -455,7 +451,7 @@ def write_kv(
     v_scale: float = 1.0,
 ) -> None:
     """k, v [tokens, kv_heads, head_dim] (the last dimension contiguous) into the caches' slots
-    (block x block_size + offset; a slot of -1 is skipped), in the caches' dtype (fp8: divided by
+    (block x block_size + offset), in the caches' dtype (fp8: divided by
     the scale): as layers.attention.write_kv."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     if k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim) or v_cache.shape != k_cache.shape:

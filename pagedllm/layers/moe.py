@@ -99,6 +99,8 @@ class SparseMoE(nn.Module):
         layers has a C++ op; else say why they run op by op. The call's routing, experts and sums
         are this module's, rounded where its torch ops round."""
         self.native = None
+        if self.gate.weight.device.type != "cpu":
+            return f"its weights are on {self.gate.weight.device.type}"
         ops = cpu_ops()
         if ops is None:
             return "the C++ kernels are unavailable"

@@ -416,8 +416,9 @@ class DecoderForCausalLM(CausalLM):
         stack's results are the op-by-op path's, bit for bit, without that path's Python between
         kernels (docs/benchmarks-history.md has what it saves)."""
         self.stack = None
-        ops = cpu_ops()
-        reason = self._stack_blocker(ops)
+        on_cpu = self.model.norm.weight.device.type == "cpu"
+        ops = cpu_ops() if on_cpu else None  # (never built for another device)
+        reason = self._stack_blocker(ops) if on_cpu else f"its weights are on {self.model.norm.weight.device.type}"
         if reason is not None:
             logger.info("%s runs its decoder layers op by op: %s", type(self).__name__, reason)
             return

@@ -4,6 +4,7 @@ sampled tokens and logprobs."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,12 +22,15 @@ from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.pooler import Pooler
 from pagedllm.models.interface import MultiModalEmbeds
 from pagedllm.sampling_params import SamplingType
+from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.kv_store import KVStore
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.rejection_sampler import rejection_sample
 from pagedllm.worker.sampler import Sampler, token_logprobs
+
+logger = logging.getLogger(__name__)
 
 # Steps of at least this many tokens hand their temporaries' heap pages back afterwards (heap.trim:
 # about 1 ms, against a few hundred for such a step on the CPU).
@@ -57,6 +61,33 @@ def kv_pair(
     return (k, k) if shape.latent else (k, heap.kv_zeros(size, getattr(torch, dtype), device))
 
 
+def profile_pass(
+    model: torch.nn.Module, config: ModelConfig, num_tokens: int, num_seqs: int, block_size: int, device: torch.device
+) -> torch.Tensor:
+    """A pass of `num_tokens` tokens (one sequence, over a cache of one block) and the logits of
+    `num_seqs` of its rows: what a step's activations peak at, for Worker.device_kv_budget to
+    measure. Returns the logits."""
+    hf = text_config(config.hf_config)
+    groups = kv_cache_groups(hf)
+    pairs = [kv_pair(kv_cache_shape(hf), (1, block_size), config.cache_dtype, device) for _ in range(groups.num_slots)]
+    slots = torch.arange(num_tokens, device=device) % block_size
+    tables = torch.zeros((1, -(-num_tokens // block_size)), dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables,
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        seq_lens_list=[num_tokens],
+        query_lens_list=[num_tokens],
+        group_tables=[(slots, tables)] * (len(groups.windows) - 1),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device) % config.max_model_len
+    with torch.inference_mode():
+        hidden = model(ids, positions, [pairs[slot] for slot in groups.layer_slot], meta)
+        return model.compute_logits(hidden[-num_seqs:])
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -77,8 +108,10 @@ class ModelRunner:
         # a layer where all layers are alike; shared by one layer of each group otherwise). An
         # encoder has none. A latent cache (config.KVCacheShape) is one tensor, as K and as V.
         slots = kv_cache_groups(hf).layer_slot if model_config.is_causal else ()
+        # With CUDA graphs, one block more: the scratch block their padding rows write and read.
+        graphs = model_config.cuda_graph_sizes if model_config.is_causal and model_config.lora is None else ()
         self.kv_slots = [
-            kv_pair(kv_cache_shape(hf), (num_blocks, block_size), model_config.cache_dtype, self.device)
+            kv_pair(kv_cache_shape(hf), (num_blocks + bool(graphs), block_size), model_config.cache_dtype, self.device)
             for _ in range(max(slots, default=-1) + 1)
         ]
         self.kv_caches = [self.kv_slots[slot] for slot in slots]
@@ -91,6 +124,28 @@ class ModelRunner:
         self.lora = self._lora_manager(model_config)
         if self.device.type == "cpu":
             cpu_ops()  # build (or load) the kernels now, not inside the first request's time
+        self.graphs = self._capture(graphs, model_config, num_blocks, block_size) if graphs else None
+
+    def _capture(
+        self, sizes: tuple[int, ...], model_config: ModelConfig, num_blocks: int, block_size: int
+    ) -> CudaGraphRunner | None:
+        """The decode passes as CUDA graphs; None (every pass eager) where the model's pass cannot
+        be captured (a host synchronization in it: a mixture of experts' routing), which the log says."""
+        width = -(-model_config.max_model_len // block_size)
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                runner = CudaGraphRunner(self.model, self.kv_caches, sizes, width, num_blocks, block_size, self.device)
+        except Exception as exc:  # (torch's capture errors have no common type)
+            logger.warning("CUDA graphs: the decode pass could not be captured (%s); running eagerly", exc)
+            return None
+        logger.info(
+            "CUDA graphs: decode passes of %d batch sizes (up to %d) captured in %.1f s",
+            len(sizes),
+            sizes[-1],
+            time.perf_counter() - start,
+        )
+        return runner
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -129,7 +184,11 @@ class ModelRunner:
             self.lora.prepare_step(loras, meta.query_lens_list, live)
         mm = self._images(output, states, meta)
         positions = self._rope_positions(states, positions, meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, **({"mm": mm} if mm is not None else {}))
+        hidden = None
+        if self.graphs is not None and mm is None:  # (no graphs where adapters are enabled)
+            hidden = self.graphs.run(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, **({"mm": mm} if mm is not None else {}))
         result = ModelRunnerOutput()
         self._pool(hidden, output.scheduled, states, meta, result)
         self._sample(hidden, output, states, meta, result)

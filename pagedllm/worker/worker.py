@@ -4,6 +4,8 @@ it, and keeps that (the model runner's InputBatch), so that each step need bring
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagedllm.config import KVOffloadConfig, ModelConfig
@@ -12,7 +14,12 @@ from pagedllm.distributed import parallel_state
 from pagedllm.models.loader import load_model
 from pagedllm.worker.draft_runner import draft_kv_bytes_per_block
 from pagedllm.worker.kv_store import KVStore
-from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, profile_pass
+
+logger = logging.getLogger(__name__)
+
+# The sampler's fp32 copies of a step's logits (penalties, softmax, sorted top-p) at once, at most.
+SAMPLER_COPIES = 4
 
 
 class Worker:
@@ -34,6 +41,31 @@ class Worker:
         self.model = load_model(self.model_config, self.device)
         if self.draft_config is not None:
             self.draft_model = load_model(self.draft_config, self.device)
+
+    def device_kv_budget(self, utilization: float, num_tokens: int, num_seqs: int) -> int:
+        """vLLM's sizing: `utilization` of the GPU's memory, less the weights, a profiled pass's
+        peak (num_tokens tokens, num_seqs rows of logits and the sampler's copies of them; once
+        more for the CUDA graphs' pool where they are captured) and what is not torch's (the CUDA
+        context, other processes)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
+        profile_pass(self.model, self.model_config, num_tokens, num_seqs, self.block_size, self.device)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - weights
+        peak += SAMPLER_COPIES * num_seqs * self.model_config.vocab_size * 4
+        free, total = torch.cuda.mem_get_info()
+        not_torch = total - free - torch.cuda.memory_reserved()
+        graphs = peak if self.model_config.cuda_graph_sizes else 0
+        budget = int(total * utilization) - weights - peak - graphs - not_torch
+        logger.info(
+            "GPU memory: %.2f GiB in all, %.0f%% for the engine: weights %.2f GiB, a pass's peak %.2f GiB, "
+            "other %.2f GiB: %.2f GiB for the KV cache",
+            total / 2**30, utilization * 100, weights / 2**30, (peak + graphs) / 2**30, not_torch / 2**30,
+            max(budget, 0) / 2**30,
+        )  # fmt: skip
+        torch.cuda.empty_cache()
+        return max(budget, 0)
 
     def initialize_cache(self, num_blocks: int, kv_offload: KVOffloadConfig | None = None) -> None:
         if self.model is None:
