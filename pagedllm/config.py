@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -479,8 +480,19 @@ _UNITS = {
 }
 
 
-def parse_memory(value: int | float | str | None, available: int) -> int:
-    """Bytes from 123456, "4GiB", "512MB", or a fraction of `available` such as 0.3."""
+def available_memory() -> int:
+    """The machine's memory free for this process's use (psutil: imported here, as the GPU check's
+    machine lacks it and needs it not)."""
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def parse_memory(value: int | float | str | None, available: int | Callable[[], int]) -> int:
+    """Bytes from 123456, "4GiB", "512MB", or a fraction of `available` (bytes, or a function
+    asked only where a fraction or the default needs it) such as 0.3."""
+    if callable(available):  # (a size in bytes reads the same whatever is available)
+        available = available() if value is None or parse_memory(value, 0) == 0 else 0
     if value is None:
         return min(DEFAULT_KV_CACHE_MEMORY, available // 4)
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -15,7 +15,6 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 
 from pagedllm.config import (
@@ -25,6 +24,7 @@ from pagedllm.config import (
     SchedulerConfig,
     SpeculativeConfig,
     attention_keys_per_token,
+    available_memory,
     kv_cache_groups,
     parse_memory,
     parse_speculative_config,
@@ -313,7 +313,7 @@ def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int, 
         logger.info("KV cache: none (an encoder computes each prompt whole)")
         return args.max_num_seqs * -(-model_config.max_model_len // args.block_size)
     if budget is None:
-        budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
+        budget = parse_memory(args.kv_cache_memory, available_memory)
     num_blocks = budget // per_block
     tokens = num_blocks * args.block_size
     if tokens < model_config.max_model_len:

@@ -29,9 +29,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from multiprocessing.connection import wait
 
-import psutil
-
-from pagedllm.config import EngineArgs, ModelConfig, parse_memory
+from pagedllm.config import EngineArgs, ModelConfig, available_memory, parse_memory
 from pagedllm.core.kv_cache_manager import extend_block_hashes
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.core.request import RequestStatus, cache_root
@@ -90,7 +88,7 @@ class DPClient(EngineCoreClient):
     def __init__(self, args: EngineArgs, model_config: ModelConfig) -> None:
         size, tp = args.data_parallel_size, args.tensor_parallel_size
         binding = parse_cpu_binding(os.environ.get(BIND_ENV), size * tp, sorted(os.sched_getaffinity(0)))
-        budget = parse_memory(args.kv_cache_memory, psutil.virtual_memory().available)
+        budget = parse_memory(args.kv_cache_memory, available_memory)
         replica_args = dataclasses.replace(
             args, data_parallel_size=1, engine_core_process=True, kv_cache_memory=budget // size
         )

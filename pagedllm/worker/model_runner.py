@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,10 +26,12 @@ from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.input_batch import InputBatch, RequestState
-from pagedllm.worker.kv_store import KVStore
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.rejection_sampler import rejection_sample
 from pagedllm.worker.sampler import Sampler, token_logprobs
+
+if TYPE_CHECKING:  # (LMDB is imported only where the store is opened)
+    from pagedllm.worker.kv_store import KVStore
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from pagedllm.core.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import parallel_state
 from pagedllm.models.loader import load_model
 from pagedllm.worker.draft_runner import draft_kv_bytes_per_block
-from pagedllm.worker.kv_store import KVStore
 from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, profile_pass
 
 logger = logging.getLogger(__name__)
@@ -71,7 +70,11 @@ class Worker:
         if self.model is None:
             raise RuntimeError("load the model before allocating its KV cache")
         draft = (self.draft_config, self.draft_model) if self.draft_model is not None else None
-        store = KVStore(kv_offload, parallel_state.tensor_parallel().rank) if kv_offload is not None else None
+        store = None
+        if kv_offload is not None:
+            from pagedllm.worker.kv_store import KVStore  # (LMDB: only where the store is asked for)
+
+            store = KVStore(kv_offload, parallel_state.tensor_parallel().rank)
         self.model_runner = ModelRunner(
             self.model_config, self.model, num_blocks, self.block_size, self.device, draft, store
         )
