@@ -123,13 +123,15 @@ class CudaGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The decode step's hidden states [requests, hidden] by a replay; None where the step is
         not one a graph holds (a request with more than one token, more requests than the largest
-        size, a model's step with more than the usual metadata). The rows are the graph's output
+        size, a wider block table than max_model_len's, a model's step with more than the usual
+        metadata). The rows are the graph's output
         buffer's: read them before the next replay."""
         n = input_ids.shape[0]
         size = self.size_for(n)
         if (
             size is None
             or len(meta.query_lens_list) != n
+            or meta.block_tables.shape[1] > self.buffers.block_tables.shape[1]
             or meta.group_tables
             or meta.image_spans
             or meta.token_types is not None
