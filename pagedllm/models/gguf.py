@@ -301,11 +301,12 @@ def _folder(path: str) -> str:
     return os.path.dirname(path) or "."
 
 
-def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterator[tuple[str, object]]:
-    """(Hugging Face name, tensor) for every tensor of the file, Q/K rows un-permuted: float32 tensors,
-    or with `keep_quantized`, the quantized ones as their raw blocks (a GGUFTensor)."""
-    import gguf
-
+def iter_gguf_weights(
+    path: str, config, keep_quantized: bool = False, device: str = "cpu"
+) -> Iterator[tuple[str, object]]:
+    """(Hugging Face name, tensor) for every tensor of the file, Q/K rows un-permuted: float32 tensors
+    (dequantized on `device`: a GPU's weights never pass through the host as floats), or with
+    `keep_quantized`, the quantized ones as their raw blocks (a GGUFTensor)."""
     from pagedllm.layers.quantization.formats import FORMATS
     from pagedllm.layers.quantization.gguf import gguf_tensor
 
@@ -319,17 +320,11 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
         type_name = tensor.tensor_type.name
         expert_names = _expert_names(tensor.name, shape)
         if expert_names is not None:  # stacked experts: one tensor each (the same rows, raw or not)
-            quantized = keep_quantized and type_name in FORMATS
-            data = tensor.data if quantized else gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            for e, name in enumerate(expert_names):
-                yield (
-                    name,
-                    (
-                        gguf_tensor(data[e], type_name, shape[2])
-                        if quantized
-                        else torch.from_numpy(np.array(data[e], dtype=np.float32)).reshape(shape[1:])
-                    ),
-                )
+            if keep_quantized and type_name in FORMATS:
+                experts = [gguf_tensor(tensor.data[e], type_name, shape[2]) for e in range(shape[0])]
+            else:
+                experts = list(_dequantized(tensor, shape, device))
+            yield from zip(expert_names, experts)
             continue
         name = hf_name(tensor.name, names)
         if keep_quantized and type_name in FORMATS and len(shape) == 2 and not name.endswith(_ALWAYS_DEQUANTIZED):
@@ -338,8 +333,7 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
                 weight.raw = unpermute_qk(weight.raw, _heads(config, name))
             yield name, weight
             continue
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+        weight = _dequantized(tensor, shape, device)
         if fmt.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = unpermute_qk(weight, _heads(config, name))
         if fmt.norm_plus_one and name.endswith("norm.weight"):
@@ -347,6 +341,21 @@ def iter_gguf_weights(path: str, config, keep_quantized: bool = False) -> Iterat
         if name.endswith("shared_expert_gate.weight"):
             weight = weight.reshape(1, -1)  # one output row, however the file shapes it
         yield name, weight
+
+
+def _dequantized(tensor, shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """A file tensor as float32 of `shape` on `device`: our formats' decoding where it knows the
+    type (bit for bit the gguf package's: tests/test_quant_kernels.py), else the gguf package's."""
+    from pagedllm.layers.quantization.formats import FORMATS, decode, dequantize
+
+    if tensor.tensor_type.name in FORMATS:
+        raw = np.asarray(tensor.data)
+        fields = decode(raw.reshape(-1, raw.shape[-1]), FORMATS[tensor.tensor_type.name])
+        return dequantize(fields, device).reshape(shape)
+    import gguf
+
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape).to(device)
 
 
 def _expert_names(gguf_name: str, shape: tuple[int, ...]) -> list[str] | None:

@@ -341,7 +341,7 @@ def load_model(model_config: ModelConfig, device: str) -> Model:
         model = cls(model_config.hf_config, model_config.max_model_len, quant_config)
     _materialize(model, device, getattr(torch, model_config.dtype))
     with torch.no_grad():
-        model.load_weights(_progress(_weights(model_config), model_config))
+        model.load_weights(_progress(_weights(model_config, device), model_config))
     process_linear_weights(model)
     if model_config.is_gguf:
         gguf_file.release_readers()
@@ -414,10 +414,13 @@ def _materialize(model: Model, device: str, dtype: torch.dtype) -> None:
             module.build_tables(device)  # its buffers were made on "meta" with the rest
 
 
-def _weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(model_config: ModelConfig, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     if model_config.is_gguf:
         text = gguf_file.iter_gguf_weights(
-            model_config.path, text_config(model_config.hf_config), keep_quantized=model_config.quantization == "gguf"
+            model_config.path,
+            text_config(model_config.hf_config),
+            keep_quantized=model_config.quantization == "gguf",
+            device=device,
         )
         if model_config.mmproj is None:
             yield from text

@@ -329,14 +329,17 @@ def code_values(fmt: Format) -> np.ndarray:
     return np.arange(256) if fmt.table is None else np.array(fmt.table) + 128
 
 
-def dequantize(fields: Fields) -> torch.Tensor:
-    """The weights as float32 [rows, cols]: the reference every packed form is held to."""
+def dequantize(fields: Fields, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The weights as float32 [rows, cols] on `device` (the codes and scales copied there, the rest
+    computed there: a GGUF file's weights on a GPU): the reference every packed form is held to."""
     fmt = fields.format
-    u = torch.from_numpy(code_values(fmt)[fields.codes]).float()
+    table = torch.from_numpy(code_values(fmt).astype(np.float32)).to(device)
+    u = table[torch.from_numpy(fields.codes).to(device).int()]
     rows, cols = u.shape
 
     def per(values: np.ndarray, span: int) -> torch.Tensor:
-        return torch.from_numpy(values.astype(np.float32)).repeat_interleave(span, dim=1).view(rows, cols)
+        scales = torch.from_numpy(values.astype(np.float32)).to(device)
+        return scales.repeat_interleave(span, dim=1).view(rows, cols)
 
     if not fmt.k_quant:
         d = per(fields.scale, BLOCK)
