@@ -84,6 +84,7 @@ def fuzz_server(llama_dir, tmp_path_factory):
         str(tmp_path_factory.mktemp("fuzz-kv")),
         "--kv-offload-size",
         "64MiB",
+        "--enforce-eager",  # (the CPU's passes are eager anyway: the flag is taken)
     )
     yield server
     server.stop()
