@@ -272,3 +272,44 @@ def test_the_engine_on_the_triton_kernels_is_batch_and_cache_invariant(tiny_mode
     alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in batch] == alone
+
+
+def _compile_for_h100(jit, types: dict[str, str], constants: dict) -> str:
+    """The kernel compiled by Triton for an sm_90 GPU (front end, LLVM, ptxas: no GPU needed)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = inspect.signature(jit.fn).parameters
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    source = ASTSource(jit, signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    return compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's functions are not compiled")
+@pytest.mark.parametrize(("cache", "fp8"), [("fp32", 0), ("bf16", 0), ("u8", 1), ("u8", 2)])
+@pytest.mark.parametrize("split", [False, True])
+def test_the_kernels_compile_for_a_gpu(cache, fp8, split):
+    """The interpreter runs Python, not Triton's compiler: every variant the engine launches goes
+    through the compiler here (types across branches, constexprs, fp8 conversions), so that a lent
+    GPU's minutes are not the first to see them."""
+    pytest.importorskip("triton")
+    from pagedllm.kernels import triton_attention as kernel
+
+    q = "fp32" if cache == "fp32" else "bf16"
+    pointers = dict(out_ptr=q, q_ptr=q, k_cache_ptr=cache, v_cache_ptr=cache, sinks_ptr="fp32", token_seq_ptr="i64")
+    pointers |= dict(part_max_ptr="fp32", part_sum_ptr="fp32", part_acc_ptr="fp32", block_tables_ptr="i32")
+    pointers |= dict(query_start_loc_ptr="i32", seq_lens_ptr="i32", k_ptr=q, v_ptr=q, slots_ptr="i64")
+    types = {name: "*" + t for name, t in pointers.items()}
+    types |= dict.fromkeys(["scale", "k_scale", "v_scale", "softcap"], "fp32")
+    constants = dict(GROUP=4, BLOCK_G=16, BLOCK_SIZE=16, HEAD_DIM=80, BLOCK_D=128, PARTITION=512, TILE=16)
+    constants |= dict(SPLIT=split, HAS_SOFTCAP=split, HAS_SINKS=not split, FP8=fp8)
+    assert ".entry _attention" in _compile_for_h100(kernel._attention, types, constants)
+    write = dict(KV_HEADS=3, HEAD_DIM=80, BLOCK_SIZE=16, BLOCK_H=4, BLOCK_D=128, FP8=fp8)
+    assert ".entry _write_kv" in _compile_for_h100(kernel._write_kv, types, write)
+    if split:
+        fold = dict(HEAD_DIM=80, BLOCK_D=128, HAS_SINKS=True)
+        assert ".entry _fold_partitions" in _compile_for_h100(kernel._fold_partitions, types, fold)

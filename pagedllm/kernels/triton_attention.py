@@ -66,7 +66,7 @@ def _partition(
     stride_cache_slot,
     stride_cache_head,
     stride_table,
-    q_type: tl.constexpr,
+    q_ptr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -96,7 +96,7 @@ def _partition(
         kv_mask = valid[:, None] & d_valid[None, :]
         k = _load_cache(k_cache_ptr, offsets, kv_mask, FP8)
         if FP8 != 0:
-            k = (k * k_scale).to(q_type).to(tl.float32)
+            k = (k * k_scale).to(q_ptr.dtype.element_ty).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, TILE]
         if HAS_SOFTCAP:
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap x tanh(scores / softcap)
@@ -106,7 +106,7 @@ def _partition(
         rescale = tl.exp(running_max - new_max)
         v = _load_cache(v_cache_ptr, offsets, kv_mask, FP8)
         if FP8 != 0:
-            v = (v * v_scale).to(q_type).to(tl.float32)
+            v = (v * v_scale).to(q_ptr.dtype.element_ty).to(tl.float32)
         acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
         running_sum = running_sum * rescale + tl.sum(weights, axis=1)
         running_max = new_max
@@ -179,19 +179,15 @@ def _attention(
     seq = tl.load(token_seq_ptr + token)
     query_end = tl.load(query_start_loc_ptr + seq + 1)
     position = tl.load(seq_lens_ptr + seq) - (query_end - token)  # the last query token is the last key
-    first = 0
-    if sliding_window > 0:
-        first = tl.maximum(position + 1 - sliding_window, 0)
+    first = tl.where(sliding_window > 0, tl.maximum(position + 1 - sliding_window, 0), 0)  # (no branch: one type)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_valid = g < GROUP
     heads = kv_head * GROUP + g
     q_mask = g_valid[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + d[None, :], mask=q_mask, other=0.0)
-    q_type: tl.constexpr = q.dtype
     q = q.to(tl.float32)
     # The partitions holding keys first..position, each folded in turn (split: this program's one).
-    tiles: tl.constexpr = PARTITION // TILE
     first_part = first // PARTITION
     last_part = position // PARTITION
     total_max = tl.full([BLOCK_G], -float("inf"), tl.float32)
@@ -199,12 +195,12 @@ def _attention(
     total_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if SPLIT:
         if (part >= first_part) & (part <= last_part):
-            lo = tl.maximum(first // TILE, part * tiles)
-            hi = tl.minimum(position // TILE + 1, (part + 1) * tiles)
+            lo = tl.maximum(first // TILE, part * (PARTITION // TILE))
+            hi = tl.minimum(position // TILE + 1, (part + 1) * (PARTITION // TILE))
             total_max, total_sum, total_acc = _partition(
                 q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, position, first, lo, hi, scale,
                 k_scale, v_scale, softcap, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
-                q_type, BLOCK_SIZE, HEAD_DIM, BLOCK_G, BLOCK_D, TILE, HAS_SOFTCAP, FP8,
+                q_ptr, BLOCK_SIZE, HEAD_DIM, BLOCK_G, BLOCK_D, TILE, HAS_SOFTCAP, FP8,
             )  # fmt: skip
         at = (token * (GROUP * tl.num_programs(1)) + heads) * num_partitions + part
         tl.store(part_max_ptr + at, total_max, mask=g_valid)
@@ -212,12 +208,12 @@ def _attention(
         tl.store(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :], total_acc, mask=g_valid[:, None])
     else:
         for p in range(first_part, last_part + 1):
-            lo = tl.maximum(first // TILE, p * tiles)
-            hi = tl.minimum(position // TILE + 1, (p + 1) * tiles)
+            lo = tl.maximum(first // TILE, p * (PARTITION // TILE))
+            hi = tl.minimum(position // TILE + 1, (p + 1) * (PARTITION // TILE))
             part_max, part_sum, part_acc = _partition(
                 q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, position, first, lo, hi, scale,
                 k_scale, v_scale, softcap, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
-                q_type, BLOCK_SIZE, HEAD_DIM, BLOCK_G, BLOCK_D, TILE, HAS_SOFTCAP, FP8,
+                q_ptr, BLOCK_SIZE, HEAD_DIM, BLOCK_G, BLOCK_D, TILE, HAS_SOFTCAP, FP8,
             )  # fmt: skip
             total_max, total_sum, total_acc = _combine(total_max, total_sum, total_acc, part_max, part_sum, part_acc)
         out = _finish(total_max, total_sum, total_acc, sinks_ptr, heads, g_valid, HAS_SINKS)
