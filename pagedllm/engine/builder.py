@@ -313,7 +313,7 @@ def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int, 
         logger.info("KV cache: none (an encoder computes each prompt whole)")
         return args.max_num_seqs * -(-model_config.max_model_len // args.block_size)
     if budget is None:
-        budget = parse_memory(args.kv_cache_memory, available_memory)
+        budget = parse_memory(args.kv_cache_memory, _free_memory(args.device))
     num_blocks = budget // per_block
     tokens = num_blocks * args.block_size
     if tokens < model_config.max_model_len:
@@ -331,6 +331,13 @@ def _num_kv_blocks(args: EngineArgs, model_config: ModelConfig, per_block: int, 
         model_config.cache_dtype,
     )
     return num_blocks
+
+
+def _free_memory(device: str) -> Callable[[], int]:
+    """What a fraction of --kv-cache-memory is of: the GPU's free memory on a GPU, else the machine's."""
+    if device.startswith("cuda"):
+        return lambda: torch.cuda.mem_get_info(torch.device(device))[0]
+    return available_memory
 
 
 def set_threads() -> None:

@@ -76,8 +76,9 @@ class RotaryEmbedding(nn.Module):
         self.build_tables("cpu")
 
     def build_tables(self, device: torch.device | str) -> None:
-        # Its own device context: the model may be under construction on "meta".
-        with torch.device(device):
+        # Computed on the CPU (the model may be under construction on "meta"; a rope type's inverse
+        # frequencies come from transformers on the CPU), then moved: the same tables on any device.
+        with torch.device("cpu"):
             inv_freq, scale = rope_inv_freq(self.config, self.head_dim, self.layer_type, self.max_positions)
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
             # Dims that do not rotate (partial rotary, in partial_rotary_order's layout): angle 0, unscaled.
@@ -85,8 +86,8 @@ class RotaryEmbedding(nn.Module):
             cos = torch.cat([freqs.cos() * scale, still.cos()], dim=-1)
             sin = torch.cat([freqs.sin() * scale, still.sin()], dim=-1)
         # [max_positions, head_dim]: cos and sin laid out for rotate-half.
-        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat([sin, sin], dim=-1), persistent=False)
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1).to(device), persistent=False)
+        self.register_buffer("sin", torch.cat([sin, sin], dim=-1).to(device), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> RopeTables:
         """positions: [tokens], or M-RoPE's [3, tokens] (each dim's angle from its section's row)."""
