@@ -193,29 +193,24 @@ def _attention(
     total_max = tl.full([BLOCK_G], -float("inf"), tl.float32)
     total_sum = tl.zeros([BLOCK_G], tl.float32)
     total_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if SPLIT:
-        if (part >= first_part) & (part <= last_part):
-            lo = tl.maximum(first // TILE, part * (PARTITION // TILE))
-            hi = tl.minimum(position // TILE + 1, (part + 1) * (PARTITION // TILE))
-            total_max, total_sum, total_acc = _partition(
-                q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, position, first, lo, hi, scale,
-                k_scale, v_scale, softcap, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
-                q_ptr, BLOCK_SIZE, HEAD_DIM, BLOCK_G, BLOCK_D, TILE, HAS_SOFTCAP, FP8,
-            )  # fmt: skip
+    if SPLIT:  # this program's partition alone, if it holds any of them
+        first_part, last_part = tl.maximum(first_part, part), tl.minimum(last_part, part)
+    for p in range(first_part, last_part + 1):
+        lo = tl.maximum(first // TILE, p * (PARTITION // TILE))
+        hi = tl.minimum(position // TILE + 1, (p + 1) * (PARTITION // TILE))
+        part_max, part_sum, part_acc = _partition(
+            q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, position, first, lo, hi, scale,
+            k_scale, v_scale, softcap, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
+            q_ptr, BLOCK_SIZE, HEAD_DIM, BLOCK_G, BLOCK_D, TILE, HAS_SOFTCAP, FP8,
+        )  # fmt: skip
+        # (the first fold is exact: the partition's own max, sum and output, as the split stores them)
+        total_max, total_sum, total_acc = _combine(total_max, total_sum, total_acc, part_max, part_sum, part_acc)
+    if SPLIT:  # folded by _fold_partitions (an empty partition: max -inf, skipped there)
         at = (token * (GROUP * tl.num_programs(1)) + heads) * num_partitions + part
         tl.store(part_max_ptr + at, total_max, mask=g_valid)
         tl.store(part_sum_ptr + at, total_sum, mask=g_valid)
         tl.store(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :], total_acc, mask=g_valid[:, None])
     else:
-        for p in range(first_part, last_part + 1):
-            lo = tl.maximum(first // TILE, p * (PARTITION // TILE))
-            hi = tl.minimum(position // TILE + 1, (p + 1) * (PARTITION // TILE))
-            part_max, part_sum, part_acc = _partition(
-                q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, position, first, lo, hi, scale,
-                k_scale, v_scale, softcap, stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
-                q_ptr, BLOCK_SIZE, HEAD_DIM, BLOCK_G, BLOCK_D, TILE, HAS_SOFTCAP, FP8,
-            )  # fmt: skip
-            total_max, total_sum, total_acc = _combine(total_max, total_sum, total_acc, part_max, part_sum, part_acc)
         out = _finish(total_max, total_sum, total_acc, sinks_ptr, heads, g_valid, HAS_SINKS)
         target = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + d[None, :]
         tl.store(target, out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -177,40 +177,16 @@ def paged_attention(
     denominator, `sinks` [num_heads]) the kernels take; scores soft-capped (Gemma 2:
     tanh(s / cap) * cap) go the torch reference's way on the CPU, the Triton kernel's elsewhere."""
     backend = attention_backend(q.device)
+    where = (k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
     if backend == "triton":
-        return _triton().paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            scale,
-            sliding_window,
-            softcap,
-            sinks,
-            scales.k,
-            scales.v,
-            meta.token_seq,
-        )
+        args = (sliding_window, softcap, sinks, scales.k, scales.v, meta.token_seq)
+        return _triton().paged_attention(q, *where, *args)
     ops = cpu_ops() if backend == "cpu" else None
     if ops is None or softcap:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, scales, softcap, sinks)
     out = torch.empty_like(q)
-    ops.paged_attention(
-        out,
-        q.contiguous(),
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.seq_lens,
-        scale,
-        sliding_window or 0,
-        scales.k,
-        scales.v,
-        None if sinks is None else sinks.detach().float().contiguous(),
-    )
+    sinks = None if sinks is None else sinks.detach().float().contiguous()
+    ops.paged_attention(out, q.contiguous(), *where, sliding_window or 0, scales.k, scales.v, sinks)
     return out
 
 
