@@ -165,8 +165,9 @@ def make_engine_core(
         if args.compile:
             compile_torch_paths()
         per_block = executor.kv_cache_bytes_per_block()
-        if args.device.startswith("cuda") and args.kv_cache_memory is None:
-            # On a GPU the cache takes what the weights and a step's activations leave.
+        if args.device.startswith("cuda") and args.kv_cache_memory is None and per_block > 0:
+            # On a GPU the cache takes what the weights and a step's activations leave (an
+            # encoder keeps none).
             executor.load_model()
             budget = executor.device_kv_budget(args.gpu_memory_utilization or 0.9, batched, args.max_num_seqs)
             num_blocks = _num_kv_blocks(args, model_config, per_block, budget)
